@@ -1,0 +1,51 @@
+"""The one entry point: `mmtrain COMMAND ...`.
+
+Each command lives in its own module exposing `register(subparsers)`, which adds its parser and
+sets `func` (args -> exit code). The CLI owns the console; library code only logs.
+Exit codes: 0 success, 2 bad usage or bad input (the message names the file or field), 1 other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from mmtrain import __version__
+from mmtrain.structured import FieldError
+
+# Modules that provide a `register(subparsers)` function, in the order `--help` lists them.
+COMMAND_MODULES = [
+    "mmtrain.commands.spec",
+]
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed without a traceback, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mmtrain", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"mmtrain {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args) or 0)
+    except (UsageError, FieldError, FileNotFoundError) as err:
+        print(f"mmtrain {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

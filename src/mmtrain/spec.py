@@ -1,0 +1,516 @@
+"""The one model description: towers (a modality stem plus a transformer stack) and a head.
+
+The planner counts parameters, tokens and FLOPs from a `ModelSpec` alone (this module imports no
+torch); `mmtrain.models.build` turns the same spec into a `torch.nn.Module`, and tests hold the
+two together (the built module's parameter count equals `ModelSpec.params()` for every preset).
+
+Counting conventions (shared by the builder and the planner):
+- FLOPs are 2 x multiply-adds of matmuls and attention (bias adds, norms and softmax are left
+  out), as fvcore-based profiles such as OpenCLIP's model profile count them.
+- Attention is counted in full also when causal (kernels that skip the masked half do less).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mmtrain.structured import FieldError, check_choice, closest, from_dict, to_dict
+
+MODALITIES = ("image", "video", "audio", "timeseries", "text")
+ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu", "swiglu")
+NORMS = ("layernorm", "rmsnorm")
+POOLINGS = ("cls", "mean", "map", "eot", "last")
+OBJECTIVES = ("clip", "siglip", "triplet")
+FUSION_TASKS = ("classify", "regress")
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+# ----------------------------------------------------------------------------- stems
+@dataclass(frozen=True)
+class ImageStem:
+    """Square images cut into non-overlapping patches (a strided conv)."""
+
+    image_size: int = 224
+    patch_size: int = 16
+    channels: int = 3
+    patch_bias: bool = False  # OpenCLIP's conv1 has none; SigLIP's patch embedding has one
+
+    def grid(self) -> int:
+        return self.image_size // self.patch_size
+
+    def patches(self) -> int:
+        return self.grid() ** 2
+
+    def patch_dim(self) -> int:
+        return self.channels * self.patch_size**2
+
+    def validate(self, path: str) -> None:
+        # A size that the patch does not divide loses its border, as a strided conv does
+        # (SigLIP's 384 px at patch 14 sees a 27 x 27 grid).
+        _positive(path, self, "image_size", "patch_size", "channels")
+        if self.patch_size > self.image_size:
+            raise FieldError(f"{path}.patch_size", f"{self.patch_size} is larger than image_size {self.image_size}")
+
+
+@dataclass(frozen=True)
+class VideoStem:
+    """Clips of `frames` frames cut into tubelets of `tubelet` frames x patch x patch pixels."""
+
+    frames: int = 8
+    tubelet: int = 2
+    image_size: int = 224
+    patch_size: int = 16
+    channels: int = 3
+    patch_bias: bool = False
+
+    def grid(self) -> int:
+        return self.image_size // self.patch_size
+
+    def time_steps(self) -> int:
+        return self.frames // self.tubelet
+
+    def patches(self) -> int:
+        return self.time_steps() * self.grid() ** 2
+
+    def patch_dim(self) -> int:
+        return self.channels * self.tubelet * self.patch_size**2
+
+    def validate(self, path: str) -> None:
+        _positive(path, self, "frames", "tubelet", "image_size", "patch_size", "channels")
+        if self.patch_size > self.image_size:
+            raise FieldError(f"{path}.patch_size", f"{self.patch_size} is larger than image_size {self.image_size}")
+        if self.frames % self.tubelet:
+            raise FieldError(f"{path}.tubelet", f"{self.tubelet} does not divide frames {self.frames}")
+
+
+@dataclass(frozen=True)
+class AudioStem:
+    """Waveform -> log-mel spectrogram (computed in torch) -> patch x patch (mel x time) patches."""
+
+    sample_rate: int = 16000
+    n_mels: int = 64
+    n_fft: int = 400
+    hop: int = 160
+    clip_seconds: float = 4.0
+    patch: int = 16
+    patch_bias: bool = False
+
+    def samples(self) -> int:
+        return int(round(self.sample_rate * self.clip_seconds))
+
+    def mel_frames(self) -> int:
+        # torch.stft(center=True) yields 1 + samples // hop frames; the stem drops the ragged tail.
+        return 1 + self.samples() // self.hop
+
+    def patches(self) -> int:
+        return (self.n_mels // self.patch) * (self.mel_frames() // self.patch)
+
+    def patch_dim(self) -> int:
+        return self.patch * self.patch
+
+    def validate(self, path: str) -> None:
+        _positive(path, self, "sample_rate", "n_mels", "n_fft", "hop", "clip_seconds", "patch")
+        if self.n_mels % self.patch:
+            raise FieldError(f"{path}.patch", f"{self.patch} does not divide n_mels {self.n_mels}")
+        if self.mel_frames() < self.patch:
+            raise FieldError(f"{path}.clip_seconds", f"{self.clip_seconds}s gives {self.mel_frames()} frames, fewer than one patch ({self.patch})")
+        if self.n_fft // 2 + 1 < self.n_mels:
+            raise FieldError(f"{path}.n_mels", f"{self.n_mels} mel bands need n_fft >= {2 * (self.n_mels - 1)}")
+
+
+@dataclass(frozen=True)
+class TimeSeriesStem:
+    """Multichannel sensor windows (channels x length) cut into 1-D patches mixing all channels."""
+
+    channels: int = 3
+    length: int = 256
+    patch: int = 16
+    patch_bias: bool = True
+
+    def patches(self) -> int:
+        return self.length // self.patch
+
+    def patch_dim(self) -> int:
+        return self.channels * self.patch
+
+    def validate(self, path: str) -> None:
+        _positive(path, self, "channels", "length", "patch")
+        if self.length % self.patch:
+            raise FieldError(f"{path}.patch", f"{self.patch} does not divide length {self.length}")
+
+
+@dataclass(frozen=True)
+class TextStem:
+    """Token ids (0 = padding) with learned positions; causal mask for CLIP-style text towers."""
+
+    vocab_size: int = 49408
+    context_length: int = 77
+    causal: bool = True
+
+    def patches(self) -> int:
+        return self.context_length
+
+    def patch_dim(self) -> int:
+        return 0
+
+    def validate(self, path: str) -> None:
+        _positive(path, self, "vocab_size", "context_length")
+
+
+StemSpec = ImageStem | VideoStem | AudioStem | TimeSeriesStem | TextStem
+STEMS: dict[str, type] = {
+    "image": ImageStem,
+    "video": VideoStem,
+    "audio": AudioStem,
+    "timeseries": TimeSeriesStem,
+    "text": TextStem,
+}
+
+
+# ----------------------------------------------------------------------------- towers
+@dataclass(frozen=True)
+class TowerSpec:
+    """One encoder: a modality stem, `layers` pre-norm transformer blocks, pooling, projection."""
+
+    modality: str
+    stem: StemSpec
+    width: int
+    layers: int
+    heads: int
+    mlp_ratio: float = 4.0
+    activation: str = "gelu"
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    qkv_bias: bool = True
+    pooling: str = "cls"
+    output_proj: bool = True  # linear map width -> embed_dim (else width must equal embed_dim)
+    proj_bias: bool = False
+
+    # -- derived sizes
+    def mlp_hidden(self) -> int:
+        return int(self.width * self.mlp_ratio)
+
+    def head_dim(self) -> int:
+        return self.width // self.heads
+
+    def has_cls_token(self) -> bool:
+        return self.pooling == "cls" and self.modality != "text"
+
+    def has_pre_norm(self) -> bool:
+        """Patch-based towers normalise the token sequence before the blocks (OpenCLIP's ln_pre)."""
+        return self.modality != "text"
+
+    def tokens(self) -> int:
+        """Sequence length the transformer sees per sample (patches plus a class token)."""
+        return self.stem.patches() + int(self.has_cls_token())
+
+    # -- parameters
+    def norm_params(self) -> int:
+        return 2 * self.width if self.norm == "layernorm" else self.width
+
+    def mlp_params(self, width: int | None = None, hidden: int | None = None) -> int:
+        w = width or self.width
+        h = hidden or self.mlp_hidden()
+        if self.activation == "swiglu":
+            return 2 * (w * h + h) + h * w + w
+        return w * h + h + h * w + w
+
+    def attention_params(self) -> int:
+        w = self.width
+        return 3 * w * w + (3 * w if self.qkv_bias else 0) + w * w + w
+
+    def block_params(self) -> int:
+        return 2 * self.norm_params() + self.attention_params() + self.mlp_params()
+
+    def stem_params(self) -> int:
+        w, s = self.width, self.stem
+        if isinstance(s, TextStem):
+            return s.vocab_size * w + s.context_length * w
+        proj = s.patch_dim() * w + (w if s.patch_bias else 0)
+        cls = w if self.has_cls_token() else 0
+        if isinstance(s, VideoStem):
+            pos = s.grid() ** 2 * w + s.time_steps() * w  # factorised: spatial + temporal
+        else:
+            pos = self.tokens() * w
+        return proj + cls + pos
+
+    def pool_params(self) -> int:
+        if self.pooling != "map":
+            return 0
+        # attention-pooling head: a learned probe, attention, norm and MLP (SigLIP's MAP head)
+        return self.width + self.attention_params() + self.norm_params() + self.mlp_params()
+
+    def proj_params(self, embed_dim: int) -> int:
+        if not self.output_proj:
+            return 0
+        return self.width * embed_dim + (embed_dim if self.proj_bias else 0)
+
+    def params(self, embed_dim: int) -> int:
+        pre = self.norm_params() if self.has_pre_norm() else 0
+        return (
+            self.stem_params()
+            + pre
+            + self.layers * self.block_params()
+            + self.norm_params()  # final norm
+            + self.pool_params()
+            + self.proj_params(embed_dim)
+        )
+
+    # -- FLOPs (2 x multiply-adds, forward, one sample)
+    def block_flops(self) -> int:
+        t, w = self.tokens(), self.width
+        mlp_mats = 3 if self.activation == "swiglu" else 2
+        linear = 2 * t * (4 * w * w + mlp_mats * w * self.mlp_hidden())
+        attention = 2 * 2 * t * t * w  # QK^T and attention x V
+        return linear + attention
+
+    def flops(self, embed_dim: int) -> int:
+        t, w = self.tokens(), self.width
+        stem = 2 * self.stem.patches() * self.stem.patch_dim() * w
+        pool = 0
+        if self.pooling == "map":
+            mlp_mats = 3 if self.activation == "swiglu" else 2
+            pool = 2 * (w * w + t * 2 * w * w + w * w + mlp_mats * w * self.mlp_hidden()) + 2 * 2 * t * w
+        proj = 2 * w * embed_dim if self.output_proj else 0
+        return stem + self.layers * self.block_flops() + pool + proj
+
+    def validate(self, path: str, embed_dim: int) -> None:
+        check_choice(f"{path}.modality", self.modality, MODALITIES)
+        expected = STEMS[self.modality]
+        if not isinstance(self.stem, expected):
+            raise FieldError(f"{path}.stem", f"a {self.modality} tower needs {expected.__name__} fields")
+        self.stem.validate(f"{path}.stem")
+        _positive(path, self, "width", "layers", "heads", "mlp_ratio", "norm_eps")
+        check_choice(f"{path}.activation", self.activation, ACTIVATIONS)
+        check_choice(f"{path}.norm", self.norm, NORMS)
+        check_choice(f"{path}.pooling", self.pooling, POOLINGS)
+        if self.width % self.heads:
+            raise FieldError(f"{path}.heads", f"{self.heads} does not divide width {self.width}")
+        if self.pooling == "eot" and self.modality != "text":
+            raise FieldError(f"{path}.pooling", "'eot' pooling needs a text tower; use cls, mean or map")
+        if not self.output_proj and self.width != embed_dim:
+            raise FieldError(f"{path}.output_proj", f"false needs width ({self.width}) == embed_dim ({embed_dim})")
+
+
+# ----------------------------------------------------------------------------- fusion head
+@dataclass(frozen=True)
+class FusionSpec:
+    """Cross-attention fusion: learned queries attend over the towers' token sequences, then a
+    classifier or regressor reads the pooled queries."""
+
+    num_outputs: int
+    task: str = "classify"
+    width: int = 256
+    layers: int = 2
+    heads: int = 4
+    queries: int = 8
+    mlp_ratio: float = 4.0
+    towers: list[str] = field(default_factory=list)  # empty: every tower
+
+    def params(self, tower_widths: dict[str, int]) -> int:
+        w = self.width
+        h = int(w * self.mlp_ratio)
+        inputs = sum(tw * w + w for tw in tower_widths.values())  # per-tower linear into fusion width
+        modality_embeddings = len(tower_widths) * w
+        queries = self.queries * w
+        layer = (
+            2 * (2 * w)  # norm of queries, norm of memory
+            + 4 * w * w + 4 * w  # q, k, v, out projections with biases
+            + 2 * w  # norm before the MLP
+            + w * h + h + h * w + w
+        )
+        head = 2 * w + w * self.num_outputs + self.num_outputs  # final norm + linear
+        return inputs + modality_embeddings + queries + self.layers * layer + head
+
+    def flops(self, tower_tokens: dict[str, int], tower_widths: dict[str, int]) -> int:
+        w, q = self.width, self.queries
+        h = int(w * self.mlp_ratio)
+        memory = sum(tower_tokens.values())
+        inputs = sum(2 * tower_tokens[n] * tower_widths[n] * w for n in tower_tokens)
+        layer = 2 * (q * w * w + 2 * memory * w * w + q * w * w) + 2 * 2 * q * memory * w + 2 * 2 * q * w * h
+        return inputs + self.layers * layer + 2 * w * self.num_outputs
+
+    def validate(self, path: str, tower_names: list[str]) -> None:
+        check_choice(f"{path}.task", self.task, FUSION_TASKS)
+        _positive(path, self, "num_outputs", "width", "layers", "heads", "queries", "mlp_ratio")
+        if self.width % self.heads:
+            raise FieldError(f"{path}.heads", f"{self.heads} does not divide width {self.width}")
+        for i, name in enumerate(self.towers):
+            if name not in tower_names:
+                raise FieldError(f"{path}.towers[{i}]", f"no tower named {name!r}{closest(name, tower_names)}")
+
+
+# ----------------------------------------------------------------------------- model
+@dataclass(frozen=True)
+class ModelSpec:
+    """Towers by name (the name is the batch key; usually the modality), the shared embedding
+    width, the contrastive objective over `pairs`, and an optional fusion head."""
+
+    name: str
+    embed_dim: int
+    towers: dict[str, TowerSpec]
+    pairs: list[tuple[str, str]] = field(default_factory=list)
+    objective: str = "clip"
+    logit_scale_init: float = math.log(1 / 0.07)
+    logit_bias_init: float | None = None  # SigLIP: -10
+    fusion: FusionSpec | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _positive("", self, "embed_dim")
+        if not self.towers:
+            raise FieldError("towers", "a model needs at least one tower")
+        for name, tower in self.towers.items():
+            tower.validate(f"towers.{name}", self.embed_dim)
+        check_choice("objective", self.objective, OBJECTIVES)
+        names = list(self.towers)
+        for i, pair in enumerate(self.pairs):
+            for j, name in enumerate(pair):
+                if name not in self.towers:
+                    raise FieldError(f"pairs[{i}][{j}]", f"no tower named {name!r}{closest(name, names)}; towers: {', '.join(names)}")
+            if pair[0] == pair[1]:
+                raise FieldError(f"pairs[{i}]", f"a pair needs two different towers, got {pair}")
+        if not self.pairs and self.fusion is None:
+            raise FieldError("pairs", "give the tower pairs to align (e.g. [[image, text]]) or a fusion head")
+        if self.fusion is not None:
+            self.fusion.validate("fusion", names)
+
+    # -- counts
+    def fused_towers(self) -> list[str]:
+        if self.fusion is None:
+            return []
+        return list(self.fusion.towers) or list(self.towers)
+
+    def tower_params(self) -> dict[str, int]:
+        return {name: t.params(self.embed_dim) for name, t in self.towers.items()}
+
+    def head_params(self) -> int:
+        """Parameters outside the towers: logit scale (and SigLIP's bias), the fusion head."""
+        n = 0
+        if self.pairs:
+            n += 1 + int(self.logit_bias_init is not None)
+        if self.fusion is not None:
+            widths = {name: self.towers[name].width for name in self.fused_towers()}
+            n += self.fusion.params(widths)
+        return n
+
+    def params(self) -> int:
+        return sum(self.tower_params().values()) + self.head_params()
+
+    def tokens_per_sample(self) -> dict[str, int]:
+        return {name: t.tokens() for name, t in self.towers.items()}
+
+    def tower_flops(self) -> dict[str, int]:
+        return {name: t.flops(self.embed_dim) for name, t in self.towers.items()}
+
+    def forward_flops(self) -> int:
+        """Forward FLOPs per sample (one input per tower), fusion head included."""
+        total = sum(self.tower_flops().values())
+        if self.fusion is not None:
+            fused = self.fused_towers()
+            total += self.fusion.flops(
+                {n: self.towers[n].tokens() for n in fused}, {n: self.towers[n].width for n in fused}
+            )
+        return total
+
+    # -- (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "") -> ModelSpec:
+        try:
+            return _model_from_dict(data)
+        except FieldError as err:
+            if source:
+                raise FieldError(err.path, f"{err.message} (in {source})") from None
+            raise
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        data = self.to_dict()
+        text = json.dumps(data, indent=2) if path.suffix == ".json" else yaml.safe_dump(data, sort_keys=False)
+        path.write_text(text)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelSpec:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as err:
+            raise FieldError("", f"cannot read model spec {path}: {err.strerror}") from None
+        try:
+            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as err:
+            raise FieldError("", f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {err}") from None
+        return cls.from_dict(data, source=str(path))
+
+
+def _model_from_dict(data: Any) -> ModelSpec:
+    if not isinstance(data, dict):
+        raise FieldError("", f"a model spec is a mapping, got {type(data).__name__}")
+    data = dict(data)
+    towers = data.get("towers")
+    if not isinstance(towers, dict):
+        raise FieldError("towers", "expected a mapping of tower name -> tower spec")
+    data["towers"] = {name: _tower_from_dict(t, f"towers.{name}") for name, t in towers.items()}
+    return from_dict(ModelSpec, data)
+
+
+def _tower_from_dict(data: Any, path: str) -> TowerSpec:
+    if isinstance(data, TowerSpec):
+        return data
+    if not isinstance(data, dict):
+        raise FieldError(path, "expected a mapping")
+    data = dict(data)
+    modality = data.get("modality")
+    if modality is None:
+        raise FieldError(f"{path}.modality", f"missing; one of {', '.join(MODALITIES)}")
+    check_choice(f"{path}.modality", modality, MODALITIES)
+    data["stem"] = from_dict(STEMS[modality], data.get("stem") or {}, f"{path}.stem")
+    return from_dict(TowerSpec, data, path)
+
+
+def _positive(path: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value <= 0:
+            raise FieldError(f"{path}.{name}" if path else name, f"must be positive, got {value}")
+
+
+# ----------------------------------------------------------------------------- presets
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def load_spec(name_or_path: str | Path) -> ModelSpec:
+    """A preset by name (case-insensitive: `ViT-B-32`, `vit-b-32`) or a YAML/JSON spec file."""
+    if isinstance(name_or_path, ModelSpec):
+        return name_or_path
+    text = str(name_or_path)
+    path = Path(text)
+    if path.suffix in (".yaml", ".yml", ".json") or path.exists():
+        return ModelSpec.load(path)
+    by_lower = {n.lower(): n for n in preset_names()}
+    if text.lower() not in by_lower:
+        raise FieldError("model", f"unknown preset {text!r}{closest(text, preset_names())}; presets: {', '.join(preset_names())}")
+    return ModelSpec.load(PRESET_DIR / f"{by_lower[text.lower()]}.yaml")
+
+
+def with_tower(spec: ModelSpec, name: str, **changes: Any) -> ModelSpec:
+    """A copy of `spec` with fields of one tower (or its stem, via `stem={...}`) changed."""
+    tower = spec.towers[name]
+    if "stem" in changes and isinstance(changes["stem"], dict):
+        changes["stem"] = replace(tower.stem, **changes["stem"])
+    towers = dict(spec.towers)
+    towers[name] = replace(tower, **changes)
+    return replace(spec, towers=towers)
