@@ -1,7 +1,7 @@
 """The one entry point: `mmtrain COMMAND ...`.
 
-Each command lives in its own module exposing `register(subparsers)`, which adds its parser and
-sets `func` (args -> exit code). The CLI owns the console; library code only logs.
+Each command lives in its own module of `mmtrain.commands` exposing `register(subparsers)`, which
+adds its parser and sets `func` (args -> exit code); `ORDER` (an int) places it in `--help`. The CLI owns the console; library code only logs.
 Exit codes: 0 success, 2 bad usage or bad input (the message names the file or field), 1 other.
 """
 
@@ -10,15 +10,19 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import pkgutil
 import sys
 
 from mmtrain import __version__
 from mmtrain.structured import FieldError
 
-# Modules that provide a `register(subparsers)` function, in the order `--help` lists them.
-COMMAND_MODULES = [
-    "mmtrain.commands.spec",
-]
+
+
+def command_modules() -> list:
+    import mmtrain.commands as package
+
+    modules = [importlib.import_module(f"{package.__name__}.{m.name}") for m in pkgutil.iter_modules(package.__path__)]
+    return sorted(modules, key=lambda m: (getattr(m, "ORDER", 100), m.__name__))
 
 
 class UsageError(Exception):
@@ -30,8 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mmtrain {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+    for module in command_modules():
+        module.register(sub)
     return parser
 
 

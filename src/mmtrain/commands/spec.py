@@ -7,6 +7,8 @@ import json
 
 from mmtrain.spec import load_spec, preset_names
 
+ORDER = 10
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("spec", help="show a model spec (preset or file) and its analytic counts")
