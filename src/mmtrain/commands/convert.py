@@ -1,0 +1,137 @@
+"""`mmtrain convert`: OpenCLIP checkpoints <-> mmtrain model folders.
+
+    mmtrain convert --from openclip FILE.pt|FILE.safetensors --model NAME|spec.yaml --out DIR
+    mmtrain convert --to openclip DIR [--model NAME|spec.yaml] --out FILE.safetensors|FILE.pt
+
+DIR holds model.safetensors + spec.yaml (what `mmtrain.load_model(DIR)` reads). The OpenCLIP file
+written by `--to` is a bare state dict that OpenCLIP's `CLIP` loads with `strict=True`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from mmtrain.cli import UsageError
+from mmtrain.spec import ModelSpec, load_spec
+
+# torch and the model code are imported inside the functions: every `mmtrain` command registers
+# its parser at start-up, and `mmtrain spec` should not pay for importing torch.
+
+ORDER = 70
+FORMATS = ("openclip",)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="convert weights between OpenCLIP checkpoints and mmtrain model folders",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    direction = p.add_mutually_exclusive_group(required=True)
+    direction.add_argument(
+        "--from",
+        dest="from_format",
+        choices=FORMATS,
+        help="read SOURCE in this format, write an mmtrain model folder",
+    )
+    direction.add_argument(
+        "--to",
+        dest="to_format",
+        choices=FORMATS,
+        help="read an mmtrain model folder, write this format",
+    )
+    p.add_argument(
+        "source", help="--from: the OpenCLIP checkpoint file; --to: the mmtrain model folder"
+    )
+    p.add_argument(
+        "--model",
+        help="preset name (e.g. ViT-B-32) or spec YAML/JSON; required with --from, "
+        "with --to it checks that the folder holds a model of this shape",
+    )
+    p.add_argument(
+        "--out", required=True, help="--from: the output folder; --to: FILE.safetensors or FILE.pt"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.from_format:
+        return _from_openclip(Path(args.source), args.model, Path(args.out))
+    return _to_openclip(Path(args.source), args.model, Path(args.out))
+
+
+def _from_openclip(source: Path, model_arg: str | None, out: Path) -> int:
+    from mmtrain.models.build import save_model
+    from mmtrain.models.convert import (
+        CheckpointMismatch,
+        model_from_openclip,
+        read_openclip_checkpoint,
+    )
+
+    if model_arg is None:
+        raise UsageError(
+            "--from openclip needs --model: the OpenCLIP model the checkpoint belongs to "
+            "(a preset such as ViT-B-32, or a spec YAML)"
+        )
+    spec = _clip_spec(model_arg)
+    try:
+        state = read_openclip_checkpoint(source)
+    except ValueError as err:  # its message names the file
+        raise UsageError(str(err)) from None
+    try:
+        model = model_from_openclip(state, spec)
+    except CheckpointMismatch as err:
+        raise UsageError(f"{source}: {err}") from None
+    save_model(model, out)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"wrote {out} ({spec.name}, {params:,} parameters from {source})")
+    return 0
+
+
+def _to_openclip(source: Path, model_arg: str | None, out: Path) -> int:
+    from mmtrain.models.build import load_model
+    from mmtrain.models.convert import (
+        OPENCLIP_SUFFIXES,
+        CheckpointMismatch,
+        IncompatibleSpec,
+        clip_towers,
+        mmtrain_to_openclip,
+        openclip_differences,
+        write_state_dict,
+    )
+
+    if out.suffix not in OPENCLIP_SUFFIXES:
+        raise UsageError(f"--out {out}: name the OpenCLIP file FILE.safetensors or FILE.pt")
+    model = load_model(source)
+    spec: ModelSpec = model.spec
+    try:
+        clip_towers(spec)
+    except IncompatibleSpec as err:
+        raise UsageError(f"{source}: {err}") from None
+    if model_arg is not None:
+        diffs = openclip_differences(spec, _clip_spec(model_arg))
+        if diffs:
+            raise UsageError(
+                f"{source} holds model {spec.name!r}, which is not OpenCLIP's --model {model_arg} "
+                "(left: the folder, right: --model):\n  " + "\n  ".join(diffs)
+            )
+    try:
+        state = mmtrain_to_openclip(model.state_dict(), spec)
+    except CheckpointMismatch as err:
+        raise UsageError(f"{source}: {err}") from None
+    write_state_dict(state, out)
+    print(f"wrote {out} ({spec.name}, {len(state)} tensors in OpenCLIP's names, from {source})")
+    return 0
+
+
+def _clip_spec(model_arg: str) -> ModelSpec:
+    from mmtrain.models.convert import IncompatibleSpec, clip_towers
+
+    spec = load_spec(model_arg)
+    try:
+        clip_towers(spec)
+    except IncompatibleSpec as err:
+        raise UsageError(f"--model {model_arg}: {err}") from None
+    return spec

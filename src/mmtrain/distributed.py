@@ -1,0 +1,109 @@
+"""Small helpers over `torch.distributed` that also work when it is not initialised.
+
+Library code asks `world_size()` / `rank()` instead of checking `dist.is_initialized()` itself,
+so the same code runs in one process (world size 1) and under `torchrun`.
+
+`all_gather_with_grad` is the collective a distributed contrastive loss needs: every rank sees
+the embeddings of the whole global batch, and gradients flow back to the rank that produced them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_MAX_DIMS = 8
+
+__all__ = ["is_initialized", "rank", "world_size", "all_gather", "all_gather_with_grad"]
+
+
+def is_initialized() -> bool:
+    """True when a default process group exists (`torch.distributed` available and initialised)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank(group: Any = None) -> int:
+    """This process's rank in `group` (default group when None); 0 when not distributed."""
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def world_size(group: Any = None) -> int:
+    """Number of ranks in `group` (default group when None); 1 when not distributed."""
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def _check_same_shape(tensor: torch.Tensor, group: Any) -> None:
+    """Raise on every rank when ranks hold tensors of different shapes.
+
+    Gathering unequal shapes fails obscurely (gloo) or hangs (NCCL); one tiny collective turns
+    that into a clear error, raised on all ranks alike so none is left waiting.
+    """
+    if tensor.dim() > _MAX_DIMS:
+        raise ValueError(
+            f"all_gather supports tensors of up to {_MAX_DIMS} dims, got {tensor.dim()}"
+        )
+    # [ndim, size_0, ..., size_{ndim-1}, -1 padding]: one fixed-length row per rank.
+    row = [tensor.dim(), *tensor.shape] + [-1] * (_MAX_DIMS - tensor.dim())
+    local = torch.tensor(row, dtype=torch.int64, device=tensor.device)
+    shapes = [torch.empty_like(local) for _ in range(world_size(group))]
+    dist.all_gather(shapes, local, group=group)
+    rows = [s.tolist() for s in shapes]
+    if any(r != rows[0] for r in rows):
+        described = ", ".join(f"rank {i}: {r[1 : 1 + r[0]]}" for i, r in enumerate(rows))
+        raise ValueError(
+            f"all_gather needs the same tensor shape on every rank, got {described}; "
+            "make every rank use the same per-rank batch size (e.g. drop the last partial batch)"
+        )
+
+
+def all_gather(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Concatenate `tensor` from every rank along dim 0, without gradient (rank order)."""
+    if world_size(group) == 1:
+        return tensor
+    _check_same_shape(tensor, group)
+    parts = [torch.empty_like(tensor) for _ in range(world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=0)
+
+
+class _AllGatherWithGrad(torch.autograd.Function):
+    """Forward: concatenate every rank's tensor. Backward: sum the gradients all ranks computed
+    for the concatenation and return this rank's slice.
+
+    Every rank's loss may depend on every rank's features, so the gradient for this rank's
+    features is the sum over ranks of d loss_r / d features. With DDP's averaging of parameter
+    gradients on top, a loss whose mean over ranks is the global loss gets the exact
+    single-process gradient.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        ctx.rows = tensor.shape[0]
+        parts = [torch.empty_like(tensor) for _ in range(world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # all_reduce instead of reduce_scatter: gloo has no reduce_scatter, and the tensors are
+        # embeddings (batch x dim), so the extra traffic is negligible.
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
+        start = rank(ctx.group) * ctx.rows
+        return total[start : start + ctx.rows], None
+
+
+def all_gather_with_grad(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Concatenate `tensor` [B, ...] from every rank along dim 0 -> [world_size * B, ...].
+
+    Gradients flow back to each rank's own slice, summed over the ranks that used it. Every rank
+    must pass the same shape (checked, with an error on all ranks otherwise). Without a process
+    group (or with one rank) the tensor is returned unchanged.
+    """
+    if world_size(group) == 1:
+        return tensor
+    _check_same_shape(tensor, group)
+    return _AllGatherWithGrad.apply(tensor, group)
