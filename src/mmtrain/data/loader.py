@@ -1,0 +1,533 @@
+"""StreamingLoader: batches from WebDataset shards in a deterministic, resumable order.
+
+The main process owns the order (`mmtrain.data.order`): it cuts this rank's stream of global
+positions into tasks of `batch_size` entries and hands them to a `torch.utils.data.DataLoader`
+as explicit indices. Workers only read and decode the positions they are given and return them
+in order, so `num_workers` never changes the stream.
+
+A batch is the next `batch_size` *valid* samples of the rank's stream: a sample whose read or
+decode raises is skipped (no sleep), counted per reason and logged with its shard and key. The
+state counts the stream *entries* (valid or not) behind the batches handed out — not what the
+workers prefetched — so a resumed run skips the same corrupt samples the same way.
+
+State (`state_dict()`): seed, epoch, the segment of the epoch not yet consumed, world size and
+batch size at save time, and how many entries each rank consumed: a few integers. Loaded on the
+same world size and batch size, every rank continues its stream exactly; on another, the
+consumed positions are folded into the segment and the rest is split anew, so the run still
+sees exactly the samples it had not seen.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmtrain.data.order import Segment, epoch_order, sample_rng, steps_in
+from mmtrain.data.shards import ShardSet
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+Decode = Callable[[dict[str, Any], np.random.Generator], dict[str, torch.Tensor]]
+
+__all__ = ["StreamingLoader", "merge_rank_states", "planned_samples", "Decode"]
+
+
+# ----------------------------------------------------------------------------- the plan
+class _Plan:
+    """The pure part of the loader: sources, order per epoch, sizes. Shared with `data order`."""
+
+    def __init__(
+        self,
+        sources: Sequence[ShardSet],
+        seed: int,
+        weights: Sequence[float] | None,
+        epoch_samples: int | None,
+        shuffle: bool,
+        window: int,
+    ):
+        if not sources:
+            raise ValueError("no data sources")
+        if seed < 0:
+            raise ValueError(f"seed must be non-negative, got {seed}")
+        self.sources = list(sources)
+        self.seed = seed
+        self.weights = None if weights is None else [float(w) for w in weights]
+        self.shuffle = shuffle
+        self.window = window
+        totals = [len(s) for s in self.sources]
+        self.source_starts = np.concatenate([[0], np.cumsum(totals)]).astype(np.int64)
+        self.length = int(sum(totals) if epoch_samples is None else epoch_samples)
+        self._cached: tuple[int, np.ndarray] | None = None
+
+    def order(self, epoch: int) -> np.ndarray:
+        if self._cached is None or self._cached[0] != epoch:
+            order = epoch_order(
+                [s.sizes() for s in self.sources],
+                self.seed,
+                epoch,
+                weights=self.weights,
+                epoch_samples=self.length,
+                shuffle=self.shuffle,
+                window=self.window,
+            )
+            self._cached = (epoch, order)
+        return self._cached[1]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_cached"] = None  # workers get positions, not the order: keep their copy small
+        return state
+
+    def fingerprint(self) -> str:
+        parts = [s.fingerprint() for s in self.sources]
+        return ",".join(parts) + (f";w={self.weights}" if self.weights else "")
+
+    def locate(self, flat: int) -> tuple[ShardSet, int]:
+        source = int(np.searchsorted(self.source_starts, flat, side="right")) - 1
+        return self.sources[source], flat - int(self.source_starts[source])
+
+
+def planned_samples(
+    sources: ShardSet | Sequence[ShardSet],
+    *,
+    seed: int,
+    epoch: int,
+    rank: int = 0,
+    world_size: int = 1,
+    skip: int = 0,
+    batch_size: int = 1,
+    drop_tail: bool = False,
+    shuffle: bool = True,
+    shuffle_window: int = 1000,
+    weights: Sequence[float] | None = None,
+    epoch_samples: int | None = None,
+) -> Iterator[tuple[int, str, str]]:
+    """(global position, shard path, key) of the samples rank `rank` reads in `epoch`, in order.
+
+    `skip` global positions are taken as consumed (what `world_size x entries per rank` a
+    resumed loader has behind it). Corrupt samples are listed too: the loader skips them when
+    decoding fails, pulling the next entries of the same stream.
+    """
+    sets = [sources] if isinstance(sources, ShardSet) else list(sources)
+    plan = _Plan(sets, seed, weights, epoch_samples, shuffle, shuffle_window)
+    _check_rank(rank, world_size)
+    segment = Segment(plan.length, start=min(max(0, skip), plan.length))
+    if segment.size <= 0:
+        return
+    entries = steps_in(segment.size, world_size, batch_size, drop_tail) * batch_size
+    order = plan.order(epoch)
+    for first in range(0, entries, 4096):
+        positions = segment.rank_positions(rank, world_size, first, min(4096, entries - first))
+        for position in positions.tolist():
+            source, local = plan.locate(int(order[position]))
+            yield position, str(source.shard_path(local)), source.key(local)
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in 0..world_size-1 (world_size {world_size})")
+
+
+# ----------------------------------------------------------------------------- workers
+@dataclass
+class _Corrupt:
+    entry: int  # index in the task
+    position: int
+    key: str
+    shard: str
+    reason: str
+    message: str
+
+
+@dataclass
+class _TaskResult:
+    """Decoded samples of one task: rows of `tensors` are the valid entries, in order."""
+
+    first: int  # stream entry of the task's first sample
+    count: int
+    valid: list[int]  # task entry of each row
+    tensors: dict[str, torch.Tensor]
+    keys: list[str]
+    corrupt: list[_Corrupt] = field(default_factory=list)
+
+
+class _TaskDataset(torch.utils.data.Dataset):
+    """Reads and decodes the samples of a task `(epoch, first entry, positions, flat ids)`."""
+
+    def __init__(self, plan: _Plan, decode: Decode):
+        self.plan = plan
+        self.decode = decode
+
+    def __getitem__(self, task: tuple[int, int, list[int], list[int]]) -> _TaskResult:
+        epoch, first, positions, flat_ids = task
+        outputs, valid, keys, corrupt = [], [], [], []
+        for entry, (position, flat) in enumerate(zip(positions, flat_ids, strict=True)):
+            source, local = self.plan.locate(flat)
+            key, shard = source.key(local), source.shard_path(local).name
+            try:
+                sample = source.read(local)
+                out = self.decode(sample, sample_rng(self.plan.seed, epoch, position))
+            except Exception as err:  # any failure of one sample's bytes is that sample's fault
+                reason = getattr(err, "reason", None)
+                reason = reason if isinstance(reason, str) else type(err).__name__
+                corrupt.append(_Corrupt(entry, position, key, shard, reason, str(err)))
+                continue
+            outputs.append(_check_output(out, key))
+            valid.append(entry)
+            keys.append(key)
+        return _TaskResult(first, len(positions), valid, _stack(outputs), keys, corrupt)
+
+
+def _check_output(out: Any, key: str) -> dict[str, torch.Tensor]:
+    if not isinstance(out, dict):
+        raise TypeError(
+            f"decode must return a dict of tensors, got {type(out).__name__} for {key!r}"
+        )
+    tensors = {}
+    for name, value in out.items():
+        if isinstance(value, np.ndarray):
+            value = torch.from_numpy(value)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"decode returned {type(value).__name__} for {name!r} of {key!r}; expected a tensor"
+            )
+        tensors[name] = value
+    return tensors
+
+
+def _stack(outputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    if not outputs:
+        return {}
+    names = list(outputs[0])
+    for out in outputs[1:]:
+        if list(out) != names:
+            raise ValueError(f"decode returned keys {list(out)} and {names} for different samples")
+    stacked = {}
+    for name in names:
+        shapes = {tuple(o[name].shape) for o in outputs}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"decode returned {name!r} of different shapes {sorted(shapes)}: pad or crop to one"
+            )
+        stacked[name] = torch.stack([o[name] for o in outputs])
+    return stacked
+
+
+def _tasks(
+    plan: _Plan, epoch: int, segment: Segment, rank: int, world_size: int, size: int, first: int
+) -> Iterator[tuple[int, int, list[int], list[int]]]:
+    """Endless tasks of `size` entries of a rank's stream, from entry `first` on.
+
+    A plain function, not a method: a generator holding the loader would make a reference
+    cycle, and DataLoader workers freed by the cycle collector take seconds to stop.
+    """
+    order = plan.order(epoch)
+    while True:
+        positions = segment.rank_positions(rank, world_size, first, size)
+        yield epoch, first, positions.tolist(), order[positions].tolist()
+        first += size
+
+
+def _as_is(x: Any) -> Any:
+    return x
+
+
+class _TaskSampler(torch.utils.data.Sampler):
+    """Hands the DataLoader the tasks the main process planned (set before each iteration)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tasks: Iterator[Any] = iter(())
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.tasks
+
+
+# ----------------------------------------------------------------------------- loader
+class StreamingLoader:
+    """Batches of decoded samples for one rank, in an order that resumes exactly.
+
+    sources: one `ShardSet`, or several mixed by `weights` (default: by size) into epochs of
+      `epoch_samples` positions (default: all samples).
+    decode: `decode(sample, rng) -> {name: tensor}`; raising marks the sample corrupt. `rng` is
+      seeded from (seed, epoch, global position): random crops are the same after a resume.
+    batch_size: samples per batch on this rank.
+    drop_tail: the last positions of an epoch that do not fill a batch on every rank are left
+      out; by default they are padded with samples from the start of the epoch (wrap-around).
+    with_keys: add `"__key__"` to each batch: the sample keys, for logging and debugging.
+    pin_memory: page-locked batches (when CUDA is available), for asynchronous copies.
+    Iterating yields the rest of the current epoch, then moves on to the next.
+    """
+
+    def __init__(
+        self,
+        sources: ShardSet | Sequence[ShardSet],
+        decode: Decode,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        weights: Sequence[float] | None = None,
+        epoch_samples: int | None = None,
+        shuffle: bool = True,
+        shuffle_window: int = 1000,
+        drop_tail: bool = False,
+        num_workers: int = 0,
+        prefetch_factor: int = 2,
+        persistent_workers: bool = False,
+        with_keys: bool = False,
+        pin_memory: bool = False,
+        max_consecutive_corrupt: int = 1000,
+        multiprocessing_context: Any = None,
+    ):
+        _check_rank(rank, world_size)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        sets = [sources] if isinstance(sources, ShardSet) else list(sources)
+        self.plan = _Plan(sets, seed, weights, epoch_samples, shuffle, shuffle_window)
+        self.decode = decode
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.drop_tail = drop_tail
+        self.with_keys = with_keys
+        # Page-locked batches copy to the GPU asynchronously; meaningless without CUDA.
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        self.max_consecutive_corrupt = max_consecutive_corrupt
+        if steps_in(self.plan.length, world_size, batch_size, drop_tail) == 0:
+            raise ValueError(
+                f"{self.plan.length} samples per epoch give no batch of {world_size} ranks x "
+                f"{batch_size}: lower the batch size or keep the tail (drop_tail=False)"
+            )
+        self.corrupt_counts: Counter[str] = Counter()
+        self._workers = dict(
+            num_workers=num_workers,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            multiprocessing_context=multiprocessing_context,
+        )
+        self._sampler = _TaskSampler()
+        self._dataloader: torch.utils.data.DataLoader | None = None
+        self.set_epoch(0)
+
+    # --------------------------------------------------------------- position
+    @property
+    def seed(self) -> int:
+        return self.plan.seed
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start `epoch` from its beginning."""
+        self.epoch = epoch
+        self._segment = Segment(self.plan.length)
+        self._entry = 0  # stream entries of this rank consumed in the segment
+        self._batches = 0  # batches every rank yielded in the segment
+
+    def __len__(self) -> int:
+        """Batches in a full epoch (the same on every rank)."""
+        return steps_in(self.plan.length, self.world_size, self.batch_size, self.drop_tail)
+
+    def remaining(self) -> int:
+        """Batches left in the current epoch."""
+        steps = steps_in(self._segment.size, self.world_size, self.batch_size, self.drop_tail)
+        return steps - self._batches
+
+    # --------------------------------------------------------------- state
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's part of the state; `merge_rank_states` joins those of all ranks."""
+        return {
+            "version": STATE_VERSION,
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "fingerprint": self.plan.fingerprint(),
+            "length": self.plan.length,
+            "start": self._segment.start,
+            "skip": list(self._segment.skip),
+            "batch_size": self.batch_size,
+            "world_size": self.world_size,
+            "batches": self._batches,
+            "rank": self.rank,
+            "entries": self._entry,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state of all ranks (a collective under torch.distributed: call it on every rank)."""
+        if self.world_size == 1:
+            return merge_rank_states([self.rank_state()])
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            raise RuntimeError(
+                "state_dict() with world_size > 1 gathers every rank's state and needs "
+                "torch.distributed; without it, merge the rank_state() of each rank yourself"
+            )
+        states: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(states, self.rank_state())
+        return merge_rank_states(states)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where `state` stopped (see the module docstring for other world sizes)."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"loader state version {state.get('version')!r}, expected {STATE_VERSION}"
+            )
+        for name, mine in (
+            ("seed", self.seed),
+            ("fingerprint", self.plan.fingerprint()),
+            ("length", self.plan.length),
+        ):
+            if state[name] != mine:
+                raise ValueError(
+                    f"loader state was saved with {name} {state[name]!r}, this loader has {mine!r}: "
+                    "the data or its order changed, so the run cannot resume exactly"
+                )
+        self.epoch = int(state["epoch"])
+        segment = Segment(self.plan.length, int(state["start"]), tuple(state["skip"]))
+        consumed = [int(c) for c in state["consumed"]]
+        if state["world_size"] == self.world_size and state["batch_size"] == self.batch_size:
+            self._segment, self._entry = segment, consumed[self.rank]
+            self._batches = int(state["batches"])
+        else:
+            self._segment = segment.after(int(state["world_size"]), consumed)
+            self._entry = self._batches = 0
+        if self.remaining() <= 0:
+            self.set_epoch(self.epoch + 1)
+
+    # --------------------------------------------------------------- iteration
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        steps = steps_in(self._segment.size, self.world_size, self.batch_size, self.drop_tail)
+        if self._batches >= steps:
+            self.set_epoch(self.epoch + 1)
+            return
+        self._sampler.tasks = _tasks(
+            self.plan,
+            self.epoch,
+            self._segment,
+            self.rank,
+            self.world_size,
+            self.batch_size,
+            self._entry,
+        )
+        results = iter(self._loader())
+        try:
+            for batch, entries in self._assemble(results, self._entry):
+                self._entry = entries
+                self._batches += 1
+                if self._batches == steps:
+                    self.set_epoch(self.epoch + 1)
+                    yield batch
+                    return
+                yield batch
+        finally:
+            del results  # shuts down non-persistent workers and drops what they prefetched
+            self._sampler.tasks = iter(())
+
+    def close(self) -> None:
+        """Stop persistent workers now (otherwise they stop when the loader is freed)."""
+        self._dataloader = None
+
+    def _loader(self) -> torch.utils.data.DataLoader:
+        if self._dataloader is None or not self._workers["persistent_workers"]:
+            workers = self._workers["num_workers"]
+            extra = {}
+            if workers > 0:
+                extra = {
+                    "prefetch_factor": self._workers["prefetch_factor"],
+                    "persistent_workers": self._workers["persistent_workers"],
+                    "multiprocessing_context": self._workers["multiprocessing_context"],
+                }
+            self._dataloader = torch.utils.data.DataLoader(
+                _TaskDataset(self.plan, self.decode),
+                batch_size=None,
+                sampler=self._sampler,
+                num_workers=workers,
+                collate_fn=_as_is,
+                # Its own generator: creating worker seeds must not draw from torch's global RNG.
+                generator=torch.Generator().manual_seed(self.seed),
+                **extra,
+            )
+        return self._dataloader
+
+    def _assemble(
+        self, results: Iterator[_TaskResult], entry: int
+    ) -> Iterator[tuple[dict[str, Any], int]]:
+        """Batches of the next `batch_size` valid samples, with the stream entry after each."""
+        pieces: list[tuple[_TaskResult, int, int]] = []  # (result, first row, end row)
+        have = 0
+        bad_in_a_row = 0
+        for result in results:
+            if result.first != entry:
+                raise RuntimeError(f"task for entry {result.first} arrived, expected {entry}")
+            corrupt = {c.entry: c for c in result.corrupt}
+            row = lo = 0
+            for i in range(result.count):
+                if i in corrupt:
+                    bad_in_a_row += 1
+                    self._report(corrupt[i], bad_in_a_row)
+                    continue
+                bad_in_a_row = 0
+                row += 1
+                have += 1
+                if have == self.batch_size:
+                    pieces.append((result, lo, row))
+                    lo, have = row, 0
+                    yield self._collate(pieces), entry + i + 1
+                    pieces = []
+            if row > lo:
+                pieces.append((result, lo, row))
+            entry += result.count
+
+    def _report(self, bad: _Corrupt, in_a_row: int) -> None:
+        self.corrupt_counts[bad.reason] += 1
+        logger.warning(
+            "skipped corrupt sample %r of %s (epoch %d, position %d): %s: %s",
+            bad.key, bad.shard, self.epoch, bad.position, bad.reason, bad.message,
+        )  # fmt: skip
+        if in_a_row >= self.max_consecutive_corrupt:
+            raise RuntimeError(
+                f"{in_a_row} corrupt samples in a row on rank {self.rank} (last: {bad.key!r} of "
+                f"{bad.shard}: {bad.message}); check the data with `mmtrain data inspect` and the "
+                "decode function"
+            )
+
+    def _collate(self, pieces: list[tuple[_TaskResult, int, int]]) -> dict[str, Any]:
+        if len(pieces) == 1 and pieces[0][1] == 0 and pieces[0][2] == len(pieces[0][0].valid):
+            result = pieces[0][0]  # the common case: one whole task, no copy
+            batch: dict[str, Any] = dict(result.tensors)
+        else:
+            names = list(pieces[0][0].tensors)
+            batch = {n: torch.cat([r.tensors[n][lo:hi] for r, lo, hi in pieces]) for n in names}
+        if self.pin_memory:
+            batch = {name: tensor.pin_memory() for name, tensor in batch.items()}
+        if self.with_keys:
+            batch["__key__"] = [k for r, lo, hi in pieces for k in r.keys[lo:hi]]
+        return batch
+
+
+def merge_rank_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Join the `rank_state()` of every rank into one loader state (what a checkpoint saves)."""
+    if not states:
+        raise ValueError("no rank states to merge")
+    common = ("version", "seed", "epoch", "fingerprint", "length", "start", "skip", "batch_size", "world_size", "batches")  # fmt: skip
+    first = states[0]
+    world = int(first["world_size"])
+    consumed: list[int | None] = [None] * world
+    for state in states:
+        for name in common:
+            if state[name] != first[name]:
+                raise ValueError(
+                    f"rank {state['rank']} has {name}={state[name]!r}, rank {first['rank']} "
+                    f"has {first[name]!r}: ranks must save their state at the same step"
+                )
+        consumed[int(state["rank"])] = int(state["entries"])
+    if any(c is None for c in consumed):
+        missing = [r for r, c in enumerate(consumed) if c is None]
+        raise ValueError(f"no state from rank(s) {missing} of world size {world}")
+    merged = {name: first[name] for name in common}
+    merged["consumed"] = consumed
+    return merged
