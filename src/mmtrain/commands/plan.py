@@ -1,0 +1,435 @@
+"""`mmtrain plan`: predict memory, time and cost of training (or serving) a model on GPUs.
+
+Modes: a single strategy (default), `--recommend` (search and rank strategies), `--inference`
+(serving memory, KV cache, MIG), `--measure` (run one CPU training step and print what autograd
+really saved beside the prediction), `--workloads default|FILE` (the practitioners' table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+from mmtrain.cli import UsageError
+from mmtrain.hardware import GIB, load_catalog
+from mmtrain.plan.config import AC_MODES, ATTENTION, OPTIMIZERS, PRECISIONS, PlanConfig
+from mmtrain.plan.estimate import Plan, make_plan
+from mmtrain.plan.workloads import load_model, load_workloads
+
+ORDER = 20
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="predict memory, time and cost of training or serving a model")
+    p.add_argument(
+        "--model",
+        default="ViT-B-32",
+        help="preset, spec YAML or workload preset (default ViT-B-32)",
+    )
+    p.add_argument(
+        "--gpu",
+        default=None,
+        help="GPU name or alias (b300, h100, a100-40g, ...; default h100); with --recommend a comma list (default: every GPU)",
+    )
+    p.add_argument("--gpus", type=int, default=1, help="total GPUs")
+    p.add_argument("--gpus-per-node", type=int, default=None)
+    p.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    p.add_argument(
+        "--bytes-per-param",
+        type=int,
+        default=16,
+        help="mixed-precision AdamW convention: 16 (16-bit grads), 18 (fp32 grads), 20 (+fp32 accumulation)",
+    )
+    p.add_argument(
+        "--zero", type=int, default=0, help="ZeRO/FSDP stage 0-3 over the data-parallel ranks"
+    )
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel stages")
+    p.add_argument("--ac", default="none", choices=AC_MODES, help="activation checkpointing")
+    p.add_argument("--attention", default="flash", choices=ATTENTION)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--global-batch", type=int, default=None)
+    p.add_argument("--samples", type=int, default=0, help="samples to train (time and cost)")
+    p.add_argument("--price-per-gpu-hour", type=float, default=None)
+    p.add_argument(
+        "--mfu",
+        type=float,
+        default=None,
+        help="achievable fraction of peak (default: GPU MAMF x 0.65)",
+    )
+    p.add_argument("--headroom", type=float, default=0.07, help="share of usable memory kept free")
+    p.add_argument(
+        "--network", default=None, help="inter-node interconnect (ib-ndr, ib-xdr, roce-400, ...)"
+    )
+    p.add_argument(
+        "--hardware", default=None, help="YAML adding or overriding GPUs and interconnects"
+    )
+    p.add_argument(
+        "--freeze", action="append", default=[], metavar="TOWER", help="freeze a tower (repeatable)"
+    )
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="TOWER",
+        help="LoRA-adapt a tower (repeatable)",
+    )
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--image-size", type=int, default=None)
+    p.add_argument("--frames", type=int, default=None)
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="text/decoder context (with --inference: tokens per sequence)",
+    )
+    p.add_argument(
+        "--recommend",
+        action="store_true",
+        help="search GPU type and count, ZeRO, TP, AC and micro-batch",
+    )
+    p.add_argument("--rank-by", default="cost", choices=("cost", "time"))
+    p.add_argument("--max-gpus", type=int, default=512)
+    p.add_argument(
+        "--inference", action="store_true", help="serving memory: weights, KV cache, max batch, MIG"
+    )
+    p.add_argument("--batch", type=int, default=1, help="sequences served at once (--inference)")
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="run one CPU training step (fp32) and compare with the prediction",
+    )
+    p.add_argument(
+        "--workloads", default=None, metavar="default|FILE", help="print the workload table"
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def _config(args: argparse.Namespace) -> PlanConfig:
+    return PlanConfig(
+        gpu=args.gpu,
+        gpus=args.gpus,
+        gpus_per_node=args.gpus_per_node,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        bytes_per_param=args.bytes_per_param,
+        zero=args.zero,
+        tp=args.tp,
+        sp=args.sp,
+        pp=args.pp,
+        ac=args.ac,
+        attention=args.attention,
+        micro_batch=args.micro_batch,
+        global_batch=args.global_batch,
+        samples=args.samples,
+        price_per_gpu_hour=args.price_per_gpu_hour,
+        mfu=args.mfu,
+        headroom=args.headroom,
+        network=args.network,
+    )
+
+
+def _model(args: argparse.Namespace):
+    model = load_model(
+        args.model,
+        image_size=args.image_size,
+        frames=args.frames,
+        context=None if args.inference else args.context,
+    )
+    modes = {name: "frozen" for name in args.freeze} | {name: "lora" for name in args.lora}
+    return model.with_modes(modes, args.lora_rank) if modes else model
+
+
+def run(args: argparse.Namespace) -> int:
+    catalog = load_catalog(args.hardware)
+    if args.workloads:
+        return _workloads(args, catalog)
+    model = _model(args)
+    if args.recommend:
+        return _recommend(args, model, _config(replace_gpu(args, "h100")), catalog)
+    args = replace_gpu(args, args.gpu or "h100")
+    cfg = _config(args)
+    if args.inference:
+        return _inference(args, model, catalog)
+    if args.measure:
+        cfg = replace(cfg, precision="fp32") if args.precision == "bf16" else cfg
+        if cfg.precision != "fp32":
+            raise UsageError(
+                "--measure runs on the CPU in fp32; leave --precision at its default or pass fp32"
+            )
+    plan = make_plan(model, cfg, catalog)
+    result = plan.to_dict()
+    if args.measure:
+        from mmtrain.plan.measure import measure_training_step  # imports torch
+
+        measured = measure_training_step(
+            args.model,
+            plan,
+            image_size=args.image_size,
+            frames=args.frames,
+            context=args.context,
+            freeze=args.freeze,
+        )
+        result["measured"] = measured.to_dict()
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    _print_plan(plan, result.get("measured"))
+    return 0
+
+
+def replace_gpu(args: argparse.Namespace, gpu: str) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "gpu": gpu})
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:,.2f}"
+
+
+def _print_plan(plan: Plan, measured: dict | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    m, c, mem, t = plan.model, plan.config, plan.memory, plan.time
+    console.print(
+        f"[bold]{m.name}[/]: {m.params() / 1e6:,.1f}M params ({m.trainable_params() / 1e6:,.1f}M trainable), {m.forward_flops() / 1e9:,.2f} forward GFLOPs/sample, tokens {m.tokens_per_sample()}"
+    )
+    console.print(
+        f"{c.gpus} x {plan.gpu.name} ({plan.gpu.memory_usable_gib} GiB usable of {plan.gpu.memory_nominal_gb:g} GB nominal); {c.precision}, {c.optimizer}, ZeRO-{c.zero}, TP {c.tp}{' + SP' if c.sp else ''}, PP {c.pp}, AC {c.ac}, {c.attention} attention; micro-batch {c.micro_batch} x DP {c.dp} x accumulation {c.accumulation} = global {c.effective_global_batch}"
+    )
+    table = Table(title="memory per GPU (GiB)")
+    table.add_column("item")
+    table.add_column("predicted", justify="right")
+    if measured:
+        table.add_column("measured (CPU step)", justify="right")
+    rows = [
+        ("weights", mem.weights_bytes),
+        ("gradients", mem.gradients_bytes),
+        ("optimizer states", mem.optimizer_bytes),
+    ]
+    for name, value in mem.activations_by_stack.items():
+        rows.append((f"activations: {name}", value))
+    rows += [
+        ("activations: loss (logits)", mem.loss_bytes),
+        ("recompute working set", mem.recompute_bytes),
+        ("communication buffers", mem.comm_buffers_bytes),
+        ("CUDA context", mem.cuda_context_bytes),
+        ("allocator fragmentation (10%)", mem.fragmentation_bytes),
+        ("total", mem.total_bytes),
+        (f"budget (usable - {mem.headroom:.0%} headroom)", mem.budget_bytes),
+    ]
+    for name, value in rows:
+        cells = [name, _gib(value)]
+        if measured:
+            cells.append({"total": "", "optimizer states": ""}.get(name, ""))
+        table.add_row(*cells)
+    if measured:
+        table.add_row(
+            "saved activations (autograd)",
+            _gib(mem.saved_activations_bytes),
+            _gib(measured["activations_bytes"]),
+        )
+        table.add_row(
+            "model states", _gib(mem.model_state_bytes), _gib(measured["model_state_bytes"])
+        )
+    console.print(table)
+    console.print(f"states convention: {mem.convention}")
+    console.print(
+        ("[green]fits[/]" if mem.fits else "[red]does not fit[/]")
+        + f": {mem.total_bytes / mem.usable_bytes:.0%} of usable memory"
+    )
+    console.print(
+        f"step {t.step_time_s:.4g} s (compute {t.compute_s:.4g}, TP comm {t.tp_comm_s:.3g}, DP comm {t.dp_comm_s:.3g} of which exposed {t.dp_exposed_s:.3g}, bubble {t.bubble_s:.3g}); {t.samples_per_s:,.4g} samples/s; MFU {t.mfu:.1%} (achievable fraction {t.achievable_fraction:.2f})"
+    )
+    if c.samples:
+        console.print(
+            f"{c.samples:,} samples: {t.time_to_train_s / 3600:,.2f} h, {t.cost:,.0f} at {t.price_per_gpu_hour:.2f} per GPU-hour"
+        )
+    if measured:
+        console.print(
+            f"measured: activations {measured['activations_error']:+.1%}, model states {measured['model_state_error']:+.2%} against the prediction"
+        )
+
+
+def _recommend(args, model, cfg, catalog) -> int:
+    from mmtrain.plan.recommend import describe, recommend
+
+    gpus = [g for g in args.gpu.split(",") if g] if args.gpu and args.gpu != "all" else None
+    cfg = replace(cfg, global_batch=cfg.global_batch or 256)
+    rec = recommend(model, cfg, catalog, gpus, args.max_gpus, args.rank_by)
+    if not rec.ranked:
+        near = rec.closest
+        msg = "nothing fits"
+        if near is not None:
+            msg += f"; closest: {describe(near)} needs {_gib(near.memory.total_bytes)} GiB of a {_gib(near.memory.budget_bytes)} GiB budget (over by {near.memory.total_bytes / near.memory.budget_bytes - 1:.0%})"
+        raise UsageError(msg)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "by": rec.by,
+                    "explanation": rec.explanation,
+                    "searched": rec.searched,
+                    "ranked": [p.to_dict() for p in rec.ranked[:10]],
+                },
+                indent=2,
+            )
+        )
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{model.name}: strategies that fit, by {rec.by} ({rec.searched} searched)")
+    for col in (
+        "#",
+        "GPU",
+        "GPUs",
+        "ZeRO",
+        "TP",
+        "AC",
+        "micro",
+        "mem GiB",
+        "samples/s",
+        "MFU",
+        "time h",
+        "cost",
+    ):
+        table.add_column(col, justify="right")
+    for i, p in enumerate(rec.ranked[:10], 1):
+        c, t = p.config, p.time
+        table.add_row(
+            str(i),
+            p.gpu.key,
+            str(c.gpus),
+            str(c.zero),
+            str(c.tp),
+            c.ac,
+            str(c.micro_batch),
+            _gib(p.memory.total_bytes),
+            f"{t.samples_per_s:,.4g}",
+            f"{t.mfu:.0%}",
+            f"{t.time_to_train_s / 3600:,.1f}",
+            f"{t.cost:,.0f}",
+        )
+    console = Console(width=max(Console().width, 160))
+    console.print(table)
+    console.print(rec.explanation)
+    return 0
+
+
+def _inference(args, model, catalog) -> int:
+    from mmtrain.plan.inference import inference_memory
+
+    gpu = catalog.gpu(args.gpu)
+    precision = args.precision if args.precision != "bf16-pure" else "bf16"
+    est = inference_memory(model, gpu, args.context or 4096, args.batch, precision)
+    result = {
+        "model": {"name": model.name, "params": model.params()},
+        "gpu": gpu.key,
+        "inference": est.to_dict(),
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(
+        f"{model.name} on {gpu.name} ({gpu.memory_usable_gib} GiB usable), {precision}, {est.batch} x {est.context} tokens"
+    )
+    print(
+        f"  weights {_gib(est.weights_bytes)} GiB ({est.weights_bytes / 1e9:,.1f} GB); KV cache {_gib(est.kv_cache_bytes)} GiB ({est.kv_bytes_per_token:,.0f} B/token); activations {_gib(est.activations_bytes)} GiB; CUDA context {_gib(est.overhead_bytes)} GiB"
+    )
+    print(
+        f"  total {_gib(est.total_bytes)} GiB: {'fits' if est.total_bytes <= est.usable_bytes else 'does not fit'}; largest batch at this context: {est.max_batch}"
+    )
+    if gpu.mig_profiles:
+        print(
+            f"  MIG: {est.mig_profile} holds it, {est.mig_instances} per GPU"
+            if est.mig_profile
+            else "  MIG: no profile holds it"
+        )
+    return 0
+
+
+def _workloads(args, catalog) -> int:
+    from mmtrain.plan.recommend import recommend
+
+    gpu = catalog.gpu(args.gpu or "b300")
+    rows = []
+    for w in load_workloads(args.workloads):
+        model = load_model(w.model)
+        if w.freeze:
+            model = model.with_modes({name: "frozen" for name in w.freeze})
+        cfg = PlanConfig(
+            gpu=gpu.key,
+            precision=w.precision,
+            global_batch=w.global_batch,
+            samples=w.samples,
+            headroom=args.headroom,
+        )
+        rec = recommend(model, cfg, catalog, [gpu.key], args.max_gpus, args.rank_by)
+        best = rec.ranked[0] if rec.ranked else None
+        rows.append((w, model, best))
+    if args.json:
+        print(
+            json.dumps(
+                [
+                    {
+                        "task": w.task,
+                        "model": w.model,
+                        "params": m.params(),
+                        "plan": p.to_dict() if p else None,
+                    }
+                    for w, m, p in rows
+                ],
+                indent=2,
+            )
+        )
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=f"workloads on {gpu.name} (best by {args.rank_by}, up to {args.max_gpus} GPUs)"
+    )
+    for col in (
+        "task",
+        "model",
+        "params",
+        "GiB/GPU",
+        "configuration",
+        "samples/s",
+        "MFU",
+        "time h",
+    ):
+        table.add_column(col)
+    for w, m, p in rows:
+        if p is None:
+            table.add_row(
+                w.task,
+                w.model,
+                f"{m.params() / 1e9:.1f}B",
+                "-",
+                f"does not fit on {args.max_gpus} GPUs",
+                "-",
+                "-",
+                "-",
+            )
+            continue
+        c, t = p.config, p.time
+        conf = f"{c.gpus} GPUs ZeRO-{c.zero} TP{c.tp} AC {c.ac} mb {c.micro_batch}"
+        table.add_row(
+            w.task,
+            w.model,
+            f"{m.params() / 1e9:.1f}B",
+            _gib(p.memory.total_bytes),
+            conf,
+            f"{t.samples_per_s:,.4g}",
+            f"{t.mfu:.0%}",
+            f"{t.time_to_train_s / 3600:,.1f}",
+        )
+    Console(width=max(Console().width, 160)).print(table)
+    return 0

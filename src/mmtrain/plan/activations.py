@@ -1,0 +1,154 @@
+"""Activation memory: the bytes autograd keeps between forward and backward.
+
+Per transformer layer we follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in
+Large Transformer Models", arXiv 2205.05198, Table 2), itemised tensor by tensor so the same
+terms can be checked against what PyTorch saves (plan/measure.py). Per token, in elements:
+
+    norm inputs 2h | qkv input h | q, k, v 3h | attention output h | fc1 input h |
+    activation input f | fc2 input f                         (GELU MLP: 8h + 2f = 16h at f = 4h)
+
+At 16-bit with dropout masks (1 byte each, after attention and MLP) this is Korthikanti's
+`34 sbh`; mmtrain's blocks have no dropout, so 32 sbh. SwiGLU keeps fc1's 2f output, silu's
+output and the product (h + 4f instead of h + 2f). Attention kernels add:
+- math: the softmax output `a s^2 b` per layer (Korthikanti's quadratic term, without dropout);
+- flash: only the fp32 log-sum-exp, `a s b` (the quadratic term is dropped);
+- a padding mask (bidirectional text): `s^2 b` fp32 per layer, as SDPA materialises it on CPU.
+Norms keep two fp32 statistics per token (LayerNorm) or one (RMSNorm).
+
+Tensor parallel t divides everything except the norm inputs, qkv input and fc1 input (which
+stay replicated: Korthikanti's "10" at 16-bit with dropout) unless sequence parallelism is on.
+Checkpointing: "selective" recomputes the attention sub-block (drops q/k/v, attention output,
+softmax or lse, mask); "full" keeps only each block's input (h per token) and, during
+backward, one block's activations are live again while it is recomputed.
+
+Under bf16/fp16 autocast the residual stream (norm inputs) stays fp32 while the other tensors
+are 16-bit copies; "residual bytes" and "activation bytes" are therefore kept apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mmtrain.plan.model import PlanModel, Stack
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class ActivationOptions:
+    """How activations are stored: bytes per element, kernel, checkpointing, parallelism."""
+
+    act_bytes: int = 2  # 16-bit copies that matmuls and activations save
+    residual_bytes: int = 4  # the residual stream (norm inputs): fp32 under autocast
+    attention: str = "flash"
+    ac: str = "none"
+    tp: int = 1
+    sp: bool = False
+    dropout: bool = False
+
+
+def activation_options(
+    precision: str, attention: str, ac: str, tp: int, sp: bool
+) -> ActivationOptions:
+    """Byte sizes for a precision mode (fp8 keeps 16-bit activations: its casts are transient)."""
+    if precision == "fp32":
+        return ActivationOptions(4, 4, attention, ac, tp, sp)
+    residual = 2 if precision == "bf16-pure" else 4
+    return ActivationOptions(2, residual, attention, ac, tp, sp)
+
+
+def layer_terms(stack: Stack, micro_batch: int, o: ActivationOptions) -> dict[str, float]:
+    """Bytes one layer keeps for `micro_batch` samples, itemised (without checkpointing)."""
+    s, b, h, f, a = stack.tokens, micro_batch, stack.width, stack.mlp_hidden, stack.heads
+    sb = s * b
+    t = o.tp
+    rep = t if o.sp else 1  # replicated terms are divided only under sequence parallelism
+    kv = stack.kv_heads * stack.head_dim
+    qkv_out = h + 2 * kv
+    mlp = (2 * f + f + f) if stack.gated else (f + f)
+    stats = (2 if stack.norm == "layernorm" else 1) * 2 * sb * FP32 / rep
+    terms = {
+        "norm_inputs": 2 * sb * h * o.residual_bytes / rep,
+        "norm_stats": stats,
+        "qkv_input": sb * h * o.act_bytes / rep,
+        "qkv": sb * qkv_out * o.act_bytes / t,
+        "attention_output": sb * h * o.act_bytes / t,
+        "mlp_input": sb * h * o.act_bytes / rep,
+        "mlp_hidden": sb * mlp * o.act_bytes / t,
+    }
+    if o.attention == "flash":
+        terms["attention_lse"] = a * sb * FP32 / t
+    else:
+        terms["attention_softmax"] = a * s * sb * o.act_bytes / t
+        if o.dropout:
+            terms["attention_softmax"] *= 2.5  # mask (1 byte) and dropout output (2 bytes)
+    if stack.key_mask:
+        terms["attention_mask"] = s * sb * FP32
+    if o.dropout:
+        terms["dropout_masks"] = 2 * sb * h / rep
+    return terms
+
+
+_SELECTIVE_DROPS = (
+    "qkv",
+    "attention_output",
+    "attention_lse",
+    "attention_softmax",
+    "attention_mask",
+)
+
+
+def layer_bytes(stack: Stack, micro_batch: int, o: ActivationOptions) -> float:
+    """Bytes one layer keeps under the checkpointing mode `o.ac`."""
+    if o.ac == "full":
+        return stack.tokens * micro_batch * stack.width * o.residual_bytes / (o.tp if o.sp else 1)
+    terms = layer_terms(stack, micro_batch, o)
+    if o.ac == "selective":
+        return sum(v for k, v in terms.items() if k not in _SELECTIVE_DROPS)
+    return sum(terms.values())
+
+
+@dataclass(frozen=True)
+class StackActivations:
+    layers_bytes: float  # all layers of the stack on this GPU
+    stem_bytes: float  # stem, pre/final norms, pooling
+    logits_bytes: float  # LM-head logits (decoders)
+    recompute_bytes: float  # one layer live again during backward (full checkpointing)
+
+    @property
+    def saved(self) -> float:
+        return self.layers_bytes + self.stem_bytes + self.logits_bytes
+
+
+def stack_activations(
+    stack: Stack, micro_batch: int, o: ActivationOptions, pp: int = 1, pp_microbatches: int = 1
+) -> StackActivations:
+    """Activations of one stack on one GPU. A frozen stack runs without autograd: it keeps
+    nothing (its transient working set is in the recompute/working term).
+
+    Pipeline parallel p: the first 1F1B stage holds p micro-batches of L/p layers, i.e. one
+    micro-batch of the whole stack, scaled by min(1, m/p) (Megatron-LM).
+    """
+    working = layer_bytes(stack, micro_batch, ActivationOptions(**{**o.__dict__, "ac": "none"}))
+    if stack.mode == "frozen":
+        return StackActivations(0, 0, 0, working)
+    in_flight = min(1.0, pp_microbatches / pp) if pp > 1 else 1.0
+    layers = stack.layers * layer_bytes(stack, micro_batch, o) * in_flight
+    stem = micro_batch * (stack.stem_elements * o.act_bytes + stack.stem_int64 * 8)
+    # LM head: fp32 logits and their log-softmax, b x s x V each (vram.asmirnov.xyz's b.s.V.4.2).
+    logits = micro_batch * stack.tokens * stack.vocab * 2 * FP32 / o.tp if stack.vocab else 0
+    recompute = working if o.ac != "none" else 0
+    return StackActivations(layers, stem, logits, recompute)
+
+
+def contrastive_bytes(model: PlanModel, micro_batch: int, dp: int) -> float:
+    """Loss-side activations: per tower the normalised embedding (input and output), per pair
+    the gathered rows (2 b E) and four B_local x B_global fp32 matrices (logits and
+    log-softmax, both directions), as the local-loss variant keeps them."""
+    if not model.pairs:
+        return 0.0
+    b, e, g = micro_batch, model.embed_dim, micro_batch * dp
+    towers = sum(1 for s in model.stacks if s.kind == "encoder")
+    per_tower = 2 * b * e + (dp - 1) * b * e  # + gathered embeddings of the other ranks
+    per_pair = 2 * b * e + 4 * b * g
+    return FP32 * (towers * per_tower + model.pairs * per_pair)

@@ -1,0 +1,173 @@
+"""`--measure`: build the real module, run one fp32 training step on the CPU at the planned
+micro-batch and checkpointing mode, and count what it holds, to set beside the prediction.
+
+- Activations: every tensor autograd saves for backward during the forward pass and the loss
+  (`torch.autograd.graph.saved_tensors_hooks`), deduplicated by storage, parameters excluded.
+  With non-reentrant checkpointing the hooks see exactly the checkpointed blocks' inputs.
+- Model states: parameters, gradients and optimizer states after one AdamW step, by storage.
+
+Imports torch (lazily, from the CLI): the rest of the planner stays torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mmtrain.plan.estimate import Plan
+from mmtrain.spec import ModelSpec, load_spec, with_tower
+
+
+@dataclass(frozen=True)
+class Measured:
+    activations_bytes: int
+    model_state_bytes: int
+    predicted_activations_bytes: int
+    predicted_model_state_bytes: int
+    micro_batch: int
+    ac: str
+
+    @property
+    def activations_error(self) -> float:
+        return self.predicted_activations_bytes / self.activations_bytes - 1
+
+    @property
+    def model_state_error(self) -> float:
+        return self.predicted_model_state_bytes / self.model_state_bytes - 1
+
+    def to_dict(self) -> dict:
+        return {
+            "activations_bytes": self.activations_bytes,
+            "model_state_bytes": self.model_state_bytes,
+            "predicted_activations_bytes": self.predicted_activations_bytes,
+            "predicted_model_state_bytes": self.predicted_model_state_bytes,
+            "activations_error": round(self.activations_error, 5),
+            "model_state_error": round(self.model_state_error, 6),
+            "micro_batch": self.micro_batch,
+            "ac": self.ac,
+            "device": "cpu",
+            "dtype": "float32",
+        }
+
+
+def spec_with_overrides(
+    name: str | ModelSpec,
+    image_size: int | None = None,
+    frames: int | None = None,
+    context: int | None = None,
+) -> ModelSpec:
+    """The spec `workloads.load_model` plans for, with the same stem overrides."""
+    spec = load_spec(name)
+    for tower_name, tower in spec.towers.items():
+        stem = {}
+        if image_size and tower.modality in ("image", "video"):
+            stem["image_size"] = image_size
+        if frames and tower.modality == "video":
+            stem["frames"] = frames
+        if context and tower.modality == "text":
+            stem["context_length"] = context
+        if stem:
+            spec = with_tower(spec, tower_name, stem=stem)
+    return spec
+
+
+def random_batch(
+    spec: ModelSpec, batch: int, generator: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """Inputs of the batch contract's shapes; text has a random length and zero padding after."""
+    out = {}
+    for name, tower in spec.towers.items():
+        s = tower.stem
+        if tower.modality == "image":
+            out[name] = torch.randn(
+                batch, s.channels, s.image_size, s.image_size, generator=generator
+            )
+        elif tower.modality == "video":
+            out[name] = torch.randn(
+                batch, s.frames, s.channels, s.image_size, s.image_size, generator=generator
+            )
+        elif tower.modality == "audio":
+            out[name] = torch.randn(batch, s.samples(), generator=generator) * 0.1
+        elif tower.modality == "timeseries":
+            out[name] = torch.randn(batch, s.channels, s.length, generator=generator)
+        else:
+            ids = torch.randint(
+                1, min(s.vocab_size, 256), (batch, s.context_length), generator=generator
+            )
+            lengths = torch.randint(2, s.context_length + 1, (batch, 1), generator=generator)
+            out[name] = ids * (torch.arange(s.context_length)[None] < lengths)
+    return out
+
+
+def _storage_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        if t is not None:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def measure_training_step(
+    model_name: str | ModelSpec,
+    plan: Plan,
+    *,
+    image_size: int | None = None,
+    frames: int | None = None,
+    context: int | None = None,
+    freeze: list[str] | None = None,
+    seed: int = 0,
+) -> Measured:
+    """One training step of the real module at the plan's micro-batch and checkpointing mode."""
+    from mmtrain.models.build import create_model
+    from mmtrain.train.parallel import apply_activation_checkpointing
+
+    spec = spec_with_overrides(model_name, image_size, frames, context)
+    model = create_model(spec, seed=seed)
+    for name in freeze or []:
+        model.towers[name].requires_grad_(False)
+    apply_activation_checkpointing(model, plan.config.ac)
+    batch = random_batch(spec, plan.config.micro_batch, torch.Generator().manual_seed(seed))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(batch)
+        loss = _loss(spec, model, out, batch)
+    activations = sum(saved.values())
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    loss.backward()
+    optimizer.step()
+    states = [p for p in model.parameters()] + [p.grad for p in model.parameters()]
+    states += [
+        v
+        for s in optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v) and v.dim() > 0
+    ]
+    return Measured(
+        activations_bytes=activations,
+        model_state_bytes=_storage_bytes(states),
+        predicted_activations_bytes=int(plan.memory.saved_activations_bytes),
+        predicted_model_state_bytes=int(plan.memory.model_state_bytes),
+        micro_batch=plan.config.micro_batch,
+        ac=plan.config.ac,
+    )
+
+
+def _loss(spec: ModelSpec, model, out: dict, batch: dict) -> torch.Tensor:
+    from mmtrain.losses import ContrastiveLoss
+
+    total = out["fusion"].float().pow(2).mean() if "fusion" in out else 0.0
+    if spec.pairs:
+        loss = ContrastiveLoss.from_spec(spec, distributed=False)
+        value, _ = loss(out, spec.pairs, model.logit_scale, getattr(model, "logit_bias", None))
+        total = total + value
+    return total

@@ -1,0 +1,146 @@
+"""Memory per GPU during training, itemised, against the GPU's usable (not nominal) memory.
+
+Items: weights, gradients, optimizer states (ZeRO-sharded over the data-parallel degree,
+divided by tensor x pipeline parallel), activations (activations.py), communication buffers,
+CUDA context, allocator fragmentation. Overheads, stated:
+- CUDA context and kernels: 1000 MiB flat (vram.asmirnov.xyz's constant; PyTorch's first CUDA
+  use takes 300 MiB to 2 GiB).
+- Allocator fragmentation: 10% of the dynamic memory (activations, recompute, buffers): the
+  reserved-minus-allocated gap the caching allocator leaves.
+- Communication buffers: DDP's two 25 MiB buckets (gradient_as_bucket_view assumed); ZeRO-1/2
+  reduce-scatter of two blocks' gradients; ZeRO-3 (FSDP) the gathered weights of the current and
+  the prefetched block plus one block's unsharded gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mmtrain.hardware import GPU
+from mmtrain.plan.activations import activation_options, contrastive_bytes, stack_activations
+from mmtrain.plan.config import PlanConfig
+from mmtrain.plan.model import PlanModel
+from mmtrain.plan.states import frozen_weight_bytes, shard, state_bytes
+
+MIB = 1024**2
+CUDA_CONTEXT_BYTES = 1000 * MIB
+FRAGMENTATION = 0.10
+DDP_BUCKETS_BYTES = 2 * 25 * MIB
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights_bytes: float
+    gradients_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float  # saved by autograd (incl. logits) + recompute working set
+    comm_buffers_bytes: float
+    cuda_context_bytes: float
+    fragmentation_bytes: float
+    usable_bytes: float
+    headroom: float
+    convention: str
+    activations_by_stack: dict[str, float] = field(default_factory=dict)
+    saved_activations_bytes: float = 0.0  # what autograd keeps (comparable with --measure)
+    recompute_bytes: float = 0.0
+    loss_bytes: float = 0.0
+
+    @property
+    def model_state_bytes(self) -> float:
+        return self.weights_bytes + self.gradients_bytes + self.optimizer_bytes
+
+    @property
+    def overhead_bytes(self) -> float:
+        return self.comm_buffers_bytes + self.cuda_context_bytes + self.fragmentation_bytes
+
+    @property
+    def total_bytes(self) -> float:
+        return self.model_state_bytes + self.activations_bytes + self.overhead_bytes
+
+    @property
+    def budget_bytes(self) -> float:
+        return self.usable_bytes * (1 - self.headroom)
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.budget_bytes
+
+    def to_dict(self) -> dict:
+        return {
+            "weights_bytes": int(self.weights_bytes),
+            "gradients_bytes": int(self.gradients_bytes),
+            "optimizer_bytes": int(self.optimizer_bytes),
+            "activations_bytes": int(self.activations_bytes),
+            "saved_activations_bytes": int(self.saved_activations_bytes),
+            "recompute_bytes": int(self.recompute_bytes),
+            "loss_bytes": int(self.loss_bytes),
+            "activations_by_tower": {k: int(v) for k, v in self.activations_by_stack.items()},
+            "comm_buffers_bytes": int(self.comm_buffers_bytes),
+            "cuda_context_bytes": int(self.cuda_context_bytes),
+            "fragmentation_bytes": int(self.fragmentation_bytes),
+            "overhead_bytes": int(self.overhead_bytes),
+            "total_bytes": int(self.total_bytes),
+            "usable_bytes": int(self.usable_bytes),
+            "budget_bytes": int(self.budget_bytes),
+            "headroom": self.headroom,
+            "fits": self.fits,
+            "state_convention": self.convention,
+        }
+
+
+def model_states(model: PlanModel, cfg: PlanConfig) -> tuple[float, float, float, str]:
+    """(weights, gradients, optimizer) bytes per GPU and the convention used."""
+    b = state_bytes(cfg.precision, cfg.optimizer, cfg.bytes_per_param)
+    split = cfg.tp * cfg.pp
+    trainable = shard(model.trainable_params() / split, b, cfg.zero, cfg.dp)
+    frozen = model.frozen_params() / split * frozen_weight_bytes(cfg.precision)
+    if cfg.zero >= 3:
+        frozen /= cfg.dp
+    return trainable.weights + frozen, trainable.gradients, trainable.optimizer, b.convention
+
+
+def comm_buffers(model: PlanModel, cfg: PlanConfig) -> float:
+    if cfg.dp == 1:
+        return 0.0
+    b = state_bytes(cfg.precision, cfg.optimizer, cfg.bytes_per_param)
+    block = max(s.block_params() for s in model.stacks) / cfg.tp
+    if cfg.zero == 0:
+        return DDP_BUCKETS_BYTES
+    if cfg.zero in (1, 2):
+        return 2 * block * b.grads
+    return 2 * block * b.weights + block * b.grads
+
+
+def training_memory(
+    model: PlanModel, cfg: PlanConfig, gpu: GPU | None, usable_bytes: float | None = None
+) -> MemoryEstimate:
+    """Per-GPU training memory for `model` under strategy `cfg` on `gpu` (None: CPU, no CUDA
+    context, `usable_bytes` given by the caller)."""
+    weights, grads, optimizer, convention = model_states(model, cfg)
+    o = activation_options(cfg.precision, cfg.attention, cfg.ac, cfg.tp, cfg.sp)
+    by_stack, saved, recompute = {}, 0.0, 0.0
+    for stack in model.stacks:
+        a = stack_activations(stack, cfg.micro_batch, o, cfg.pp, cfg.accumulation)
+        by_stack[stack.name] = a.saved
+        saved += a.saved
+        recompute = max(recompute, a.recompute_bytes)  # one layer at a time is recomputed
+    loss = contrastive_bytes(model, cfg.micro_batch, cfg.dp)
+    saved += loss
+    buffers = comm_buffers(model, cfg)
+    dynamic = saved + recompute + buffers
+    return MemoryEstimate(
+        weights_bytes=weights,
+        gradients_bytes=grads,
+        optimizer_bytes=optimizer,
+        activations_bytes=saved + recompute,
+        comm_buffers_bytes=buffers,
+        cuda_context_bytes=CUDA_CONTEXT_BYTES if gpu is not None else 0.0,
+        fragmentation_bytes=FRAGMENTATION * dynamic if gpu is not None else 0.0,
+        usable_bytes=gpu.usable_bytes if gpu is not None else (usable_bytes or 0.0),
+        headroom=cfg.headroom,
+        convention=convention,
+        activations_by_stack=by_stack,
+        saved_activations_bytes=saved,
+        recompute_bytes=recompute,
+        loss_bytes=loss,
+    )

@@ -1,0 +1,287 @@
+"""The planner: published figures it must reproduce, the CLI contract and bad-input errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mmtrain.cli import main
+from mmtrain.hardware import GIB, default_catalog, get_gpu
+from mmtrain.plan.activations import ActivationOptions, layer_bytes
+from mmtrain.plan.config import PlanConfig
+from mmtrain.plan.estimate import make_plan
+from mmtrain.plan.inference import inference_memory, kv_cache_bytes
+from mmtrain.plan.memory import model_states
+from mmtrain.plan.model import PlanModel, Stack
+from mmtrain.plan.recommend import recommend
+from mmtrain.plan.states import shard, state_bytes
+from mmtrain.plan.workloads import load_model
+from mmtrain.spec import preset_names
+from mmtrain.structured import FieldError
+
+
+def _dense(params: float) -> PlanModel:
+    stack = Stack("llm", "decoder", 1, 4096, 32, 32, 128, 16384, int(params), 0, 1)
+    return PlanModel("dense", (stack,))
+
+
+def test_zero_paper_example_7_5b_on_64_gpus():
+    b = state_bytes("bf16", "adamw", 16)
+    totals = [sum(vars(shard(7.5e9, b, zero, 64)).values()) / 1e9 for zero in range(4)]
+    assert totals[0] == pytest.approx(120)
+    assert totals[1] == pytest.approx(31.4, abs=0.05)
+    assert totals[2] == pytest.approx(16.6, abs=0.05)
+    assert totals[3] == pytest.approx(1.9, abs=0.05)
+
+
+def test_30b_mixed_precision_adamw_is_480_gb_not_240():
+    cfg = PlanConfig(gpus=1)
+    weights, grads, opt, convention = model_states(_dense(30e9), cfg)
+    assert (weights + grads + opt) / 1e9 == pytest.approx(480)
+    assert "16 B/param" in convention
+    w18 = sum(model_states(_dense(30e9), PlanConfig(bytes_per_param=18))[:3])
+    assert w18 / 1e9 == pytest.approx(540)
+    pure = sum(model_states(_dense(30e9), PlanConfig(precision="bf16-pure"))[:3])
+    assert pure / 1e9 == pytest.approx(240)  # the 8 B/param rule holds only without fp32 states
+
+
+def test_70b_bf16_weights_and_llama3_kv_cache():
+    est = inference_memory(_dense(70e9), get_gpu("b300"), 1, 1)
+    assert est.weights_bytes / 1e9 == pytest.approx(140)
+    assert est.weights_bytes / GIB == pytest.approx(130.4, abs=0.05)
+    vlm = load_model("vlm-70b")
+    assert kv_cache_bytes(vlm, 32 * 1024, 1) / 1e9 == pytest.approx(10.7, abs=0.05)
+    assert vlm.stack("llm").params / 1e9 == pytest.approx(70.55, abs=0.01)  # Llama-3-70B
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_parameter_counts_equal_the_built_module(name):
+    from mmtrain.models.build import create_model
+
+    model = create_model(name, device="meta")
+    assert sum(p.numel() for p in model.parameters()) == load_model(name).params()
+
+
+def test_openclip_flops_come_from_the_spec():
+    assert load_model("ViT-B-32").forward_flops() / 1e9 == pytest.approx(14.78, rel=0.02)
+    assert load_model("ViT-L-14").forward_flops() / 1e9 == pytest.approx(175.33, rel=0.02)
+    assert load_model("ViT-L-14", image_size=336).tokens_per_sample()["image"] == 577
+
+
+def test_korthikanti_table_2_forms():
+    # 16-bit activations with dropout masks, GELU MLP (f = 4h), LayerNorm: sbh (34 + 5as/h)
+    s, b, h, a = 2048, 1, 12288, 96
+    stack = Stack("gpt3", "decoder", 1, h, a, a, h // a, 4 * h, 0, 0, s)
+    stats = 4 * s * b * 4  # two LayerNorms x (mean, rstd) in fp32, beyond the paper's terms
+    lse = a * s * b * 4
+
+    def per_layer(**kw):
+        return layer_bytes(
+            stack, b, ActivationOptions(act_bytes=2, residual_bytes=2, dropout=True, **kw)
+        )
+
+    assert per_layer(attention="math") - stats == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+    assert per_layer(attention="math", tp=8) - stats == pytest.approx(
+        s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8))
+    )
+    assert per_layer(attention="math", tp=8, sp=True) - stats / 8 == pytest.approx(
+        s * b * h * (34 / 8 + 5 * a * s / (h * 8))
+    )
+    assert per_layer(attention="flash") - stats - lse == pytest.approx(
+        s * b * h * 34
+    )  # quadratic term dropped
+    assert per_layer(attention="flash", ac="full") == pytest.approx(2 * s * b * h)
+
+
+def test_gpu_catalog_aliases_and_usable_memory():
+    catalog = default_catalog()
+    assert get_gpu("B300") is get_gpu("hgx-b300") is get_gpu("NVIDIA B300 SXM (Blackwell Ultra)")
+    for alias, key in [
+        ("gb300", "gb300"),
+        ("H100-PCIE", "h100-pcie"),
+        ("a100-40g", "a100-40g"),
+        ("RTX 4090", "rtx4090"),
+        ("mi300x", "mi300x"),
+        ("l40s", "l40s"),
+    ]:
+        assert catalog.gpu(alias).key == key
+    for gpu in catalog.gpus.values():
+        assert gpu.usable_bytes <= gpu.nominal_bytes * 1.08, gpu.key  # AMD labels are GiB
+    assert get_gpu("h100").memory_usable_gib == pytest.approx(79.6)
+    with pytest.raises(FieldError, match="did you mean 'h100'"):
+        get_gpu("h1000")
+
+
+def test_user_hardware_yaml_extends_the_catalog(tmp_path):
+    path = tmp_path / "hw.yaml"
+    path.write_text(
+        "gpus:\n  h100:\n    price_per_gpu_hour: 1.25\ninterconnects:\n  slow: {name: slow, gbps: 1}\n"
+    )
+    catalog = default_catalog().extended(path)
+    assert catalog.gpu("h100").price_per_gpu_hour == 1.25
+    assert catalog.link("slow").gbps == 1
+    path.write_text("gpus:\n  h100:\n    memory_usabel_gib: 3\n")
+    with pytest.raises(FieldError, match="memory_usable_gib"):
+        default_catalog().extended(path)
+
+
+def test_memory_and_time_respond_to_strategy():
+    model = load_model("ViT-L-14")
+    catalog = default_catalog()
+    base = PlanConfig(gpu="h100", gpus=8, micro_batch=64, global_batch=512, samples=10**8)
+    plans = {
+        z: make_plan(model, PlanConfig(**{**vars(base), "zero": z}), catalog) for z in range(4)
+    }
+    states = [plans[z].memory.model_state_bytes for z in range(4)]
+    assert states[0] > states[1] > states[2] > states[3]
+    acts = [
+        make_plan(model, PlanConfig(**{**vars(base), "ac": ac}), catalog)
+        for ac in ("none", "selective", "full")
+    ]
+    assert (
+        acts[0].memory.saved_activations_bytes
+        > acts[1].memory.saved_activations_bytes
+        > acts[2].memory.saved_activations_bytes
+    )
+    assert acts[2].time.step_time_s > acts[0].time.step_time_s  # recompute costs time
+    t = plans[0].time
+    assert 0 < t.mfu <= t.achievable_fraction + 1e-9
+    assert t.cost == pytest.approx(
+        t.time_to_train_s / 3600 * 8 * get_gpu("h100").price_per_gpu_hour
+    )
+    frozen = model.with_modes({"image": "frozen"})
+    assert make_plan(frozen, base, catalog).memory.total_bytes < plans[0].memory.total_bytes
+
+
+def test_recommend_ranks_fitting_strategies_and_explains():
+    rec = recommend(
+        load_model("vlm-70b"),
+        PlanConfig(global_batch=256, samples=10**6),
+        default_catalog(),
+        ["h100", "b300"],
+    )
+    assert rec.ranked and all(p.memory.fits for p in rec.ranked)
+    costs = [p.config.gpus * p.time.price_per_gpu_hour * p.time.step_time_s for p in rec.ranked]
+    assert costs[0] <= min(costs) * (1 + 1e-9)
+    assert rec.explanation.startswith("winner:") and "runner-up" in rec.explanation
+
+
+def test_inference_max_batch_and_mig():
+    model = load_model("llava-1.5-7b")
+    est = inference_memory(model, get_gpu("h100"), 4096, 1)
+    assert est.kv_bytes_per_token == 2 * 32 * 32 * 128 * 2  # MHA: 0.5 MiB per token
+    assert est.mig_profile == "1g.20gb" and est.mig_instances == 4
+    bigger = inference_memory(model, get_gpu("h100"), 4096, est.max_batch + 1)
+    assert (
+        bigger.total_bytes
+        > bigger.usable_bytes
+        >= inference_memory(model, get_gpu("h100"), 4096, est.max_batch).total_bytes
+    )
+
+
+def _cli_json(capsys, *argv):
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_json_schema(capsys):
+    out = _cli_json(
+        capsys,
+        "--model",
+        "ViT-B-16",
+        "--gpu",
+        "a100",
+        "--gpus",
+        "8",
+        "--micro-batch",
+        "32",
+        "--samples",
+        "1000000",
+    )
+    assert set(out["model"]) >= {
+        "name",
+        "params",
+        "trainable_params",
+        "forward_flops_per_sample",
+        "tokens_per_sample",
+    }
+    assert set(out["memory"]) >= {
+        "weights_bytes",
+        "gradients_bytes",
+        "optimizer_bytes",
+        "activations_bytes",
+        "overhead_bytes",
+        "total_bytes",
+        "usable_bytes",
+        "fits",
+    }
+    assert set(out["time"]) >= {"step_time_s", "samples_per_s", "mfu", "time_to_train_s", "cost"}
+    assert out["inputs"]["gpus"] == 8 and out["inputs"]["dp"] == 8
+    inf = _cli_json(
+        capsys, "--model", "vlm-70b", "--inference", "--context", "32768", "--gpu", "b300"
+    )
+    assert set(inf["inference"]) >= {"weights_bytes", "kv_cache_bytes", "total_bytes", "max_batch"}
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--gpu", "h1000"], "--gpu: unknown GPU 'h1000' (did you mean 'h100'?)"),
+        (["--model", "vit-b-23"], "--model: unknown model"),
+        (
+            ["--gpus", "3", "--tp", "3", "--model", "tiny-multimodal"],
+            "--tp: tensor parallel 3 does not divide 4",
+        ),
+        (["--zero", "3"], "--zero: ZeRO-3 shards over data-parallel ranks"),
+        (
+            ["--micro-batch", "8", "--global-batch", "4"],
+            "--micro-batch: 8 is larger than --global-batch 4",
+        ),
+        (
+            ["--model", "vlm-70b", "--recommend", "--gpu", "rtx4090", "--max-gpus", "2"],
+            "nothing fits; closest",
+        ),
+    ],
+)
+def test_bad_input_names_the_flag(capsys, argv, words):
+    assert main(["plan", *argv]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_tp_must_divide_heads():
+    with pytest.raises(FieldError, match="does not divide 4 attention heads") as err:
+        make_plan(load_model("tiny-clip"), PlanConfig(gpus=8, tp=8), default_catalog())
+    assert err.value.path == "--tp"
+
+
+def test_workload_table_and_recommend_cli(capsys, tmp_path):
+    assert main(["plan", "--workloads", "default", "--gpu", "b300"]) == 0
+    out = capsys.readouterr().out
+    assert "video generation" in out and "vlm-70b" in out
+    path = tmp_path / "mine.yaml"
+    path.write_text("- {task: my clip, model: ViT-B-32, global_batch: 4096, samples: 1000000}\n")
+    assert main(["plan", "--workloads", str(path), "--gpu", "h100"]) == 0
+    assert "my clip" in capsys.readouterr().out
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "ViT-B-32",
+                "--recommend",
+                "--gpu",
+                "h100,a100",
+                "--global-batch",
+                "1024",
+            ]
+        )
+        == 0
+    )
+    assert "winner:" in capsys.readouterr().out
+
+
+def test_planner_imports_no_torch():
+    code = "import sys, mmtrain.hardware, mmtrain.plan.recommend, mmtrain.plan.inference, mmtrain.plan.workloads, mmtrain.commands.plan; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
