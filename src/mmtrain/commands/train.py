@@ -1,0 +1,97 @@
+"""`mmtrain train CONFIG.yaml [key=value ...]`: train, or resume, the run the config describes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from mmtrain.config import load_config
+
+ORDER = 30
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a model from a run config (running it again resumes)",
+        description=(
+            "Train the model of CONFIG.yaml into its run folder (`out`). Running the same "
+            "command again resumes from the newest valid checkpoint. Under torchrun, every "
+            "rank runs this command (DDP over gloo on CPU, nccl on GPU)."
+        ),
+    )
+    p.add_argument("config", help="run config YAML (see configs/tiny-clip.yaml)")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="dotted overrides, e.g. train.lr=1e-3 out=runs/a",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)
+    from mmtrain.train.loop import train  # torch is imported only when training
+
+    progress = _Progress(config.train.steps, config.metrics.log_every)
+    result = train(config, on_step=progress)
+    progress.close()
+    if result.resumed_from is not None:
+        print(f"resumed from step {result.resumed_from}")
+    if result.stopped_by_signal:
+        print(
+            f"stopped by a signal at step {result.step}; checkpoint written in {result.out}/checkpoints"
+        )
+        return 0
+    print(
+        f"done: {result.step} steps, {result.samples_seen} samples, last loss {result.last_loss:.4f}, "
+        f"{result.skipped_steps} skipped steps, {result.corrupt_samples} corrupt samples; "
+        f"weights in {result.out}/model.safetensors"
+    )
+    return 0
+
+
+class _Progress:
+    """A one-line progress bar with ETA on a terminal; a summary line every N steps otherwise."""
+
+    def __init__(self, total: int, every: int):
+        self.total = total
+        self.every = every
+        self.tty = sys.stderr.isatty()
+        self.start = time.monotonic()
+        self.first_step: int | None = None
+
+    def __call__(self, row: dict[str, Any]) -> None:
+        step = row["step"]
+        if self.first_step is None:
+            self.first_step = step - 1
+            self.start = time.monotonic()
+        done = step - self.first_step
+        elapsed = time.monotonic() - self.start
+        eta = elapsed / done * (self.total - step) if done else 0.0
+        text = (
+            f"step {step}/{self.total}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  "
+            f"{row['samples_per_s']:.1f} samples/s  data wait {100 * row['data_wait_fraction']:.0f}%"
+            + (f"  MFU {100 * row['mfu']:.1f}%" if "mfu" in row else "")
+            + f"  ETA {_duration(eta)}"
+        )
+        if self.tty:
+            width = 24
+            filled = int(width * step / self.total)
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}\033[K")
+            sys.stderr.flush()
+        elif step % self.every == 0 or step == self.total:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}"

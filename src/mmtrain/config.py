@@ -1,0 +1,355 @@
+"""The run config of `mmtrain train CONFIG.yaml [key=value ...]`: YAML into typed dataclasses.
+
+One small dataclass per concern (data, train, per-tower overrides, checkpoint, metrics), built by
+`mmtrain.structured.from_dict`, so an unknown key names the closest valid one and a wrong type
+names its dotted field. `key=value` overrides are applied to the YAML tree before it is typed;
+their values are read as YAML (`train.lr=1e-3` is a number, `train.compile=true` a bool), except
+for string fields, which keep the text as written (`out=runs/001` stays a string).
+
+The fully resolved config (every default filled in) is what a run saves as `OUT/config.yaml` and
+in every checkpoint, so a run folder says exactly what produced it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mmtrain.structured import FieldError, check_choice, from_dict, to_dict
+
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+SCHEDULES = ("cosine", "constant")
+PARALLELS = ("auto", "ddp", "fsdp")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+# ----------------------------------------------------------------------------- sections
+@dataclass
+class DataSource:
+    """One dataset: shards as a folder, glob, brace pattern or list; `weight` for mixing."""
+
+    path: str | list[str]
+    weight: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    train: list[DataSource]
+    val: list[DataSource] = field(default_factory=list)
+    tokenizer: str = "byte"  # "byte", a tokenizer.json, or OpenCLIP's BPE merges file
+    workers: int = 0  # decode processes per rank; never changes the order of samples
+    shuffle_window: int = 1000  # samples shuffled together inside the shard order
+
+
+@dataclass
+class TowerTrainConfig:
+    """Per-tower training overrides (keys of `train.towers` are tower names of the model)."""
+
+    lr: float | None = None  # absolute learning rate of this tower (default: train.lr)
+    weight_decay: float | None = None  # default: train.weight_decay
+    freeze: bool = False  # no gradient for the whole tower
+    freeze_blocks: int = 0  # freeze the stem and the first N transformer blocks
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
+
+
+@dataclass
+class TrainConfig:
+    steps: int
+    batch_size: int  # global: samples per optimizer step over all ranks
+    micro_batch: int | None = None  # samples per forward per rank (default: batch_size / ranks)
+    precision: str = "fp32"
+    lr: float = 5e-4
+    min_lr: float = 0.0  # the cosine schedule ends here
+    weight_decay: float = 0.2
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-6
+    warmup_steps: int = 0
+    schedule: str = "cosine"
+    grad_clip: float | None = 1.0  # max global grad norm; null: no clipping
+    towers: dict[str, TowerTrainConfig] = field(default_factory=dict)
+    fp8_keep_bf16: list[str] = field(default_factory=list)  # module-name fragments kept out of fp8
+    parallel: str = "auto"  # ddp, fsdp (FSDP2 fully_shard), auto: ddp
+    compile: bool = False  # torch.compile the towers (slower on CPU)
+    ema: float | None = None  # decay of an exponential moving average of the weights
+    device: str = "auto"  # auto: cuda when available
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int | None = 1000
+    every_minutes: float | None = None
+    keep: int = 3
+
+
+@dataclass
+class MetricsConfig:
+    log_every: int = 10  # one console/summary line every N steps (metrics.jsonl gets every step)
+    tensorboard: bool = True
+    peak_tflops: float | None = None  # per device, for MFU; default: the detected GPU's peak
+
+
+@dataclass
+class RunConfig:
+    model: str  # preset name (e.g. tiny-clip) or a model spec YAML/JSON file
+    data: DataConfig
+    train: TrainConfig
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    seed: int = 0
+    out: str = "runs/run"
+
+    # -- derived
+    def micro_batch_for(self, world_size: int) -> int:
+        return self.train.micro_batch or self.train.batch_size // world_size
+
+    def accumulation_steps(self, world_size: int) -> int:
+        """Micro-batches per optimizer step on each rank."""
+        return self.train.batch_size // (world_size * self.micro_batch_for(world_size))
+
+    def validate(self, world_size: int = 1) -> None:
+        """Raise FieldError naming the first wrong field; `world_size` checks the batch split."""
+        t = self.train
+        _at_least("train.steps", t.steps, 1)
+        _at_least("train.batch_size", t.batch_size, 1)
+        check_choice("train.precision", t.precision, PRECISIONS)
+        check_choice("train.schedule", t.schedule, SCHEDULES)
+        check_choice("train.parallel", t.parallel, PARALLELS)
+        check_choice("train.device", t.device, DEVICES)
+        _at_least("train.lr", t.lr, 0.0)
+        _at_least("train.min_lr", t.min_lr, 0.0)
+        if t.min_lr > t.lr:
+            raise FieldError("train.min_lr", f"{t.min_lr} is above train.lr {t.lr}")
+        _at_least("train.weight_decay", t.weight_decay, 0.0)
+        _at_least("train.warmup_steps", t.warmup_steps, 0)
+        if t.warmup_steps > t.steps:
+            raise FieldError(
+                "train.warmup_steps", f"{t.warmup_steps} is more than train.steps {t.steps}"
+            )
+        for i, beta in enumerate(t.betas):
+            if not 0.0 <= beta < 1.0:
+                raise FieldError(f"train.betas[{i}]", f"must be in [0, 1), got {beta}")
+        if t.grad_clip is not None and t.grad_clip <= 0:
+            raise FieldError("train.grad_clip", f"must be positive or null, got {t.grad_clip}")
+        if t.ema is not None and not 0.0 < t.ema < 1.0:
+            raise FieldError("train.ema", f"must be in (0, 1) or null, got {t.ema}")
+        for name, tower in t.towers.items():
+            if tower.lr is not None:
+                _at_least(f"train.towers.{name}.lr", tower.lr, 0.0)
+            if tower.weight_decay is not None:
+                _at_least(f"train.towers.{name}.weight_decay", tower.weight_decay, 0.0)
+            _at_least(f"train.towers.{name}.freeze_blocks", tower.freeze_blocks, 0)
+        if t.micro_batch is not None:
+            _at_least("train.micro_batch", t.micro_batch, 1)
+        if t.batch_size % world_size:
+            raise FieldError(
+                "train.batch_size",
+                f"{t.batch_size} is not divisible by the {world_size} ranks; use a multiple of {world_size}",
+            )
+        micro = self.micro_batch_for(world_size)
+        if t.batch_size % (world_size * micro):
+            raise FieldError(
+                "train.batch_size",
+                f"{t.batch_size} is not divisible by ranks x micro_batch = {world_size} x {micro}; "
+                f"use a multiple of {world_size * micro} or change train.micro_batch",
+            )
+        c = self.checkpoint
+        if c.every_steps is not None:
+            _at_least("checkpoint.every_steps", c.every_steps, 1)
+        if c.every_minutes is not None and c.every_minutes <= 0:
+            raise FieldError(
+                "checkpoint.every_minutes", f"must be positive or null, got {c.every_minutes}"
+            )
+        _at_least("checkpoint.keep", c.keep, 1)
+        _at_least("data.workers", self.data.workers, 0)
+        _at_least("data.shuffle_window", self.data.shuffle_window, 1)
+        for i, source in enumerate(self.data.train):
+            if source.weight <= 0:
+                raise FieldError(
+                    f"data.train[{i}].weight", f"must be positive, got {source.weight}"
+                )
+        _at_least("metrics.log_every", self.metrics.log_every, 1)
+        if self.metrics.peak_tflops is not None and self.metrics.peak_tflops <= 0:
+            raise FieldError(
+                "metrics.peak_tflops", f"must be positive, got {self.metrics.peak_tflops}"
+            )
+        if not self.out:
+            raise FieldError("out", "give the run folder, e.g. out=runs/tiny")
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _at_least(path: str, value: float, low: float) -> None:
+    if value < low:
+        raise FieldError(path, f"must be at least {low}, got {value}")
+
+
+# ----------------------------------------------------------------------------- YAML
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-3` and `5e4` as numbers (YAML 1.1 needs a dot)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+][0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str, source: str = "") -> Any:
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        raise FieldError("", f"{source or 'text'} is not valid YAML: {err}") from None
+
+
+# ----------------------------------------------------------------------------- loading
+def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> RunConfig:
+    """Read CONFIG.yaml, apply `key=value` overrides, type and validate (for one rank).
+
+    A relative model spec file is looked up next to the config first, so a recipe and its spec
+    can live side by side; data paths and `out` are relative to the working directory.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise FieldError("", f"cannot read config {path}: {err.strerror}") from None
+    data = parse_yaml(text, str(path)) or {}
+    if not isinstance(data, dict):
+        raise FieldError("", f"{path}: a run config is a mapping, got {type(data).__name__}")
+    _resolve_relative(data, path.parent)
+    for item in overrides:
+        apply_override(data, item)
+    try:
+        config = config_from_dict(data)
+    except FieldError as err:
+        raise FieldError(err.path, f"{err.message} (in {path})") from None
+    return config
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    """Type a (YAML) tree into RunConfig; `data.train` and `data.val` also accept a path or
+    a list of paths. Validates for one rank (the loop validates again for its world size)."""
+    data = dict(data)
+    if isinstance(data.get("data"), dict):
+        section = dict(data["data"])
+        for key in ("train", "val"):
+            if key in section:
+                section[key] = _sources(section[key], f"data.{key}")
+        data["data"] = section
+    config = from_dict(RunConfig, data)
+    config.validate(world_size=1)
+    return config
+
+
+def _sources(value: Any, path: str) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, (str, dict)):
+        value = [value]
+    if not isinstance(value, list):
+        raise FieldError(
+            path, f"expected a path, a list of paths or of {{path, weight}}, got {value!r}"
+        )
+    return [{"path": v} if isinstance(v, str) else v for v in value]
+
+
+def _resolve_relative(data: dict[str, Any], base: Path) -> None:
+    model = data.get("model")
+    if isinstance(model, str) and model.endswith((".yaml", ".yml", ".json")):
+        if not Path(model).is_absolute() and (base / model).exists():
+            data["model"] = str(base / model)
+
+
+# ----------------------------------------------------------------------------- overrides
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Set `a.b.c=value` in the YAML tree `data`, creating missing mappings on the way.
+
+    The value is YAML (numbers, booleans, lists, null), except where the field is a string,
+    which keeps the text as written. Unknown keys are left for `from_dict`, which names the
+    closest valid one.
+    """
+    if "=" not in item:
+        raise FieldError("", f"override {item!r} is not key=value (e.g. train.lr=1e-3)")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    parts = key.split(".")
+    if not key or any(not p for p in parts):
+        raise FieldError(key, f"override {item!r} has an empty key part")
+    value: Any = text if _is_string_field(parts) else parse_yaml(text, f"override {key}")
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            where = ".".join(parts[: i + 1])
+            raise FieldError(where, f"is {child!r}, not a mapping; cannot set {key}")
+        node = child
+    node[parts[-1]] = value
+
+
+def _is_string_field(parts: list[str]) -> bool:
+    """True when the dotted path names a field typed `str` (or `str | None`) in RunConfig."""
+    tp: Any = RunConfig
+    for part in parts:
+        if dataclasses.is_dataclass(tp):
+            hints = typing.get_type_hints(tp)
+            if part not in hints:
+                return False
+            tp = hints[part]
+        elif typing.get_origin(tp) is dict:
+            tp = typing.get_args(tp)[1]
+        else:
+            return False
+    args = typing.get_args(tp)
+    return tp is str or (
+        bool(args) and str in args and list not in [typing.get_origin(a) for a in args]
+    )
+
+
+def diff_configs(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two resolved configs (for resume warnings)."""
+    keys = sorted(set(old) | set(new))
+    changed = []
+    for key in keys:
+        path = f"{prefix}{key}"
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changed += diff_configs(a, b, path + ".")
+        elif a != b:
+            changed.append(path)
+    return changed
+
+
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "DataSource",
+    "MetricsConfig",
+    "RunConfig",
+    "TowerTrainConfig",
+    "TrainConfig",
+    "apply_override",
+    "config_from_dict",
+    "diff_configs",
+    "load_config",
+    "parse_yaml",
+]

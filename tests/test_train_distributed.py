@@ -1,0 +1,69 @@
+"""`train` on 2 real CPU processes (gloo, DDP): 2 ranks x B follow the loss of 1 rank x 2B, and
+their checkpoint resumes on a different number of ranks to the same weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+import mmtrain
+from dist_helpers import run_distributed
+from mmtrain.config import config_from_dict
+from test_train import MICRO_SPEC, make_shards
+
+pytestmark = pytest.mark.slow
+
+
+def _config(folder, shards: str, **train):
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = folder / "spec.yaml"
+    spec.write_text(yaml.safe_dump(MICRO_SPEC))
+    settings = {"steps": 4, "batch_size": 8, "lr": 2e-3, "warmup_steps": 1, **train}
+    return config_from_dict(
+        {
+            "model": str(spec),
+            "data": {"train": shards, "shuffle_window": 8},
+            "train": settings,
+            "checkpoint": {"every_steps": 2, "keep": 2},
+            "metrics": {"tensorboard": False},
+            "seed": 1,
+            "out": str(folder / "run"),
+        }
+    )
+
+
+def _train_rank(rank: int, world_size: int, config, halt_after_step=None) -> list[float]:
+    from mmtrain.train.loop import train
+
+    result = train(config, halt_after_step=halt_after_step)
+    return [row["loss"] for row in result.history]
+
+
+def test_two_ranks_follow_one_rank_and_resume_on_one(tmp_path):
+    shards = make_shards(tmp_path / "shards", 32)
+    expected = _train_rank(0, 1, _config(tmp_path / "one", shards))
+    assert len(expected) == 4 and expected[-1] < expected[0]  # it learns
+
+    # 2 ranks x micro-batch 2 x 2 accumulation = the same global batch of 8. The run "crashes"
+    # after step 3 (checkpoint at step 2) and is resumed by ONE process with micro-batch 8.
+    double = _config(tmp_path / "two", shards, micro_batch=2)
+    losses = run_distributed(_train_rank, world_size=2, args=(double, 3), timeout_s=240)
+    assert losses[0] == losses[1]  # every rank logs the global loss
+    torch.testing.assert_close(
+        torch.tensor(losses[0]), torch.tensor(expected[:3]), rtol=1e-4, atol=1e-5
+    )
+
+    resumed = _train_rank(0, 1, _config(tmp_path / "two", shards, micro_batch=8))
+    torch.testing.assert_close(
+        torch.tensor(resumed), torch.tensor(expected[2:]), rtol=1e-4, atol=1e-5
+    )
+
+    one = mmtrain.load_model(tmp_path / "one" / "run").state_dict()
+    two = mmtrain.load_model(tmp_path / "two" / "run").state_dict()
+    for name, value in one.items():
+        torch.testing.assert_close(two[name], value, rtol=1e-3, atol=1e-5, msg=name)
+    rows = (tmp_path / "two" / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows] == [1, 2, 3, 4]  # rank 0 alone writes
