@@ -4,8 +4,9 @@ The pipeline, in source order:
 
 1. `sources.open_source` lists items (a folder grouped by stem, table rows, or shard samples).
 2. Worker processes run `process_item` on each item: read, check the extension against the
-   content, decode (bounded pixels), normalise (image re-encoded at a maximum side, audio
-   resampled to FLAC, time-series to npy, text NFC), and measure what the filters need.
+   content, decode (bounded pixels), normalise (image re-encoded at a maximum side, video
+   optionally cut into clips and re-encoded by `video_clips`, audio resampled to FLAC,
+   time-series to npy, text NFC), and measure what the filters need.
    A broken item becomes a reject with its path and reason.
 3. The main process takes the outcomes back in source order (whatever the number of workers),
    scores image-text relevance in fixed blocks, applies the `FilterChain` (duplicates need the
@@ -79,6 +80,7 @@ from mmtrain.data.shards import (
     write_manifest,
 )
 from mmtrain.data.sources import MODALITIES, Item, Source, open_source, parse_columns
+from mmtrain.data.video_clips import DEFAULT_KEYFRAME_INTERVAL, ClipOptions, split_video
 from mmtrain.structured import FieldError
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,14 @@ VIDEO_PROBE_FRAMES = 4  # frames decoded to validate a video (spread over it: ca
 SCORE_BLOCK = 64  # relevance is scored in blocks of fixed source positions: same batches on resume
 # Re-encoding keeps the source format; quality high enough that training does not see artefacts.
 ENCODERS = {"jpg": ("JPEG", {"quality": 95}), "png": ("PNG", {}), "webp": ("WEBP", {"quality": 95})}
+# ClipOptions fields -> the flags that set them (for error messages).
+VIDEO_FLAGS = {
+    "clip_s": "--video-clip-seconds",
+    "scene_threshold": "--video-scene-threshold",
+    "min_clip_s": "--video-min-clip-seconds",
+    "keyframe_interval": "--video-keyframe-interval",
+    "max_side": "--video-max-side",
+}
 # Options that do not change the shards: a rerun that differs only in these resumes.
 NOT_IN_FINGERPRINT = {"out", "workers", "max_reject_rate", "relevance_device", "progress"}
 
@@ -105,6 +115,7 @@ class ProcessOptions:
     max_pixels: int = DEFAULT_MAX_PIXELS
     audio_rate: int = 16000
     timeseries_window: int | None = None
+    video: ClipOptions | None = None  # split and/or re-encode videos (None: stored as they are)
     fix_text: bool = False
     sharpness: bool = False  # measure the Laplacian variance (blur filter on)
     phash: bool = False  # compute the perceptual hash (near-duplicate filter on)
@@ -124,13 +135,24 @@ class Outcome:
 
 
 @dataclass
+class _Piece:
+    """One of several samples cut from an item (a time-series window, a video clip): its key
+    suffix, its own members and the json fields it adds or overrides."""
+
+    suffix: str
+    members: dict[str, bytes]
+    meta: dict[str, Any]
+
+
+@dataclass
 class _Work:
-    """Per-item scratch: members to store, json metadata, filter features."""
+    """Per-item scratch: members to store, json metadata, filter features, and the pieces when
+    the item is cut into several samples."""
 
     features: Features
     meta: dict[str, Any]
     members: dict[str, bytes] = field(default_factory=dict)
-    windows: list[bytes] | None = None
+    windows: list[_Piece] | None = None
     thumb: np.ndarray | None = None
 
 
@@ -186,12 +208,12 @@ def _samples(item: Item, work: _Work) -> list[dict[str, Any]]:
         return [{"__key__": key, **base, "json": _json_bytes(work.meta)}]
     return [
         {
-            "__key__": f"{key}_{w:05d}",
+            "__key__": f"{key}_{piece.suffix}",
             **base,
-            "npy": npy,
-            "json": _json_bytes(work.meta | {"window": w}),
+            **piece.members,
+            "json": _json_bytes(work.meta | piece.meta),
         }
-        for w, npy in enumerate(work.windows)
+        for piece in work.windows
     ]
 
 
@@ -246,7 +268,21 @@ def _video(data: bytes, ext: str, opts: ProcessOptions, work: _Work) -> None:
         duration_s=round(clip.duration_s, 6),
         frames=int(round(clip.duration_s * clip.fps)),
     )
-    work.members[ext] = data
+    if opts.video is None:
+        work.members[ext] = data
+        return
+    measured, clips = split_video(data, opts.video, opts.max_pixels)
+    work.features.video_s = measured.duration_s  # the short-video filter sees decoded frames
+    if not opts.video.splits:  # one re-encoded video, same key
+        (clip,) = clips
+        work.members["mp4"] = clip.data
+        work.meta.update(clip.meta)
+        return
+    # Keys `<item key>_c0003`. No clip at all only when the video is shorter than the minimum
+    # clip, which the short-video filter (forced on by config_from_args) then removes.
+    work.windows = [
+        _Piece(f"c{c:04d}", {"mp4": clip.data}, clip.meta) for c, clip in enumerate(clips)
+    ]
 
 
 def _audio(data: bytes, ext: str, opts: ProcessOptions, work: _Work) -> None:
@@ -273,8 +309,10 @@ def _timeseries(data: bytes, ext: str, opts: ProcessOptions, work: _Work) -> Non
         return
     if length < window:
         raise MediaError(f"{length} time steps, fewer than one window of {window}")
+    starts = range(0, length - window + 1, window)
     work.windows = [
-        _npy_bytes(series[:, s : s + window]) for s in range(0, length - window + 1, window)
+        _Piece(f"{w:05d}", {"npy": _npy_bytes(series[:, s : s + window])}, {"window": w})
+        for w, s in enumerate(starts)
     ]
     work.meta["window_length"] = window
 
@@ -777,6 +815,39 @@ def add_build_arguments(parser: argparse.ArgumentParser) -> None:
     media.add_argument("--audio-rate", type=int, default=16000, help="resample audio to this rate")
     media.add_argument("--timeseries-window", type=int, help="cut time-series into windows of N")
     media.add_argument("--fix-text", action="store_true", help="repair mojibake (needs ftfy)")
+    video = parser.add_argument_group(
+        "video (each flag but --video-min-clip-seconds re-encodes videos to MP4, H.264 when "
+        "available; audio tracks are dropped)"
+    )
+    video.add_argument(
+        "--video-clip-seconds",
+        type=float,
+        metavar="S",
+        help="cut videos (within scenes) into windows of S s",
+    )
+    video.add_argument(
+        "--video-scene-threshold",
+        type=float,
+        metavar="T",
+        help="cut at frames differing from the previous one by more than T levels "
+        "(mean absolute RGB difference of 64-px-wide thumbnails, 0-255; about 30 for hard cuts)",
+    )
+    video.add_argument(
+        "--video-min-clip-seconds",
+        type=float,
+        metavar="S",
+        default=1.0,
+        help="shortest scene and clip kept when cutting (shorter videos are filtered)",
+    )
+    video.add_argument(
+        "--video-keyframe-interval",
+        type=int,
+        metavar="N",
+        help=f"a keyframe every N frames (default {DEFAULT_KEYFRAME_INTERVAL} when re-encoding)",
+    )
+    video.add_argument(
+        "--video-max-side", type=int, metavar="PIXELS", help="downscale frames to this longer side"
+    )
     f = parser.add_argument_group("filters (each off unless given)")
     f.add_argument("--dedup", action="store_true", help="drop exact duplicates (sha256)")
     f.add_argument(
@@ -874,6 +945,13 @@ def _check_args(args: argparse.Namespace) -> None:
     for name in ("image_max_side", "timeseries_window"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise FieldError(f"--{name.replace('_', '-')}", "must be at least 1")
+    splits_video = args.video_clip_seconds is not None or args.video_scene_threshold is not None
+    if splits_video and args.timeseries_window is not None:
+        raise FieldError(
+            "--timeseries-window",
+            "cannot be combined with --video-clip-seconds or --video-scene-threshold: each cuts a "
+            "sample into several; build the two modalities separately",
+        )
     if not 0 <= args.max_reject_rate <= 1:
         raise FieldError("--max-reject-rate", "must be between 0 and 1")
     if args.fix_text:
@@ -893,10 +971,36 @@ def _check_args(args: argparse.Namespace) -> None:
         raise FieldError("--out", f"{args.out} is SRC; write the shards to another folder")
 
 
+def _clip_options(args: argparse.Namespace) -> ClipOptions | None:
+    """The video options, or None when videos are stored as they are."""
+    flags = (args.video_clip_seconds, args.video_scene_threshold)
+    flags += (args.video_keyframe_interval, args.video_max_side)
+    if all(flag is None for flag in flags):
+        return None
+    try:
+        return ClipOptions(
+            clip_s=args.video_clip_seconds,
+            scene_threshold=args.video_scene_threshold,
+            min_clip_s=args.video_min_clip_seconds,
+            keyframe_interval=DEFAULT_KEYFRAME_INTERVAL
+            if args.video_keyframe_interval is None
+            else args.video_keyframe_interval,
+            max_side=args.video_max_side,
+        )
+    except ValueError as err:  # the message starts with the ClipOptions field at fault
+        field_name = str(err).split()[0]
+        raise FieldError(VIDEO_FLAGS.get(field_name, "--video-clip-seconds"), str(err)) from None
+
+
 def config_from_args(args: argparse.Namespace) -> tuple[Source, BuildConfig]:
     """Validate the parsed options; the source to read and the build configuration."""
     _check_args(args)
     filters = _filter_config(args)
+    video = _clip_options(args)
+    if video is not None and video.splits:
+        # A video shorter than the minimum clip gives no clip: filter it, counted as short_video.
+        shortest = max(filters.min_video_s or 0.0, video.min_clip_s)
+        filters = dataclasses.replace(filters, min_video_s=shortest)
     source = open_source(str(args.src), parse_columns(args.columns), args.out)
     relevance_size = None
     if filters.needs_relevance:
@@ -916,6 +1020,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[Source, BuildConfig]:
         max_pixels=args.max_pixels,
         audio_rate=args.audio_rate,
         timeseries_window=args.timeseries_window,
+        video=video,
         fix_text=args.fix_text,
         sharpness=filters.min_sharpness is not None,
         phash=filters.near_duplicate_bits is not None,
