@@ -2,10 +2,11 @@
 
 - `build SRC --out DIR [...]`: ingest files, a table or shards into filtered shards with a
   manifest (options and work in `mmtrain.data.ingest`).
-- `inspect DIR|PATTERN [--json]`: shards, samples, sample counts per extension and modality, the
-  manifest's filter statistics and command, sizes and sha256 checked against the manifest,
-  refused (unsafe) members and damaged shards. Exit code 1 when a shard does not match its
-  manifest or is damaged.
+- `inspect DIR|PATTERN [--verify] [--json] [--contact-sheet FILE.png]`: shards, samples, sample
+  counts per extension and modality, the manifest's filter statistics and command, sizes and
+  sha256 checked against the manifest, refused (unsafe) members and damaged shards; `--verify`
+  decodes every member and lists corrupt ones (logic in `mmtrain.data.inspect`). Exit code 1
+  when a shard does not match its manifest, is damaged, or holds corrupt samples; 2 bad input.
 - `order DIR|PATTERN --seed S --epoch E [--world-size W --rank R] [--skip N] [--limit N]`: the keys
   rank R reads in epoch E, one per line, after N global samples were consumed — the tool to debug
   reproducibility (`--skip` is what a resumed loader has behind it: steps x global batch).
@@ -20,15 +21,9 @@ from typing import Any
 
 from mmtrain.cli import UsageError
 from mmtrain.data.ingest import add_build_arguments, run_build
+from mmtrain.data.inspect import contact_sheet, inspect_shards, open_shards
 from mmtrain.data.loader import planned_samples
-from mmtrain.data.shards import (
-    MANIFEST_NAME,
-    ShardSet,
-    expand_shards,
-    read_manifest,
-    verify_manifest,
-)
-from mmtrain.data.sources import EXTENSION_MODALITY
+from mmtrain.data.shards import ShardSet
 
 ORDER = 30
 
@@ -42,11 +37,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     build.set_defaults(func=run_build)
 
     inspect = commands.add_parser(
-        "inspect", help="shards, samples, modalities; verify the manifest"
+        "inspect",
+        help="shards, samples, modalities; verify the manifest and decode samples",
+        description="Report shards, samples, modalities, sizes and the manifest's filter "
+        "statistics; check shards against the manifest; optionally decode every sample "
+        "(--verify) and draw a contact sheet. Exit code: 0 clean; 1 when a shard does not "
+        "match its manifest, a shard is damaged (truncated) or --verify finds corrupt samples; "
+        "2 bad input (no shards, unreadable manifest, bad option).",
     )
     inspect.add_argument("shards", nargs="+", help="shard folder, .tar file, glob or brace pattern")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.add_argument("--no-hash", action="store_true", help="check sizes only, not sha256")
+    inspect.add_argument(
+        "--verify",
+        action="store_true",
+        help="decode every member with the loader's decoders; list failures under 'corrupt'",
+    )
+    inspect.add_argument(
+        "--contact-sheet", metavar="FILE.png", help="write a PNG grid of a few samples with keys"
+    )
+    inspect.add_argument(
+        "--sheet-samples", type=int, default=16, help="samples on the contact sheet (default 16)"
+    )
     inspect.set_defaults(func=run_inspect)
 
     order = commands.add_parser("order", help="the keys a rank reads, in order")
@@ -96,67 +108,31 @@ def run_order(args: argparse.Namespace) -> int:
     return 0
 
 
-def inspect_shards(spec: str | list[str], check_hash: bool = True) -> dict[str, Any]:
-    """The report `data inspect` prints: a plain dict, also what `--json` writes."""
-    folder = Path(spec) if isinstance(spec, str) and Path(spec).is_dir() else None
-    manifest = None
-    if folder is not None and (folder / MANIFEST_NAME).is_file():
-        manifest = read_manifest(folder)
-    if manifest is not None:  # missing shards are reported by the verification below
-        paths = [folder / s["name"] for s in manifest["shards"] if (folder / s["name"]).is_file()]
-    else:
-        paths = expand_shards(spec)
-    sources = ShardSet.open(paths) if paths else ShardSet([])
-    problems = [str(p) for p in verify_manifest(folder, check_hash)] if manifest else []
-    listed = {s["name"]: s for s in (manifest or {}).get("shards", [])}
-    shards = []
-    extensions: dict[str, int] = {}
-    modalities: dict[str, int] = {}
-    for shard in sources.shards:
-        row = {"name": shard.name, "samples": len(shard), "bytes": shard.file_bytes}
-        expected = listed.get(shard.name)
-        if expected is not None and expected["samples"] != len(shard):
-            problems.append(
-                f"{shard.name}: {len(shard)} samples, manifest says {expected['samples']}"
-            )
-        shards.append(row)
-        for ext, n in shard.extension_counts().items():
-            extensions[ext] = extensions.get(ext, 0) + n
-    for ext, n in extensions.items():
-        modality = EXTENSION_MODALITY.get(ext.rsplit(".", 1)[-1])
-        if modality is not None:  # a sample has one member per modality
-            modalities[modality] = modalities.get(modality, 0) + n
-    damaged = [
-        {"shard": Path(d.shard).name, "offset": d.offset, "reason": d.reason}
-        for d in sources.damaged()
-    ]
-    problems += [f"{d['shard']}: damaged at byte {d['offset']}: {d['reason']}" for d in damaged]
-    return {
-        "path": str(spec),
-        "manifest": manifest is not None,
-        "shards": shards,
-        "samples": len(sources),
-        "bytes": sum(s["bytes"] for s in shards),
-        "modalities": modalities,
-        "extensions": dict(sorted(extensions.items())),
-        "counts": (manifest or {}).get("counts", {}),
-        "filters": (manifest or {}).get("filters", {}),
-        "command": (manifest or {}).get("command", ""),
-        "unsafe": [
-            {"shard": Path(m.shard).name, "member": m.member, "reason": m.reason}
-            for m in sources.skipped()
-        ],
-        "damaged": damaged,
-        "problems": problems,
-        "verified": "sha256" if manifest and check_hash else "size" if manifest else "none",
-    }
-
-
 def run_inspect(args: argparse.Namespace) -> int:
-    report = inspect_shards(_spec(args.shards), check_hash=not args.no_hash)
+    sheet = Path(args.contact_sheet) if args.contact_sheet else None
+    if sheet is not None:
+        if sheet.suffix.lower() != ".png":
+            raise UsageError(f"--contact-sheet {sheet}: the file name must end in .png")
+        if not sheet.parent.is_dir():
+            raise UsageError(f"--contact-sheet {sheet}: folder {sheet.parent} does not exist")
+    if args.sheet_samples < 1:
+        raise UsageError("--sheet-samples must be >= 1")
+    spec = _spec(args.shards)
+    report = inspect_shards(spec, check_hash=not args.no_hash, verify=args.verify)
+    if sheet is not None:
+        sources = open_shards(spec)[2]
+        report["contact_sheet"] = {
+            "path": str(sheet),
+            "keys": contact_sheet(sources, sheet, count=args.sheet_samples),
+        }
     if args.json:
         print(json.dumps(report, indent=2))
-        return 1 if report["problems"] else 0
+    else:
+        _print_report(report)
+    return 1 if report["problems"] else 0
+
+
+def _print_report(report: dict[str, Any]) -> None:
     listing = ", ".join(f"{k} {v:,}" for k, v in report["modalities"].items()) or "none recognised"
     print(f"{report['path']}: {len(report['shards'])} shards, {report['samples']:,} samples, "
           f"{report['bytes'] / 2**20:,.1f} MiB")  # fmt: skip
@@ -164,7 +140,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     print(f"  extensions  {', '.join(f'{k} {v:,}' for k, v in report['extensions'].items())}")
     if report["manifest"]:
         checked = "sizes and sha256" if report["verified"] == "sha256" else "sizes"
-        bad = len({p.split(":", 1)[0] for p in report["problems"]})
+        bad = len({p.split(":", 1)[0] for p in report["mismatched"]})
         print(f"  manifest    {len(report['shards']) - bad}/{len(report['shards'])} shards match "
               f"({checked})")  # fmt: skip
         if report["command"]:
@@ -173,10 +149,16 @@ def run_inspect(args: argparse.Namespace) -> int:
             print(f"  filter      {name}: {value}")
     else:
         print("  manifest    none (shards read as they are, nothing to verify against)")
+    if report["decoded"]:
+        print(f"  decoded     {report['decoded']:,} samples: {report['corrupt_samples']:,} corrupt")
     if report["unsafe"]:
-        print(f"  refused     {len(report['unsafe'])} member(s):")
+        print(f"  refused     {len(report['unsafe'])} member(s) (never reach a sample):")
         for m in report["unsafe"][:20]:
             print(f"    {m['shard']}: {m['member']}: {m['reason']}")
-    for problem in report["problems"]:
+    if "contact_sheet" in report:
+        sheet = report["contact_sheet"]
+        print(f"  contact     {sheet['path']} ({len(sheet['keys'])} samples)")
+    for problem in report["problems"][:50]:
         print(f"  PROBLEM     {problem}")
-    return 1 if report["problems"] else 0
+    if len(report["problems"]) > 50:
+        print(f"  ...         {len(report['problems']) - 50} more (--json lists all)")

@@ -226,6 +226,20 @@ class ImageTransform:
         pixels = (pixels - self._mean) * self._inv_std
         return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
 
+    def normalise(self, pixels: np.ndarray) -> torch.Tensor:
+        """uint8 [H, W, C] already at its final size -> normalised float32 [C, H, W].
+
+        Bit-for-bit what `apply` computes after its resize (the same float32 subtract and
+        multiply), in torch: about 4x faster than numpy's temporaries, which matters when the
+        pixels come from a pre-decoded cache and nothing else is left to do.
+        """
+        if not pixels.flags.writeable or not pixels.flags.c_contiguous:
+            pixels = np.array(pixels)  # torch wraps only writable arrays (a cache is read-only)
+        x = torch.from_numpy(pixels).permute(2, 0, 1)
+        x = x.to(torch.float32, memory_format=torch.contiguous_format)
+        mean = torch.from_numpy(self._mean).view(-1, 1, 1)
+        return x.sub_(mean).mul_(torch.from_numpy(self._inv_std).view(-1, 1, 1))
+
     def __call__(self, image: np.ndarray, rng: np.random.Generator | None = None) -> torch.Tensor:
         _check_image(image, "image")
         box, flip = self.sample_params(image.shape[0], image.shape[1], rng)
@@ -456,18 +470,22 @@ class SampleDecoder:
         self.max_pixels = max_pixels
 
     def __call__(self, sample: dict[str, Any], rng: np.random.Generator) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, tower in self.spec.towers.items():
-            ext = next((e for e in MODALITY_EXTENSIONS[tower.modality] if e in sample), None)
-            if ext is None:
-                present = sorted(k for k in sample if k != "__key__")
-                raise MediaError(
-                    f"no {tower.modality} member for tower {name!r} (has {', '.join(present)}; "
-                    f"expected one of {', '.join(MODALITY_EXTENSIONS[tower.modality])})"
-                )
-            value = self._decode(self.transforms[name], tower.stem, ext, sample[ext])
-            out[name] = self.transforms[name](value, rng)
-        return out
+        return {name: self.decode_tower(name, sample, rng) for name in self.spec.towers}
+
+    def decode_tower(
+        self, name: str, sample: dict[str, Any], rng: np.random.Generator
+    ) -> torch.Tensor:
+        """The tensor of tower `name` alone (what `__call__` does for each tower, in order)."""
+        tower = self.spec.towers[name]
+        ext = next((e for e in MODALITY_EXTENSIONS[tower.modality] if e in sample), None)
+        if ext is None:
+            present = sorted(k for k in sample if k != "__key__")
+            raise MediaError(
+                f"no {tower.modality} member for tower {name!r} (has {', '.join(present)}; "
+                f"expected one of {', '.join(MODALITY_EXTENSIONS[tower.modality])})"
+            )
+        value = self._decode(self.transforms[name], tower.stem, ext, sample[ext])
+        return self.transforms[name](value, rng)
 
     def _decode(self, transform: Transform, stem: Any, ext: str, data: bytes) -> Any:
         if isinstance(transform, ImageTransform):
