@@ -32,7 +32,11 @@ def _optimizer_state() -> dict:
 
 
 def test_round_trip_with_optimizer_rng_and_config(tmp_path):
-    state = {"optimizer": _optimizer_state(), "rng": capture_rng_state(), "loader": {"epoch": 2, "consumed": 17}}
+    state = {
+        "optimizer": _optimizer_state(),
+        "rng": capture_rng_state(),
+        "loader": {"epoch": 2, "consumed": 17},
+    }
     path = save_checkpoint(tmp_path, 10, _model(0), state, meta={"config": {"lr": 0.1}})
     assert path.name == "step_00000010"
     ckpt = load_checkpoint(path)  # uses torch.load(weights_only=True)

@@ -148,3 +148,19 @@ def test_cli_reports_a_bad_key_with_exit_code_2(tmp_path, capsys):
     code = main(["train", str(write(tmp_path)), "train.lrr=1e-3"])
     assert code == 2
     assert "train.lrr: unknown key (did you mean 'lr'?)" in capsys.readouterr().err
+
+
+def test_guards_eval_and_schedules_are_checked(tmp_path):
+    config = load_config(write(tmp_path))
+    assert config.guards.max_nonfinite_in_a_row == 3 and config.eval.every_steps is None
+    assert config.data.label_field == "label" and config.train.resolution_schedule == []
+    config = load_config(write(tmp_path), ["train.resolution_schedule=[[0, 48], [100, 64]]"])
+    assert config.train.resolution_schedule == [(0, 48), (100, 64)]
+    for override, field in (
+        ("train.resolution_schedule=[[10, 48], [5, 64]]", r"train.resolution_schedule\[1\]"),
+        ("train.frames_schedule=[[0, 0]]", r"train.frames_schedule\[0\]\[1\]"),
+        ("guards.rollback_lr_factor=0", "guards.rollback_lr_factor"),
+        ("eval.every_steps=10", "eval.every_steps"),  # no data.val
+    ):
+        with pytest.raises(FieldError, match=field):
+            load_config(write(tmp_path), [override])

@@ -182,8 +182,9 @@ def test_config_rejects_contradictory_relevance_settings():
 def test_relevance_scorer_is_clip_score_floored_at_zero(tmp_path):
     torch = pytest.importorskip("torch")
     import mmtrain
-    from mmtrain.data.filters import CLIP_MEAN, CLIP_STD, center_square, relevance_scorer
+    from mmtrain.data.filters import center_square, relevance_scorer
     from mmtrain.data.tokenizer import ByteTokenizer
+    from mmtrain.data.transforms import CLIP_MEAN, CLIP_STD
 
     model = mmtrain.create_model("tiny-clip", seed=0)
     scorer = relevance_scorer(mmtrain.save_model(model, tmp_path / "model"), batch_size=4)

@@ -14,7 +14,13 @@ from mmtrain.plan.estimate import make_plan
 from mmtrain.plan.inference import inference_memory, kv_cache_bytes
 from mmtrain.plan.memory import model_states
 from mmtrain.plan.model import PlanModel, Stack
-from mmtrain.plan.recommend import recommend
+from mmtrain.plan.recommend import (
+    DEFAULT_DEADLINE_H,
+    GPU_COUNTS,
+    TP_SIZES,
+    _per_sample,
+    recommend,
+)
 from mmtrain.plan.states import shard, state_bytes
 from mmtrain.plan.workloads import load_model
 from mmtrain.spec import preset_names
@@ -120,6 +126,7 @@ def test_user_hardware_yaml_extends_the_catalog(tmp_path):
     )
     catalog = default_catalog().extended(path)
     assert catalog.gpu("h100").price_per_gpu_hour == 1.25
+    assert catalog.gpu("h100").price_source == str(path)  # costs then name the user's file
     assert catalog.link("slow").gbps == 1
     path.write_text("gpus:\n  h100:\n    memory_usabel_gib: 3\n")
     with pytest.raises(FieldError, match="memory_usable_gib"):
@@ -162,9 +169,79 @@ def test_recommend_ranks_fitting_strategies_and_explains():
         ["h100", "b300"],
     )
     assert rec.ranked and all(p.memory.fits for p in rec.ranked)
-    costs = [p.config.gpus * p.time.price_per_gpu_hour * p.time.step_time_s for p in rec.ranked]
-    assert costs[0] <= min(costs) * (1 + 1e-9)
+    assert rec.by == "cost" and rec.deadline_h == DEFAULT_DEADLINE_H  # the default policy
+    assert all(p.time.time_to_train_s <= DEFAULT_DEADLINE_H * 3600 for p in rec.ranked)
+    assert "within 720 h" in rec.policy and "default" in rec.policy
+    costs = [p.time.cost for p in rec.ranked]
+    assert costs[0] <= min(costs) * 1.005  # scores equal to 3 significant figures tie
     assert rec.explanation.startswith("winner:") and "runner-up" in rec.explanation
+
+
+def _exhaustive(model, base, catalog, gpu, max_gpus):
+    """Every strategy that fits, without the search's pruning (small models only)."""
+    plans = []
+    for count in (c for c in GPU_COUNTS if c <= max_gpus):
+        for tp in (t for t in TP_SIZES if t <= count and count % t == 0):
+            dp = count // tp
+            if base.global_batch % dp or any(s.heads % tp for s in model.stacks):
+                continue
+            for zero in (0, 1, 2, 3) if dp > 1 else (0,):
+                for ac in ("none", "selective", "full"):
+                    mb = 1
+                    while mb <= base.global_batch // dp:
+                        cfg = PlanConfig(
+                            **{**vars(base), "gpu": gpu, "gpus": count, "tp": tp, "zero": zero}
+                            | {"ac": ac, "micro_batch": mb}
+                        )
+                        if base.global_batch % (mb * dp) == 0:
+                            plan = make_plan(model, cfg, catalog)
+                            if plan.memory.fits:
+                                plans.append(plan)
+                        mb *= 2
+    return plans
+
+
+@pytest.mark.parametrize("name", ["tiny-clip", "ViT-L-14"])
+def test_recommend_pruning_loses_no_optimum(name):
+    model, catalog = load_model(name), default_catalog()
+    base = PlanConfig(global_batch=64, samples=10**7)
+    every = _exhaustive(model, base, catalog, "a100-40g", 8)
+    for by in ("time", "cost"):
+        rec = recommend(model, base, catalog, ["a100-40g"], 8, by, deadline_h=1e9)
+        assert len(rec.ranked) < len(every)  # dominated strategies were pruned
+        best = min(_per_sample(p, by) for p in every)
+        assert _per_sample(rec.ranked[0], by) <= best * 1.005
+
+
+def test_recommend_deadline_and_default_order():
+    model, catalog = load_model("video-dit-30b"), default_catalog()
+    base = PlanConfig(global_batch=256, samples=10**6)
+    rec = recommend(model, base, catalog, ["b300"], 512, deadline_h=100)
+    assert rec.met_deadline and rec.ranked
+    assert all(p.time.time_to_train_s <= 100 * 3600 for p in rec.ranked)
+    assert rec.fitting > len(rec.ranked)  # slower strategies were dropped
+    late = recommend(model, base, catalog, ["b300"], 512, deadline_h=0.01)
+    assert not late.met_deadline and late.by == "time"
+    assert "none of the" in late.policy and "fastest first" in late.policy
+    times = [p.time.step_time_s / p.config.effective_global_batch for p in late.ranked]
+    assert times[0] <= min(times) * 1.005
+    no_samples = recommend(model, PlanConfig(global_batch=256), catalog, ["b300"], 512)
+    assert no_samples.by == "time" and no_samples.deadline_h is None
+    assert "--samples" in no_samples.policy
+    with pytest.raises(FieldError, match="needs --samples") as err:
+        recommend(model, PlanConfig(global_batch=256), catalog, ["b300"], 512, deadline_h=10)
+    assert err.value.path == "--deadline"
+
+
+def test_costs_print_currency_and_price_source(capsys):
+    argv = ["plan", "--model", "ViT-B-16", "--gpu", "h100", "--gpus", "8", "--samples", "10000000"]
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "at $2.50 per GPU-hour (indicative on-demand list price, catalog of 2026-11)" in out
+    assert main([*argv, "--price-per-gpu-hour", "1.1", "--json"]) == 0
+    time = json.loads(capsys.readouterr().out)["time"]
+    assert time["price_per_gpu_hour"] == 1.1 and time["price_source"] == "--price-per-gpu-hour"
+    assert time["currency"] == "USD"
 
 
 def test_inference_max_batch_and_mig():
@@ -279,6 +356,28 @@ def test_workload_table_and_recommend_cli(capsys, tmp_path):
         == 0
     )
     assert "winner:" in capsys.readouterr().out
+
+
+def test_fusion_only_model_states_leave_out_unused_projections():
+    model = load_model("tiny-fusion")  # no contrastive pairs: the towers' projections get no grad
+    unused = sum(s.unused_params for s in model.stacks)
+    assert unused == 3 * 64 * 64
+    assert model.trainable_params() == model.params() - unused
+    plan = make_plan(model, PlanConfig(precision="fp32"), default_catalog())
+    assert plan.memory.model_state_bytes == pytest.approx(
+        4 * model.params() + 12 * (model.params() - unused)
+    )
+    assert plan.memory.activations_by_stack["fusion head"] > 0
+
+
+def test_plan_cli_imports_no_torch():
+    code = (
+        "import sys; from mmtrain.cli import main; "
+        "main(['plan', '--model', 'tiny-clip', '--recommend', '--gpu', 'h100', '--json']); "
+        "print('torch' in sys.modules, file=sys.stderr)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stderr.strip().endswith("False")
 
 
 def test_planner_imports_no_torch():

@@ -12,11 +12,14 @@ from mmtrain.cli import main
     "argv",
     [
         ["--model", "tiny-clip", "--micro-batch", "4", "--ac", "none"],
-        ["--model", "tiny-clip", "--micro-batch", "16", "--ac", "selective", "--image-size", "96"],
+        ["--model", "tiny-clip", "--micro-batch", "8", "--ac", "selective", "--image-size", "96"],
         ["--model", "tiny-clip", "--micro-batch", "3", "--ac", "full", "--context", "20"],
         ["--model", "tiny-clip", "--micro-batch", "4", "--freeze", "text"],
         ["--model", "tiny-multimodal", "--micro-batch", "8", "--ac", "none"],
         ["--model", "tiny-multimodal", "--micro-batch", "2", "--ac", "full"],
+        ["--model", "tiny-fusion", "--micro-batch", "4", "--ac", "none"],
+        ["--model", "tiny-fusion", "--micro-batch", "8", "--ac", "selective", "--freeze", "text"],
+        ["--model", "tiny-fusion", "--micro-batch", "3", "--ac", "full", "--image-size", "64"],
     ],
 )
 def test_measure_agrees_with_prediction(capsys, argv):

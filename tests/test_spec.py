@@ -54,15 +54,35 @@ def _tiny_dict():
 @pytest.mark.parametrize(
     "mutate, field, words",
     [
-        (lambda d: d["towers"]["image"].update(widht=3), "towers.image.widht", "did you mean 'width'"),
-        (lambda d: d["towers"]["image"].update(activation="relu"), "towers.image.activation", "quick_gelu"),
-        (lambda d: d["towers"]["image"].update(heads=3), "towers.image.heads", "does not divide width"),
+        (
+            lambda d: d["towers"]["image"].update(widht=3),
+            "towers.image.widht",
+            "did you mean 'width'",
+        ),
+        (
+            lambda d: d["towers"]["image"].update(activation="relu"),
+            "towers.image.activation",
+            "quick_gelu",
+        ),
+        (
+            lambda d: d["towers"]["image"].update(heads=3),
+            "towers.image.heads",
+            "does not divide width",
+        ),
         (lambda d: d["towers"]["image"].update(layers="two"), "towers.image.layers", "integer"),
         (lambda d: d["towers"]["text"].update(modality="speech"), "towers.text.modality", "one of"),
         (lambda d: d.update(pairs=[["image", "txt"]]), "pairs[0][1]", "did you mean 'text'"),
         (lambda d: d.update(objective="infonce"), "objective", "siglip"),
-        (lambda d: d["towers"]["image"]["stem"].update(patch_size=0), "towers.image.stem.patch_size", "positive"),
-        (lambda d: d["towers"]["image"].update(pooling="eot"), "towers.image.pooling", "text tower"),
+        (
+            lambda d: d["towers"]["image"]["stem"].update(patch_size=0),
+            "towers.image.stem.patch_size",
+            "positive",
+        ),
+        (
+            lambda d: d["towers"]["image"].update(pooling="eot"),
+            "towers.image.pooling",
+            "text tower",
+        ),
     ],
 )
 def test_validation_errors_name_the_field(mutate, field, words):

@@ -25,7 +25,7 @@ from mmtrain.train.checkpoint import latest_checkpoint, list_checkpoints, load_c
 from mmtrain.train.loop import forward_backward, optimizer_step, train
 from mmtrain.train.metrics import LossSpikes
 from mmtrain.train.optim import freeze_parameters, lr_factor, param_groups
-from mmtrain.train.parallel import checkpoint_tower_blocks
+from mmtrain.train.parallel import apply_activation_checkpointing
 from mmtrain.train.precision import make_precision
 
 MICRO_SPEC = {
@@ -158,8 +158,11 @@ def test_crash_and_resume_ends_bitwise_identical(tmp_path, shards):
     assert a == b, "a resumed run must end with the same weights, bit for bit"
 
     # The run folder reads like one run: each step logged once, same losses as the straight run.
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in records if "kind" not in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    # One memory plan per start: the first run's (step 0) and the resumed run's (step 2).
+    assert [r["step"] for r in records if r.get("kind") == "plan"] == [0, 2]
     assert [r["loss"] for r in rows] == [r["loss"] for r in full.history]
     assert rows[-1]["corrupt_samples"] == full.corrupt_samples and rows[-1]["samples_seen"] == 48
 
@@ -300,9 +303,10 @@ def test_metrics_rows_hold_what_users_watch(tmp_path, shards):
     config.metrics.peak_tflops = 1.0  # a known peak gives MFU also on a CPU
     config.train.ema = 0.9
     train(config)
-    rows = [
+    records = [
         json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     ]
+    rows = [r for r in records if "kind" not in r]
     assert len(rows) == 2
     expected = {
         "loss", "loss/image-text", "lr", "logit_scale", "grad_norm", "samples_per_s", "step_s",
@@ -331,9 +335,9 @@ def test_activation_checkpointing_per_tower_keeps_the_gradient():
     precision = make_precision("fp32", torch.device("cpu"))
     plain = micro_model()
     forward_backward(plain, plain, ContrastiveLoss("clip"), [batch], precision)
-    recomputed = checkpoint_tower_blocks(micro_model(), ["image"])
+    recomputed = apply_activation_checkpointing(micro_model(), "full", ["image"])
     forward_backward(recomputed, recomputed, ContrastiveLoss("clip"), [batch], precision)
     for (name, a), b in zip(plain.named_parameters(), recomputed.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, msg=name)
     with pytest.raises(FieldError, match="no tower 'audio'"):
-        checkpoint_tower_blocks(micro_model(), ["audio"])
+        apply_activation_checkpointing(micro_model(), "full", ["audio"])

@@ -12,6 +12,7 @@ import yaml
 import mmtrain
 from dist_helpers import run_distributed
 from mmtrain.config import config_from_dict
+from mmtrain.train.checkpoint import load_checkpoint
 from test_train import MICRO_SPEC, make_shards
 
 pytestmark = pytest.mark.slow
@@ -56,6 +57,10 @@ def test_two_ranks_follow_one_rank_and_resume_on_one(tmp_path):
         torch.tensor(losses[0]), torch.tensor(expected[:3]), rtol=1e-4, atol=1e-5
     )
 
+    # Each rank's RNG states are saved, as a list by rank; ONE process resumes from entry 0.
+    saved = load_checkpoint(tmp_path / "two" / "run" / "checkpoints" / "step_00000002")
+    assert len(saved.state["rng"]) == 2
+
     resumed = _train_rank(0, 1, _config(tmp_path / "two", shards, micro_batch=8))
     torch.testing.assert_close(
         torch.tensor(resumed), torch.tensor(expected[2:]), rtol=1e-4, atol=1e-5
@@ -66,4 +71,5 @@ def test_two_ranks_follow_one_rank_and_resume_on_one(tmp_path):
     for name, value in one.items():
         torch.testing.assert_close(two[name], value, rtol=1e-3, atol=1e-5, msg=name)
     rows = (tmp_path / "two" / "run" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(r)["step"] for r in rows] == [1, 2, 3, 4]  # rank 0 alone writes
+    steps = [json.loads(r)["step"] for r in rows if "kind" not in json.loads(r)]
+    assert steps == [1, 2, 3, 4]  # rank 0 alone writes

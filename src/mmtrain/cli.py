@@ -17,11 +17,15 @@ from mmtrain import __version__
 from mmtrain.structured import FieldError
 
 
-
-def command_modules() -> list:
+def command_modules(only: str | None = None) -> list:
+    """Every command module, or just `only`'s when a module of that name exists: a command then
+    starts without importing what the others need (torch, for instance)."""
     import mmtrain.commands as package
 
-    modules = [importlib.import_module(f"{package.__name__}.{m.name}") for m in pkgutil.iter_modules(package.__path__)]
+    names = [m.name for m in pkgutil.iter_modules(package.__path__)]
+    if only in names:
+        names = [only]
+    modules = [importlib.import_module(f"{package.__name__}.{name}") for name in names]
     return sorted(modules, key=lambda m: (getattr(m, "ORDER", 100), m.__name__))
 
 
@@ -29,18 +33,21 @@ class UsageError(Exception):
     """Bad input from the user: printed without a traceback, exit code 2."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; given `argv`, only the command it names is registered (see command_modules)."""
     parser = argparse.ArgumentParser(prog="mmtrain", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"mmtrain {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in command_modules():
+    command = next((a for a in argv or [] if not a.startswith("-")), None)
+    for module in command_modules(command):
         module.register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

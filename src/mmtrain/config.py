@@ -45,6 +45,10 @@ class DataConfig:
     tokenizer: str = "byte"  # "byte", a tokenizer.json, or OpenCLIP's BPE merges file
     workers: int = 0  # decode processes per rank; never changes the order of samples
     shuffle_window: int = 1000  # samples shuffled together inside the shard order
+    # Labels of fusion heads: the sample's `.cls` member, else this field of its `.json` member
+    # (an integer class, a class name from `class_names`, or a number/list for regression).
+    label_field: str = "label"
+    class_names: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -78,6 +82,32 @@ class TrainConfig:
     compile: bool = False  # torch.compile the towers (slower on CPU)
     ema: float | None = None  # decay of an exponential moving average of the weights
     device: str = "auto"  # auto: cuda when available
+    fusion_weight: float = 1.0  # weight of the fusion head's loss beside the contrastive loss
+    # Progressive resolution: [[from_step, image_size], ...] for image and video towers and
+    # [[from_step, frames], ...] for video towers; the model spec keeps the full size and the
+    # position embeddings are interpolated (see mmtrain.train.resolution). Empty: full size.
+    resolution_schedule: list[tuple[int, int]] = field(default_factory=list)
+    frames_schedule: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class GuardConfig:
+    """What the loop does about non-finite losses and gradients."""
+
+    max_nonfinite_in_a_row: int = 3  # then roll back to the last valid checkpoint
+    rollback_lr_factor: float = 1.0  # multiply every learning rate by this at each rollback
+    max_rollbacks: int = 3  # then stop: the run diverges even from its last good state
+    # Fault injection (tests, issue 7's suite): at these steps the first micro-batch's float
+    # inputs are overwritten with NaN, once per step number per process. Leave empty.
+    inject_nan_steps: list[int] = field(default_factory=list)
+
+
+@dataclass
+class EvalConfig:
+    """Periodic validation on `data.val` (run on every rank, each embedding its share)."""
+
+    every_steps: int | None = None  # null: only at the end of training (when data.val is set)
+    batch_size: int = 64  # samples per forward per rank
 
 
 @dataclass
@@ -101,6 +131,8 @@ class RunConfig:
     train: TrainConfig
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    guards: GuardConfig = field(default_factory=GuardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     seed: int = 0
     out: str = "runs/run"
 
@@ -146,6 +178,9 @@ class RunConfig:
             _at_least(f"train.towers.{name}.freeze_blocks", tower.freeze_blocks, 0)
         if t.micro_batch is not None:
             _at_least("train.micro_batch", t.micro_batch, 1)
+        _at_least("train.fusion_weight", t.fusion_weight, 0.0)
+        _check_schedule("train.resolution_schedule", t.resolution_schedule)
+        _check_schedule("train.frames_schedule", t.frames_schedule)
         if t.batch_size % world_size:
             raise FieldError(
                 "train.batch_size",
@@ -174,6 +209,18 @@ class RunConfig:
                     f"data.train[{i}].weight", f"must be positive, got {source.weight}"
                 )
         _at_least("metrics.log_every", self.metrics.log_every, 1)
+        g = self.guards
+        _at_least("guards.max_nonfinite_in_a_row", g.max_nonfinite_in_a_row, 1)
+        _at_least("guards.max_rollbacks", g.max_rollbacks, 0)
+        if not 0.0 < g.rollback_lr_factor <= 1.0:
+            raise FieldError(
+                "guards.rollback_lr_factor", f"must be in (0, 1], got {g.rollback_lr_factor}"
+            )
+        if self.eval.every_steps is not None:
+            _at_least("eval.every_steps", self.eval.every_steps, 1)
+            if not self.data.val:
+                raise FieldError("eval.every_steps", "needs validation shards in data.val")
+        _at_least("eval.batch_size", self.eval.batch_size, 1)
         if self.metrics.peak_tflops is not None and self.metrics.peak_tflops <= 0:
             raise FieldError(
                 "metrics.peak_tflops", f"must be positive, got {self.metrics.peak_tflops}"
@@ -191,6 +238,18 @@ class RunConfig:
 def _at_least(path: str, value: float, low: float) -> None:
     if value < low:
         raise FieldError(path, f"must be at least {low}, got {value}")
+
+
+def _check_schedule(path: str, schedule: list[tuple[int, int]]) -> None:
+    """[[step, value], ...] with steps >= 0 strictly increasing and positive values."""
+    previous = -1
+    for i, (step, value) in enumerate(schedule):
+        if step <= previous:
+            raise FieldError(
+                f"{path}[{i}]", f"steps must be >= 0 and increasing, got {step} after {previous}"
+            )
+        _at_least(f"{path}[{i}][1]", value, 1)
+        previous = step
 
 
 # ----------------------------------------------------------------------------- YAML
@@ -343,6 +402,8 @@ __all__ = [
     "CheckpointConfig",
     "DataConfig",
     "DataSource",
+    "EvalConfig",
+    "GuardConfig",
     "MetricsConfig",
     "RunConfig",
     "TowerTrainConfig",

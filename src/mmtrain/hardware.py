@@ -8,6 +8,11 @@ allocate (`memory_usable_gib`, as nvidia-smi reports it). The planner uses only 
 Names are matched case-insensitively, ignoring spaces, dashes and underscores, against the key,
 its aliases and the full name, so `B300`, `hgx-b300` and `NVIDIA B300 SXM (Blackwell Ultra)` are
 one GPU. A user YAML (`--hardware FILE`) adds or overrides GPUs and interconnects.
+
+Prices (`price_per_gpu_hour`) are indicative on-demand list prices in US dollars per GPU-hour,
+rounded, as set for this catalog in 2026-11 from public cloud list prices (no single provider's
+quote; reserved and spot prices are often half of them or less). They only rank strategies
+and give an order of magnitude: pass `--price-per-gpu-hour` (or a YAML row) with your own.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from mmtrain.structured import FieldError, closest, from_dict
 DATA_DIR = Path(__file__).parent / "hardware"
 GIB = 1024**3
 GB = 10**9
+CURRENCY = "USD"
+PRICE_SOURCE = "indicative on-demand list price, catalog of 2026-11"
 
 
 @dataclass(frozen=True)
@@ -71,7 +78,8 @@ class GPU:
     network: str  # interconnect key between nodes
     mig_profiles: tuple[MigProfile, ...] = ()
     tdp_w: float | None = None
-    price_per_gpu_hour: float | None = None  # indicative; override with --price-per-gpu-hour
+    price_per_gpu_hour: float | None = None  # USD, indicative; override with --price-per-gpu-hour
+    price_source: str = PRICE_SOURCE  # where the price comes from, printed beside costs
     aliases: tuple[str, ...] = ()
     source: str = ""
     notes: str = ""
@@ -157,6 +165,8 @@ class Catalog:
             )
         gpus = dict(self.gpus)
         for key, row in (data.get("gpus") or {}).items():
+            if isinstance(row, dict) and "price_per_gpu_hour" in row:
+                row.setdefault("price_source", str(path))  # the user's price, not the catalog's
             gpus[key] = _gpu_from_yaml(key, row, gpus.get(key), f"{path}: gpus.{key}")
         return Catalog(gpus, links)
 

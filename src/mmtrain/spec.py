@@ -56,7 +56,10 @@ class ImageStem:
         # (SigLIP's 384 px at patch 14 sees a 27 x 27 grid).
         _positive(path, self, "image_size", "patch_size", "channels")
         if self.patch_size > self.image_size:
-            raise FieldError(f"{path}.patch_size", f"{self.patch_size} is larger than image_size {self.image_size}")
+            raise FieldError(
+                f"{path}.patch_size",
+                f"{self.patch_size} is larger than image_size {self.image_size}",
+            )
 
 
 @dataclass(frozen=True)
@@ -85,9 +88,14 @@ class VideoStem:
     def validate(self, path: str) -> None:
         _positive(path, self, "frames", "tubelet", "image_size", "patch_size", "channels")
         if self.patch_size > self.image_size:
-            raise FieldError(f"{path}.patch_size", f"{self.patch_size} is larger than image_size {self.image_size}")
+            raise FieldError(
+                f"{path}.patch_size",
+                f"{self.patch_size} is larger than image_size {self.image_size}",
+            )
         if self.frames % self.tubelet:
-            raise FieldError(f"{path}.tubelet", f"{self.tubelet} does not divide frames {self.frames}")
+            raise FieldError(
+                f"{path}.tubelet", f"{self.tubelet} does not divide frames {self.frames}"
+            )
 
 
 @dataclass(frozen=True)
@@ -120,9 +128,14 @@ class AudioStem:
         if self.n_mels % self.patch:
             raise FieldError(f"{path}.patch", f"{self.patch} does not divide n_mels {self.n_mels}")
         if self.mel_frames() < self.patch:
-            raise FieldError(f"{path}.clip_seconds", f"{self.clip_seconds}s gives {self.mel_frames()} frames, fewer than one patch ({self.patch})")
+            raise FieldError(
+                f"{path}.clip_seconds",
+                f"{self.clip_seconds}s gives {self.mel_frames()} frames, fewer than one patch ({self.patch})",
+            )
         if self.n_fft // 2 + 1 < self.n_mels:
-            raise FieldError(f"{path}.n_mels", f"{self.n_mels} mel bands need n_fft >= {2 * (self.n_mels - 1)}")
+            raise FieldError(
+                f"{path}.n_mels", f"{self.n_mels} mel bands need n_fft >= {2 * (self.n_mels - 1)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -277,7 +290,10 @@ class TowerSpec:
         pool = 0
         if self.pooling == "map":
             mlp_mats = 3 if self.activation == "swiglu" else 2
-            pool = 2 * (w * w + t * 2 * w * w + w * w + mlp_mats * w * self.mlp_hidden()) + 2 * 2 * t * w
+            pool = (
+                2 * (w * w + t * 2 * w * w + w * w + mlp_mats * w * self.mlp_hidden())
+                + 2 * 2 * t * w
+            )
         proj = 2 * w * embed_dim if self.output_proj else 0
         return stem + self.layers * self.block_flops() + pool + proj
 
@@ -285,7 +301,9 @@ class TowerSpec:
         check_choice(f"{path}.modality", self.modality, MODALITIES)
         expected = STEMS[self.modality]
         if not isinstance(self.stem, expected):
-            raise FieldError(f"{path}.stem", f"a {self.modality} tower needs {expected.__name__} fields")
+            raise FieldError(
+                f"{path}.stem", f"a {self.modality} tower needs {expected.__name__} fields"
+            )
         self.stem.validate(f"{path}.stem")
         _positive(path, self, "width", "layers", "heads", "mlp_ratio", "norm_eps")
         check_choice(f"{path}.activation", self.activation, ACTIVATIONS)
@@ -294,9 +312,14 @@ class TowerSpec:
         if self.width % self.heads:
             raise FieldError(f"{path}.heads", f"{self.heads} does not divide width {self.width}")
         if self.pooling == "eot" and self.modality != "text":
-            raise FieldError(f"{path}.pooling", "'eot' pooling needs a text tower; use cls, mean or map")
+            raise FieldError(
+                f"{path}.pooling", "'eot' pooling needs a text tower; use cls, mean or map"
+            )
         if not self.output_proj and self.width != embed_dim:
-            raise FieldError(f"{path}.output_proj", f"false needs width ({self.width}) == embed_dim ({embed_dim})")
+            raise FieldError(
+                f"{path}.output_proj",
+                f"false needs width ({self.width}) == embed_dim ({embed_dim})",
+            )
 
 
 # ----------------------------------------------------------------------------- fusion head
@@ -317,14 +340,20 @@ class FusionSpec:
     def params(self, tower_widths: dict[str, int]) -> int:
         w = self.width
         h = int(w * self.mlp_ratio)
-        inputs = sum(tw * w + w for tw in tower_widths.values())  # per-tower linear into fusion width
+        inputs = sum(
+            tw * w + w for tw in tower_widths.values()
+        )  # per-tower linear into fusion width
         modality_embeddings = len(tower_widths) * w
         queries = self.queries * w
         layer = (
             2 * (2 * w)  # norm of queries, norm of memory
-            + 4 * w * w + 4 * w  # q, k, v, out projections with biases
+            + 4 * w * w
+            + 4 * w  # q, k, v, out projections with biases
             + 2 * w  # norm before the MLP
-            + w * h + h + h * w + w
+            + w * h
+            + h
+            + h * w
+            + w
         )
         head = 2 * w + w * self.num_outputs + self.num_outputs  # final norm + linear
         return inputs + modality_embeddings + queries + self.layers * layer + head
@@ -334,7 +363,11 @@ class FusionSpec:
         h = int(w * self.mlp_ratio)
         memory = sum(tower_tokens.values())
         inputs = sum(2 * tower_tokens[n] * tower_widths[n] * w for n in tower_tokens)
-        layer = 2 * (q * w * w + 2 * memory * w * w + q * w * w) + 2 * 2 * q * memory * w + 2 * 2 * q * w * h
+        layer = (
+            2 * (q * w * w + 2 * memory * w * w + q * w * w)
+            + 2 * 2 * q * memory * w
+            + 2 * 2 * q * w * h
+        )
         return inputs + self.layers * layer + 2 * w * self.num_outputs
 
     def validate(self, path: str, tower_names: list[str]) -> None:
@@ -344,7 +377,9 @@ class FusionSpec:
             raise FieldError(f"{path}.heads", f"{self.heads} does not divide width {self.width}")
         for i, name in enumerate(self.towers):
             if name not in tower_names:
-                raise FieldError(f"{path}.towers[{i}]", f"no tower named {name!r}{closest(name, tower_names)}")
+                raise FieldError(
+                    f"{path}.towers[{i}]", f"no tower named {name!r}{closest(name, tower_names)}"
+                )
 
 
 # ----------------------------------------------------------------------------- model
@@ -376,11 +411,16 @@ class ModelSpec:
         for i, pair in enumerate(self.pairs):
             for j, name in enumerate(pair):
                 if name not in self.towers:
-                    raise FieldError(f"pairs[{i}][{j}]", f"no tower named {name!r}{closest(name, names)}; towers: {', '.join(names)}")
+                    raise FieldError(
+                        f"pairs[{i}][{j}]",
+                        f"no tower named {name!r}{closest(name, names)}; towers: {', '.join(names)}",
+                    )
             if pair[0] == pair[1]:
                 raise FieldError(f"pairs[{i}]", f"a pair needs two different towers, got {pair}")
         if not self.pairs and self.fusion is None:
-            raise FieldError("pairs", "give the tower pairs to align (e.g. [[image, text]]) or a fusion head")
+            raise FieldError(
+                "pairs", "give the tower pairs to align (e.g. [[image, text]]) or a fusion head"
+            )
         if self.fusion is not None:
             self.fusion.validate("fusion", names)
 
@@ -418,7 +458,8 @@ class ModelSpec:
         if self.fusion is not None:
             fused = self.fused_towers()
             total += self.fusion.flops(
-                {n: self.towers[n].tokens() for n in fused}, {n: self.towers[n].width for n in fused}
+                {n: self.towers[n].tokens() for n in fused},
+                {n: self.towers[n].width for n in fused},
             )
         return total
 
@@ -438,7 +479,11 @@ class ModelSpec:
     def save(self, path: str | Path) -> None:
         path = Path(path)
         data = self.to_dict()
-        text = json.dumps(data, indent=2) if path.suffix == ".json" else yaml.safe_dump(data, sort_keys=False)
+        text = (
+            json.dumps(data, indent=2)
+            if path.suffix == ".json"
+            else yaml.safe_dump(data, sort_keys=False)
+        )
         path.write_text(text)
 
     @classmethod
@@ -451,7 +496,9 @@ class ModelSpec:
         try:
             data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
         except (json.JSONDecodeError, yaml.YAMLError) as err:
-            raise FieldError("", f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {err}") from None
+            raise FieldError(
+                "", f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {err}"
+            ) from None
         return cls.from_dict(data, source=str(path))
 
 
@@ -502,7 +549,10 @@ def load_spec(name_or_path: str | Path) -> ModelSpec:
         return ModelSpec.load(path)
     by_lower = {n.lower(): n for n in preset_names()}
     if text.lower() not in by_lower:
-        raise FieldError("model", f"unknown preset {text!r}{closest(text, preset_names())}; presets: {', '.join(preset_names())}")
+        raise FieldError(
+            "model",
+            f"unknown preset {text!r}{closest(text, preset_names())}; presets: {', '.join(preset_names())}",
+        )
     return ModelSpec.load(PRESET_DIR / f"{by_lower[text.lower()]}.yaml")
 
 

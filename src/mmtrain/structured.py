@@ -33,7 +33,9 @@ def closest(name: str, choices: typing.Iterable[str]) -> str:
 
 def check_choice(path: str, value: str, allowed: typing.Sequence[str]) -> None:
     if value not in allowed:
-        raise FieldError(path, f"{value!r} is not one of {', '.join(allowed)}{closest(str(value), allowed)}")
+        raise FieldError(
+            path, f"{value!r} is not one of {', '.join(allowed)}{closest(str(value), allowed)}"
+        )
 
 
 def from_dict(cls: type[T], data: Any, path: str = "") -> T:
@@ -51,7 +53,9 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     for key, value in data.items():
         sub = f"{path}.{key}" if path else str(key)
         if key not in known:
-            raise FieldError(sub, f"unknown key{closest(str(key), known)}; valid keys: {', '.join(known)}")
+            raise FieldError(
+                sub, f"unknown key{closest(str(key), known)}; valid keys: {', '.join(known)}"
+            )
         kwargs[key] = convert(hints[key], value, sub)
     missing = [
         name
@@ -92,7 +96,10 @@ def convert(tp: Any, value: Any, path: str) -> Any:
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
                 raise FieldError(path, f"expected {len(args)} items, got {len(value)}")
-            return tuple(convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+            return tuple(
+                convert(a, v, f"{path}[{i}]")
+                for i, (a, v) in enumerate(zip(args, value, strict=True))
+            )
         item = args[0] if args else Any
         items = [convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items

@@ -12,9 +12,10 @@ import json
 from dataclasses import replace
 
 from mmtrain.cli import UsageError
-from mmtrain.hardware import GIB, load_catalog
+from mmtrain.hardware import GIB, PRICE_SOURCE, load_catalog
 from mmtrain.plan.config import AC_MODES, ATTENTION, OPTIMIZERS, PRECISIONS, PlanConfig
 from mmtrain.plan.estimate import Plan, make_plan
+from mmtrain.plan.recommend import DEFAULT_DEADLINE_H
 from mmtrain.plan.workloads import load_model, load_workloads
 
 ORDER = 20
@@ -53,7 +54,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--global-batch", type=int, default=None)
     p.add_argument("--samples", type=int, default=0, help="samples to train (time and cost)")
-    p.add_argument("--price-per-gpu-hour", type=float, default=None)
+    p.add_argument(
+        "--price-per-gpu-hour",
+        type=float,
+        default=None,
+        help="USD per GPU-hour (default: the catalog's indicative on-demand list price)",
+    )
     p.add_argument(
         "--mfu",
         type=float,
@@ -91,7 +97,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="search GPU type and count, ZeRO, TP, AC and micro-batch",
     )
-    p.add_argument("--rank-by", default="cost", choices=("cost", "time"))
+    p.add_argument(
+        "--rank-by",
+        default=None,
+        choices=("cost", "time"),
+        help="--recommend order (default: cost within --deadline when --samples is given, else time)",
+    )
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        metavar="HOURS",
+        help=f"--recommend: keep strategies that train --samples within HOURS (default {DEFAULT_DEADLINE_H:g} when ranking by cost)",
+    )
     p.add_argument("--max-gpus", type=int, default=512)
     p.add_argument(
         "--inference", action="store_true", help="serving memory: weights, KV cache, max batch, MIG"
@@ -190,6 +208,15 @@ def _gib(n: float) -> str:
     return f"{n / GIB:,.2f}"
 
 
+def _usd(n: float) -> str:
+    return f"${n:,.0f}" if n >= 100 else f"${n:,.2f}"
+
+
+def _price(t) -> str:
+    """`$2.50 per GPU-hour (indicative on-demand list price, ...)`: the price and its source."""
+    return f"${t.price_per_gpu_hour:,.2f} per GPU-hour ({t.price_source})"
+
+
 def _print_plan(plan: Plan, measured: dict | None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -248,7 +275,7 @@ def _print_plan(plan: Plan, measured: dict | None) -> None:
     )
     if c.samples:
         console.print(
-            f"{c.samples:,} samples: {t.time_to_train_s / 3600:,.2f} h, {t.cost:,.0f} at {t.price_per_gpu_hour:.2f} per GPU-hour"
+            f"{c.samples:,} samples: {t.time_to_train_s / 3600:,.2f} h, {_usd(t.cost)} at {_price(t)}; --price-per-gpu-hour overrides"
         )
     if measured:
         console.print(
@@ -261,19 +288,25 @@ def _recommend(args, model, cfg, catalog) -> int:
 
     gpus = [g for g in args.gpu.split(",") if g] if args.gpu and args.gpu != "all" else None
     cfg = replace(cfg, global_batch=cfg.global_batch or 256)
-    rec = recommend(model, cfg, catalog, gpus, args.max_gpus, args.rank_by)
+    rec = recommend(model, cfg, catalog, gpus, args.max_gpus, args.rank_by, args.deadline)
     if not rec.ranked:
         near = rec.closest
         msg = "nothing fits"
         if near is not None:
             msg += f"; closest: {describe(near)} needs {_gib(near.memory.total_bytes)} GiB of a {_gib(near.memory.budget_bytes)} GiB budget (over by {near.memory.total_bytes / near.memory.budget_bytes - 1:.0%})"
         raise UsageError(msg)
+    prices = _prices_line(rec.ranked[0])
     if args.json:
         print(
             json.dumps(
                 {
                     "by": rec.by,
+                    "policy": rec.policy,
+                    "deadline_h": rec.deadline_h,
+                    "met_deadline": rec.met_deadline,
+                    "fitting": rec.fitting,
                     "explanation": rec.explanation,
+                    "prices": prices,
                     "searched": rec.searched,
                     "ranked": [p.to_dict() for p in rec.ranked[:10]],
                 },
@@ -297,7 +330,7 @@ def _recommend(args, model, cfg, catalog) -> int:
         "samples/s",
         "MFU",
         "time h",
-        "cost",
+        "cost USD",
     ):
         table.add_column(col, justify="right")
     for i, p in enumerate(rec.ranked[:10], 1):
@@ -313,13 +346,23 @@ def _recommend(args, model, cfg, catalog) -> int:
             _gib(p.memory.total_bytes),
             f"{t.samples_per_s:,.4g}",
             f"{t.mfu:.0%}",
-            f"{t.time_to_train_s / 3600:,.1f}",
-            f"{t.cost:,.0f}",
+            f"{t.time_to_train_s / 3600:,.1f}" if c.samples else "-",
+            _usd(t.cost) if c.samples else "-",
         )
     console = Console(width=max(Console().width, 160))
     console.print(table)
+    console.print(rec.policy)
+    console.print(prices)
     console.print(rec.explanation)
     return 0
+
+
+def _prices_line(plan: Plan) -> str:
+    if plan.config.price_per_gpu_hour is not None:
+        return f"costs in USD at ${plan.config.price_per_gpu_hour:,.2f} per GPU-hour (--price-per-gpu-hour), the same for every GPU type"
+    if plan.time.price_source != PRICE_SOURCE:
+        return f"costs in USD per GPU-hour from {plan.time.price_source}; --price-per-gpu-hour overrides"
+    return "costs in USD at each GPU's indicative on-demand list price per GPU-hour (catalog of 2026-11; docs/PLANNER.md), not a quote; --price-per-gpu-hour overrides"
 
 
 def _inference(args, model, catalog) -> int:
@@ -370,9 +413,9 @@ def _workloads(args, catalog) -> int:
             samples=w.samples,
             headroom=args.headroom,
         )
-        rec = recommend(model, cfg, catalog, [gpu.key], args.max_gpus, args.rank_by)
+        rec = recommend(model, cfg, catalog, [gpu.key], args.max_gpus, args.rank_by, args.deadline)
         best = rec.ranked[0] if rec.ranked else None
-        rows.append((w, model, best))
+        rows.append((w, model, best, rec))
     if args.json:
         print(
             json.dumps(
@@ -381,9 +424,10 @@ def _workloads(args, catalog) -> int:
                         "task": w.task,
                         "model": w.model,
                         "params": m.params(),
+                        "policy": rec.policy,
                         "plan": p.to_dict() if p else None,
                     }
-                    for w, m, p in rows
+                    for w, m, p, rec in rows
                 ],
                 indent=2,
             )
@@ -392,9 +436,13 @@ def _workloads(args, catalog) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(
-        title=f"workloads on {gpu.name} (best by {args.rank_by}, up to {args.max_gpus} GPUs)"
+    deadline = args.deadline or DEFAULT_DEADLINE_H
+    order = (
+        f"cheapest within {deadline:,.0f} h (fastest where none is)"
+        if args.rank_by != "time"
+        else "fastest"
     )
+    table = Table(title=f"workloads on {gpu.name}: {order}; up to {args.max_gpus} GPUs")
     for col in (
         "task",
         "model",
@@ -404,9 +452,10 @@ def _workloads(args, catalog) -> int:
         "samples/s",
         "MFU",
         "time h",
+        "cost USD",
     ):
         table.add_column(col)
-    for w, m, p in rows:
+    for w, m, p, rec in rows:
         if p is None:
             table.add_row(
                 w.task,
@@ -414,6 +463,7 @@ def _workloads(args, catalog) -> int:
                 f"{m.params() / 1e9:.1f}B",
                 "-",
                 f"does not fit on {args.max_gpus} GPUs",
+                "-",
                 "-",
                 "-",
                 "-",
@@ -429,7 +479,11 @@ def _workloads(args, catalog) -> int:
             conf,
             f"{t.samples_per_s:,.4g}",
             f"{t.mfu:.0%}",
-            f"{t.time_to_train_s / 3600:,.1f}",
+            f"{t.time_to_train_s / 3600:,.1f}" + ("" if rec.met_deadline else " (late)"),
+            _usd(t.cost),
         )
-    Console(width=max(Console().width, 160)).print(table)
+    console = Console(width=max(Console().width, 160))
+    console.print(table)
+    if rows and rows[0][2] is not None:
+        console.print(_prices_line(rows[0][2]))
     return 0

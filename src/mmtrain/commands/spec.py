@@ -21,7 +21,9 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None:
         for name in preset_names():
             spec = load_spec(name)
-            print(f"{name:28s} {spec.params() / 1e6:10.2f}M params  {spec.forward_flops() / 1e9:9.2f} GFLOPs/sample")
+            print(
+                f"{name:28s} {spec.params() / 1e6:10.2f}M params  {spec.forward_flops() / 1e9:9.2f} GFLOPs/sample"
+            )
         return 0
     spec = load_spec(args.model)
     summary = {
@@ -36,7 +38,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
-    print(f"{spec.name}: {spec.params():,} parameters, {spec.forward_flops() / 1e9:.2f} forward GFLOPs per sample")
+    print(
+        f"{spec.name}: {spec.params():,} parameters, {spec.forward_flops() / 1e9:.2f} forward GFLOPs per sample"
+    )
     for name, tower in spec.towers.items():
         print(
             f"  {name:12s} {tower.modality:10s} width {tower.width:5d} x {tower.layers:3d} layers  "
@@ -46,5 +50,7 @@ def run(args: argparse.Namespace) -> int:
     if spec.pairs:
         print(f"  objective {spec.objective} over {', '.join('-'.join(p) for p in spec.pairs)}")
     if spec.fusion is not None:
-        print(f"  fusion head: {spec.fusion.task}, {spec.fusion.num_outputs} outputs over {', '.join(spec.fused_towers())}")
+        print(
+            f"  fusion head: {spec.fusion.task}, {spec.fusion.num_outputs} outputs over {', '.join(spec.fused_towers())}"
+        )
     return 0

@@ -31,10 +31,6 @@ from PIL import Image
 if TYPE_CHECKING:  # torch is imported only where a relevance model is used
     from mmtrain.data.tokenizer import Tokenizer
 
-# CLIP's normalisation (contracts.md): the relevance scorer feeds images as the models expect.
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-
 
 # ----------------------------------------------------------------------------- settings
 @dataclass(frozen=True)
@@ -372,6 +368,9 @@ class RelevanceScorer:
     def _score_batch(self, images: Sequence[np.ndarray], texts: Sequence[str]) -> np.ndarray:
         import torch
 
+        from mmtrain.data.transforms import CLIP_MEAN, CLIP_STD
+        from mmtrain.eval.clipscore import clip_score
+
         pixels = np.stack([center_square(im, self.image_size) for im in images])
         x = torch.from_numpy(pixels).permute(0, 3, 1, 2).float().div_(255.0)
         mean = torch.tensor(CLIP_MEAN).view(1, 3, 1, 1)
@@ -382,8 +381,7 @@ class RelevanceScorer:
         }
         with torch.no_grad():
             emb = self.model.encode(batch)
-            cos = (emb[self.image_tower] * emb[self.text_tower]).sum(-1)
-        return (100.0 * cos.clamp(min=0)).float().cpu().numpy()
+        return clip_score(emb[self.image_tower], emb[self.text_tower]).float().cpu().numpy()
 
 
 def _tower_of(towers: dict[str, Any], modality: str) -> str:

@@ -12,7 +12,8 @@ At 16-bit with dropout masks (1 byte each, after attention and MLP) this is Kort
 output and the product (h + 4f instead of h + 2f). Attention kernels add:
 - math: the softmax output `a s^2 b` per layer (Korthikanti's quadratic term, without dropout);
 - flash: only the fp32 log-sum-exp, `a s b` (the quadratic term is dropped);
-- a padding mask (bidirectional text): `s^2 b` fp32 per layer, as SDPA materialises it on CPU.
+- a padding mask (bidirectional text): `s b` fp32 per layer, the [b, 1, 1, s] additive mask
+  SDPA makes of the boolean one (it broadcasts over heads and queries).
 Norms keep two fp32 statistics per token (LayerNorm) or one (RMSNorm).
 
 Tensor parallel t divides everything except the norm inputs, qkv input and fc1 input (which
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mmtrain.plan.model import PlanModel, Stack
+from mmtrain.plan.model import FusionHead, PlanModel, Stack
 
 FP32 = 4
 
@@ -83,7 +84,7 @@ def layer_terms(stack: Stack, micro_batch: int, o: ActivationOptions) -> dict[st
         if o.dropout:
             terms["attention_softmax"] *= 2.5  # mask (1 byte) and dropout output (2 bytes)
     if stack.key_mask:
-        terms["attention_mask"] = s * sb * FP32
+        terms["attention_mask"] = sb * FP32
     if o.dropout:
         terms["dropout_masks"] = 2 * sb * h / rep
     return terms
@@ -141,13 +142,71 @@ def stack_activations(
     return StackActivations(layers, stem, logits, recompute)
 
 
+def fusion_bytes(model: PlanModel, micro_batch: int, o: ActivationOptions) -> float:
+    """What the cross-attention fusion head (models/heads.py) keeps for `micro_batch` samples.
+
+    Per sample, with Q queries, M memory tokens (all fused towers), width w, MLP hidden f,
+    h heads, in the activation dtype unless marked fp32:
+    - once: each fused tower's final tokens as its input projection reads them (unless the
+      tower's own pooling already keeps that very tensor), the concatenated memory M w;
+    - per block: the memory's norm statistics 2M (fp32) and normalised copy M w, its k/v 2M w,
+      the padding mask M (fp32, when a fused tower is text), the queries' norm input Q w (not
+      in the first block: there it is the learned parameter) and statistics, q input and
+      output 2Q w, attention output Q w and log-sum-exp h Q (fp32; math attention: the
+      softmax h Q M instead of the log-sum-exp), MLP norm input and statistics, fc1 input
+      Q w, GELU input and output 2Q f;
+    - the final norm's input and statistics, and the pooled vector w the output layer reads.
+    The head is not checkpointed (train/parallel.py wraps tower blocks only) and is replicated
+    under tensor parallelism (it is small).
+    """
+    f: FusionHead | None = model.fusion
+    if f is None:
+        return 0.0
+    b, a, w, q = micro_batch, o.act_bytes, f.width, f.queries
+    fused = [model.stack(name) for name in f.towers]
+    m = sum(s.tokens for s in fused)
+    total = 0.0
+    for s in fused:
+        # Under autocast the projection saves a fresh 16-bit copy; in one dtype it shares the
+        # storage the tower's pooling/projection already keeps (cls, last and map pooling).
+        shared = s.keeps_final_tokens and s.mode != "frozen" and o.act_bytes == o.residual_bytes
+        if not shared:
+            total += s.tokens * s.width * a
+    total += m * w * a  # the concatenated memory
+    stats = 2 * FP32
+    block = m * (stats + 3 * w * a) + q * (stats + 2 * w * a + w * a) + q * (stats + w * a)
+    block += q * w * a + 2 * q * f.mlp_hidden * a  # fc1 input, GELU input and output
+    if any(s.padded for s in fused):
+        block += m * FP32
+    if o.attention == "flash":
+        block += f.heads * q * FP32
+    else:
+        block += f.heads * q * m * a
+    total += f.layers * block + (f.layers - 1) * q * w * a  # queries' norm input after block 0
+    total += q * (w * a + stats) + w * a
+    return b * total
+
+
+def fusion_loss_bytes(model: PlanModel, micro_batch: int) -> float:
+    """The fusion objective: cross-entropy keeps the fp32 log-softmax and the int64 labels;
+    MSE keeps the prediction and the target."""
+    f = model.fusion
+    if f is None:
+        return 0.0
+    if f.task == "classify":
+        return micro_batch * (f.num_outputs * FP32 + 8)
+    return 2 * micro_batch * f.num_outputs * FP32
+
+
 def contrastive_bytes(model: PlanModel, micro_batch: int, dp: int) -> float:
     """Loss-side activations: per tower the normalised embedding (input and output), per pair
     the gathered rows (2 b E) and four B_local x B_global fp32 matrices (logits and
-    log-softmax, both directions), as the local-loss variant keeps them."""
-    if not model.pairs:
-        return 0.0
+    log-softmax, both directions), as the local-loss variant keeps them. Without pairs (a
+    fusion-only model) the towers still normalise their embeddings: input and norm, b (E + 2)."""
     b, e, g = micro_batch, model.embed_dim, micro_batch * dp
+    if not model.pairs:
+        trainable = sum(1 for s in model.stacks if s.kind == "encoder" and s.mode != "frozen")
+        return FP32 * trainable * b * (e + 2)
     towers = sum(1 for s in model.stacks if s.kind == "encoder")
     per_tower = 2 * b * e + (dp - 1) * b * e  # + gathered embeddings of the other ranks
     per_pair = 2 * b * e + 4 * b * g

@@ -23,8 +23,9 @@ of the compute they hide behind.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
-from mmtrain.hardware import GPU, Catalog
+from mmtrain.hardware import CURRENCY, GPU, Catalog
 from mmtrain.plan.comm import all_gather_s, all_reduce_s, group_link, reduce_scatter_s
 from mmtrain.plan.config import PlanConfig
 from mmtrain.plan.model import PlanModel, Stack
@@ -43,6 +44,7 @@ def _attention_block_forward(stack: Stack) -> float:
     )
 
 
+@lru_cache(maxsize=256)
 def flops_per_sample(model: PlanModel, ac: str) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) per training sample."""
     model_flops = hardware = 0.0
@@ -78,11 +80,13 @@ class TimeEstimate:
     time_to_train_s: float
     cost: float
     price_per_gpu_hour: float
+    price_source: str  # the catalog's indicative list price, the flag, or a user file
     intra_node: str
     dp_link: str
 
     def to_dict(self) -> dict:
-        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+        out = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+        return {**out, "currency": CURRENCY}
 
 
 def training_time(model: PlanModel, cfg: PlanConfig, gpu: GPU, catalog: Catalog) -> TimeEstimate:
@@ -129,11 +133,12 @@ def training_time(model: PlanModel, cfg: PlanConfig, gpu: GPU, catalog: Catalog)
     samples_per_s = global_batch / step
     peak_total = gpu.peak_flops(cfg.precision) * cfg.gpus
     mfu = model_flops * samples_per_s / peak_total
-    price = (
-        cfg.price_per_gpu_hour
-        if cfg.price_per_gpu_hour is not None
-        else (gpu.price_per_gpu_hour or 0.0)
-    )
+    if cfg.price_per_gpu_hour is not None:
+        price, price_source = cfg.price_per_gpu_hour, "--price-per-gpu-hour"
+    elif gpu.price_per_gpu_hour is not None:
+        price, price_source = gpu.price_per_gpu_hour, gpu.price_source
+    else:
+        price, price_source = 0.0, "no price in the catalog: pass --price-per-gpu-hour"
     time_to_train = cfg.samples / samples_per_s if cfg.samples else 0.0
     return TimeEstimate(
         compute_s=m * micro_compute,
@@ -148,6 +153,7 @@ def training_time(model: PlanModel, cfg: PlanConfig, gpu: GPU, catalog: Catalog)
         time_to_train_s=time_to_train,
         cost=time_to_train / 3600 * cfg.gpus * price,
         price_per_gpu_hour=price,
+        price_source=price_source,
         intra_node=tp_link.key if cfg.tp > 1 else gpu.intra_node,
         dp_link=dp_link.key,
     )

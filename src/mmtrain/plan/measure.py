@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from mmtrain.plan.estimate import Plan
 from mmtrain.spec import ModelSpec, load_spec, with_tower
@@ -128,7 +129,8 @@ def measure_training_step(
     for name in freeze or []:
         model.towers[name].requires_grad_(False)
     apply_activation_checkpointing(model, plan.config.ac)
-    batch = random_batch(spec, plan.config.micro_batch, torch.Generator().manual_seed(seed))
+    generator = torch.Generator().manual_seed(seed)
+    batch = random_batch(spec, plan.config.micro_batch, generator)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
@@ -140,7 +142,7 @@ def measure_training_step(
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(batch)
-        loss = _loss(spec, model, out, batch)
+        loss = _loss(spec, model, out, generator)
     activations = sum(saved.values())
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     loss.backward()
@@ -162,10 +164,19 @@ def measure_training_step(
     )
 
 
-def _loss(spec: ModelSpec, model, out: dict, batch: dict) -> torch.Tensor:
+def _loss(spec: ModelSpec, model, out: dict, generator: torch.Generator) -> torch.Tensor:
+    """The training objective: contrastive over the pairs, plus the fusion head's
+    cross-entropy (classify, random labels) or MSE (regress, random targets)."""
     from mmtrain.losses import ContrastiveLoss
 
-    total = out["fusion"].float().pow(2).mean() if "fusion" in out else 0.0
+    total = torch.zeros(())
+    if "fusion" in out:
+        logits = out["fusion"].float()
+        if spec.fusion.task == "classify":
+            labels = torch.randint(0, logits.shape[1], logits.shape[:1], generator=generator)
+            total = F.cross_entropy(logits, labels)
+        else:
+            total = F.mse_loss(logits, torch.randn(logits.shape, generator=generator))
     if spec.pairs:
         loss = ContrastiveLoss.from_spec(spec, distributed=False)
         value, _ = loss(out, spec.pairs, model.logit_scale, getattr(model, "logit_bias", None))

@@ -15,9 +15,17 @@ CUDA context, allocator fragmentation. Overheads, stated:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from mmtrain.hardware import GPU
-from mmtrain.plan.activations import activation_options, contrastive_bytes, stack_activations
+from mmtrain.plan.activations import (
+    ActivationOptions,
+    activation_options,
+    contrastive_bytes,
+    fusion_bytes,
+    fusion_loss_bytes,
+    stack_activations,
+)
 from mmtrain.plan.config import PlanConfig
 from mmtrain.plan.model import PlanModel
 from mmtrain.plan.states import frozen_weight_bytes, shard, state_bytes
@@ -26,6 +34,7 @@ MIB = 1024**2
 CUDA_CONTEXT_BYTES = 1000 * MIB
 FRAGMENTATION = 0.10
 DDP_BUCKETS_BYTES = 2 * 25 * MIB
+FUSION_HEAD = "fusion head"  # its key among the per-tower activations
 
 
 @dataclass(frozen=True)
@@ -90,25 +99,70 @@ class MemoryEstimate:
 
 def model_states(model: PlanModel, cfg: PlanConfig) -> tuple[float, float, float, str]:
     """(weights, gradients, optimizer) bytes per GPU and the convention used."""
-    b = state_bytes(cfg.precision, cfg.optimizer, cfg.bytes_per_param)
-    split = cfg.tp * cfg.pp
-    trainable = shard(model.trainable_params() / split, b, cfg.zero, cfg.dp)
-    frozen = model.frozen_params() / split * frozen_weight_bytes(cfg.precision)
-    if cfg.zero >= 3:
-        frozen /= cfg.dp
+    return _model_states(
+        model, cfg.precision, cfg.optimizer, cfg.bytes_per_param, cfg.tp * cfg.pp, cfg.zero, cfg.dp
+    )
+
+
+# The search (recommend.py) asks for the same few sub-results thousands of times across GPU
+# types, counts and ZeRO stages; these caches key on what each one depends on. Models, options
+# and the strings/ints are immutable, so a cached value can never go stale.
+@lru_cache(maxsize=4096)
+def _model_states(
+    model: PlanModel,
+    precision: str,
+    optimizer: str,
+    bytes_per_param: int,
+    split: int,
+    zero: int,
+    dp: int,
+) -> tuple[float, float, float, str]:
+    b = state_bytes(precision, optimizer, bytes_per_param)
+    trainable = shard(model.trainable_params() / split, b, zero, dp)
+    frozen = model.frozen_params() / split * frozen_weight_bytes(precision)
+    if zero >= 3:
+        frozen /= dp
     return trainable.weights + frozen, trainable.gradients, trainable.optimizer, b.convention
 
 
 def comm_buffers(model: PlanModel, cfg: PlanConfig) -> float:
     if cfg.dp == 1:
         return 0.0
-    b = state_bytes(cfg.precision, cfg.optimizer, cfg.bytes_per_param)
-    block = max(s.block_params() for s in model.stacks) / cfg.tp
     if cfg.zero == 0:
         return DDP_BUCKETS_BYTES
+    b = state_bytes(cfg.precision, cfg.optimizer, cfg.bytes_per_param)
+    block = _largest_block(model) / cfg.tp
     if cfg.zero in (1, 2):
         return 2 * block * b.grads
     return 2 * block * b.weights + block * b.grads
+
+
+@lru_cache(maxsize=64)
+def _largest_block(model: PlanModel) -> int:
+    return max(s.block_params() for s in model.stacks)
+
+
+@dataclass(frozen=True)
+class _Activations:
+    by_stack: tuple[tuple[str, float], ...]
+    saved: float  # without the loss, which also depends on the data-parallel size
+    recompute: float
+
+
+@lru_cache(maxsize=8192)
+def _activations(
+    model: PlanModel, o: ActivationOptions, micro_batch: int, pp: int, accumulation: int
+) -> _Activations:
+    by_stack, saved, recompute = [], 0.0, 0.0
+    for stack in model.stacks:
+        a = stack_activations(stack, micro_batch, o, pp, accumulation)
+        by_stack.append((stack.name, a.saved))
+        saved += a.saved
+        recompute = max(recompute, a.recompute_bytes)  # one layer at a time is recomputed
+    if model.fusion is not None:
+        by_stack.append((FUSION_HEAD, fusion_bytes(model, micro_batch, o)))
+        saved += by_stack[-1][1]
+    return _Activations(tuple(by_stack), saved, recompute)
 
 
 def training_memory(
@@ -118,13 +172,11 @@ def training_memory(
     context, `usable_bytes` given by the caller)."""
     weights, grads, optimizer, convention = model_states(model, cfg)
     o = activation_options(cfg.precision, cfg.attention, cfg.ac, cfg.tp, cfg.sp)
-    by_stack, saved, recompute = {}, 0.0, 0.0
-    for stack in model.stacks:
-        a = stack_activations(stack, cfg.micro_batch, o, cfg.pp, cfg.accumulation)
-        by_stack[stack.name] = a.saved
-        saved += a.saved
-        recompute = max(recompute, a.recompute_bytes)  # one layer at a time is recomputed
-    loss = contrastive_bytes(model, cfg.micro_batch, cfg.dp)
+    acts = _activations(model, o, cfg.micro_batch, cfg.pp, cfg.accumulation if cfg.pp > 1 else 1)
+    saved, recompute = acts.saved, acts.recompute
+    loss = contrastive_bytes(model, cfg.micro_batch, cfg.dp) + fusion_loss_bytes(
+        model, cfg.micro_batch
+    )
     saved += loss
     buffers = comm_buffers(model, cfg)
     dynamic = saved + recompute + buffers
@@ -139,7 +191,7 @@ def training_memory(
         usable_bytes=gpu.usable_bytes if gpu is not None else (usable_bytes or 0.0),
         headroom=cfg.headroom,
         convention=convention,
-        activations_by_stack=by_stack,
+        activations_by_stack=dict(acts.by_stack),
         saved_activations_bytes=saved,
         recompute_bytes=recompute,
         loss_bytes=loss,

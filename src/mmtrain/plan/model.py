@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from mmtrain.spec import ImageStem, ModelSpec, TextStem, TimeSeriesStem, TowerSpec, VideoStem
+from mmtrain.spec import (
+    FusionSpec,
+    ImageStem,
+    ModelSpec,
+    TextStem,
+    TimeSeriesStem,
+    TowerSpec,
+    VideoStem,
+)
 from mmtrain.structured import FieldError, check_choice
 
 MODES = ("train", "frozen", "lora")
@@ -45,6 +53,9 @@ class Stack:
     lora_rank: int = 16
     stem_elements: int = 0
     stem_int64: int = 0
+    padded: bool = False  # sequences carry padding (text): readers of its tokens need a mask
+    keeps_final_tokens: bool = False  # pooling/projection saves the final norm's output
+    unused_params: int = 0  # weights no loss reaches (no gradient, no optimizer state)
     source: str = ""
 
     def block_params(self) -> int:
@@ -62,11 +73,33 @@ class Stack:
         return self.layers * r * (4 * w + 2 * w + (w + f) + (f + w))
 
     def trainable_params(self) -> int:
-        return {"train": self.params, "frozen": 0, "lora": self.lora_params()}[self.mode]
+        """Parameters that get gradients and optimizer states."""
+        if self.mode == "train":
+            return self.params - self.unused_params
+        return 0 if self.mode == "frozen" else self.lora_params()
+
+    def frozen_params(self) -> int:
+        """Parameters held as weights only: a frozen or LoRA base stack, or unused ones."""
+        return self.unused_params if self.mode == "train" else self.params
 
     def kv_bytes_per_token(self, bytes_per_element: float) -> float:
         """KV cache: K and V for every layer, `kv_heads x head_dim` each (grouped-query aware)."""
         return 2 * self.layers * self.kv_heads * self.head_dim * bytes_per_element
+
+
+@dataclass(frozen=True)
+class FusionHead:
+    """The cross-attention fusion head (models/heads.py): `queries` learned vectors attend, in
+    `layers` pre-norm blocks, over the concatenated token sequences of the fused towers."""
+
+    towers: tuple[str, ...]
+    width: int
+    layers: int
+    heads: int
+    queries: int
+    mlp_hidden: int
+    num_outputs: int
+    task: str  # classify (cross-entropy) | regress (MSE)
 
 
 @dataclass(frozen=True)
@@ -79,6 +112,7 @@ class PlanModel:
     pairs: int = 0  # contrastive pairs (each adds B_local x B_global logits)
     head_params: int = 0  # logit scale/bias, fusion head: trainable, small
     head_flops: int = 0  # forward FLOPs per sample outside the stacks (fusion head)
+    fusion: FusionHead | None = None
     source: str = ""
     notes: tuple[str, ...] = field(default=())
 
@@ -89,7 +123,7 @@ class PlanModel:
         return sum(s.trainable_params() for s in self.stacks) + self.head_params
 
     def frozen_params(self) -> int:
-        return sum(s.params for s in self.stacks if s.mode != "train")
+        return sum(s.frozen_params() for s in self.stacks)
 
     def forward_flops(self) -> int:
         return sum(s.forward_flops for s in self.stacks) + self.head_flops
@@ -138,12 +172,43 @@ def _stem_saved(tower: TowerSpec) -> tuple[int, int]:
     floats += norms * (t * w + stats * t)
     if tower.pooling in ("cls", "last"):
         floats += t * w  # the final norm's output, viewed by the projection
-    elif tower.pooling in ("eot", "mean"):
+    elif tower.pooling == "eot":
         floats += w
-        ints += 2 if tower.pooling == "eot" else 0
+        ints += 2
+    elif tower.pooling == "mean":
+        # masked mean (text): the [T, 1] weights and their sum; the mean itself saves nothing
+        floats += w + (t + 1 if isinstance(s, TextStem) else 0)
     else:  # map: probe attention over the tokens, roughly one block's worth on one query
         floats += t * w + 3 * t * w + 4 * w
     return floats, ints
+
+
+def _unused_params(spec: ModelSpec, name: str) -> int:
+    """Parameters of tower `name` that no loss reaches: the pooling and projection of a tower
+    that is in no contrastive pair (a fusion head reads its tokens, not its embedding), or the
+    whole tower when nothing reads it. They get no gradient, so no optimizer state either."""
+    tower = spec.towers[name]
+    if any(name in pair for pair in spec.pairs):
+        return 0
+    if name in spec.fused_towers():
+        return tower.pool_params() + tower.proj_params(spec.embed_dim)
+    return tower.params(spec.embed_dim)
+
+
+def _fusion_head(spec: ModelSpec) -> FusionHead | None:
+    f: FusionSpec | None = spec.fusion
+    if f is None:
+        return None
+    return FusionHead(
+        towers=tuple(spec.fused_towers()),
+        width=f.width,
+        layers=f.layers,
+        heads=f.heads,
+        queries=f.queries,
+        mlp_hidden=int(f.width * f.mlp_ratio),
+        num_outputs=f.num_outputs,
+        task=f.task,
+    )
 
 
 def from_spec(spec: ModelSpec) -> PlanModel:
@@ -171,9 +236,11 @@ def from_spec(spec: ModelSpec) -> PlanModel:
                 key_mask=text and not tower.stem.causal and tower.pooling != "last",
                 stem_elements=floats,
                 stem_int64=ints,
+                padded=text,
+                keeps_final_tokens=tower.pooling in ("cls", "last", "map"),
+                unused_params=_unused_params(spec, name),
             )
         )
-    notes = ("fusion head activations are not modelled",) if spec.fusion is not None else ()
     return PlanModel(
         name=spec.name,
         stacks=tuple(stacks),
@@ -181,5 +248,5 @@ def from_spec(spec: ModelSpec) -> PlanModel:
         pairs=len(spec.pairs),
         head_params=spec.head_params(),
         head_flops=spec.forward_flops() - sum(spec.tower_flops().values()),
-        notes=notes,
+        fusion=_fusion_head(spec),
     )

@@ -1,18 +1,32 @@
 """Search strategies (GPU type and count, ZeRO stage, tensor parallel, checkpointing, micro-batch)
 for a model and global batch; rank those that fit by cost or by time.
 
-For each (GPU, count, ZeRO, TP, checkpointing) the largest power-of-two micro-batch that fits
-is taken: the time model gives the same FLOPs per sample at any micro-batch, and fewer, larger
-micro-batches mean fewer per-micro-batch collectives. Configurations whose model states alone
-exceed the GPU are skipped before any activation is computed, which keeps a full search of the
-catalog well under a second.
+Ranking policy (stated in every answer, see `Recommendation.policy`):
+- by cost (the default when a sample count is given): the cheapest per sample among the
+  strategies that train those samples within a deadline (`deadline_h`; by default 720 h, 30
+  days), since the cheapest strategy overall is often a handful of GPUs running for a year.
+  When nothing meets the deadline, the fastest strategies are listed instead, and said so.
+- by time (the default without a sample count, when there is no cost to train to rank by).
+Scores equal to three significant figures tie, and the tie goes to the faster (by cost) or the
+cheaper (by time) strategy: 4 GPUs for 2,700 h and 128 GPUs for 85 h at the same cost are not
+equally good.
+
+Search: for each (GPU count, TP, ZeRO, checkpointing) the memory of each power-of-two
+micro-batch is computed once and shared by every GPU type (only the budget differs); each GPU
+takes the largest micro-batch that fits (the time model gives the same FLOPs per sample at any
+micro-batch, and fewer, larger micro-batches mean fewer per-micro-batch collectives). Pruned
+without loss: configurations whose model states alone exceed every GPU; a checkpointing mode
+that reaches no larger micro-batch than a lighter one (same work plus recompute); ZeRO-2 where
+it reaches the same micro-batch as ZeRO-1 (the time model gives them the same communication).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from mmtrain.hardware import Catalog
+from mmtrain.hardware import GPU, Catalog
 from mmtrain.plan.config import PlanConfig
 from mmtrain.plan.estimate import Plan, make_plan
 from mmtrain.plan.memory import CUDA_CONTEXT_BYTES, model_states, training_memory
@@ -22,25 +36,40 @@ from mmtrain.structured import FieldError
 GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 TP_SIZES = (1, 2, 4, 8)
 AC_ORDER = ("none", "selective", "full")
+DEFAULT_DEADLINE_H = 720.0  # 30 days: about the longest single run teams plan for
+TIE_DIGITS = 3  # scores equal to this many significant figures tie
 
 
 @dataclass(frozen=True)
 class Recommendation:
-    ranked: list[Plan]  # fitting plans, best first
+    ranked: list[Plan]  # fitting plans (meeting the deadline where one applies), best first
     closest: Plan | None  # when nothing fits: the plan with the smallest memory overshoot
-    by: str
-    explanation: str
-    searched: int
+    by: str  # "cost" | "time"
+    explanation: str  # the winner in one line, and why the runner-up lost
+    searched: int  # (GPU type, count, TP, ZeRO, AC) configurations whose memory was checked
+    policy: str = ""  # how `ranked` was chosen and ordered, in words
+    deadline_h: float | None = None  # the time-to-train bound applied (None: none)
+    fitting: int = 0  # strategies that fit in memory (before the deadline)
+    met_deadline: bool = True  # False: nothing met the deadline; `ranked` is the fastest
 
 
-def _score(plan: Plan, by: str) -> float:
+def _per_sample(plan: Plan, by: str) -> float:
     t = plan.time
+    seconds = t.step_time_s / plan.config.effective_global_batch
     if by == "time":
-        return t.step_time_s / plan.config.effective_global_batch
-    # cost per sample (the same ranking as the cost of any fixed number of samples)
-    return (
-        plan.config.gpus * t.price_per_gpu_hour * t.step_time_s / plan.config.effective_global_batch
-    )
+        return seconds
+    return plan.config.gpus * t.price_per_gpu_hour * seconds / 3600
+
+
+def _rounded(x: float) -> float:
+    if x <= 0:
+        return 0.0
+    return round(x, TIE_DIGITS - 1 - math.floor(math.log10(x)))
+
+
+def _rank_key(plan: Plan, by: str) -> tuple[float, float]:
+    other = "time" if by == "cost" else "cost"
+    return _rounded(_per_sample(plan, by)), _per_sample(plan, other)
 
 
 def _micro_batches(per_replica: int) -> list[int]:
@@ -52,22 +81,88 @@ def _micro_batches(per_replica: int) -> list[int]:
     return sizes
 
 
-def _largest_fitting(
-    model: PlanModel, cfg: PlanConfig, catalog: Catalog, sizes: list[int]
-) -> tuple[Plan | None, Plan | None]:
-    """(largest fitting plan, smallest non-fitting plan) by binary search over `sizes`; only
-    memory is computed while searching, the full plan once at the end."""
-    gpu = catalog.gpus[cfg.gpu]
-    lo, hi, best, miss = 0, len(sizes) - 1, None, None
+def _largest_fitting(total: Callable[[int], float], budget: float, n: int) -> int:
+    """Index of the largest micro-batch whose memory `total(i)` fits `budget` (-1: none);
+    totals grow with the micro-batch, so a binary search finds it."""
+    lo, hi, best = 0, n - 1, -1
     while lo <= hi:
         mid = (lo + hi) // 2
-        if training_memory(model, replace(cfg, micro_batch=sizes[mid]), gpu).fits:
-            best, lo = sizes[mid], mid + 1
+        if total(mid) <= budget:
+            best, lo = mid, mid + 1
         else:
-            miss, hi = sizes[mid], mid - 1
-    if best is not None:
-        return make_plan(model, replace(cfg, micro_batch=best), catalog), None
-    return None, make_plan(model, replace(cfg, micro_batch=miss), catalog)
+            hi = mid - 1
+    return best
+
+
+def _search(
+    model: PlanModel, base: PlanConfig, catalog: Catalog, gpus: list[GPU], max_gpus: int
+) -> tuple[list[Plan], tuple[float, PlanConfig] | None, int]:
+    """(fitting plans, (overshoot, config) of the nearest miss, configurations checked)."""
+    budgets = {g.key: g.usable_bytes * (1 - base.headroom) for g in gpus}
+    biggest = max(budgets.values())
+    heads = [s.heads for s in model.stacks]
+    fitting: list[Plan] = []
+    closest: tuple[float, PlanConfig] | None = None
+    searched = 0
+    for count in (c for c in GPU_COUNTS if c <= max_gpus):
+        for tp in TP_SIZES:
+            if tp > count or count % tp or any(h % tp for h in heads):
+                continue
+            dp = count // tp
+            if base.global_batch % dp:
+                continue
+            on_node = [g for g in gpus if tp <= g.gpus_per_node]
+            sizes = _micro_batches(base.global_batch // dp)
+            zero1: dict[tuple[str, str], int] = {}  # (gpu, ac) -> ZeRO-1's micro-batch
+            for zero in (0, 1, 2, 3) if dp > 1 else (0,):
+                cfg = replace(base, gpus=count, tp=tp, zero=zero, micro_batch=1)
+                states = sum(model_states(model, cfg)[:3]) + CUDA_CONTEXT_BYTES
+                if states > biggest:
+                    continue
+                lighter: dict[str, int] = {}  # gpu -> micro-batch a lighter AC mode reached
+                for ac in AC_ORDER:
+                    acfg = replace(cfg, ac=ac)
+                    total = _memory_by_size(model, acfg, sizes, gpus[0])
+                    for gpu in on_node:
+                        budget = budgets[gpu.key]
+                        if states > budget:
+                            continue
+                        searched += 1
+                        i = _largest_fitting(total, budget, len(sizes))
+                        if i < 0:
+                            over = total(0) / budget
+                            if closest is None or over < closest[0]:
+                                closest = (over, _on(acfg, gpu, sizes[0]))
+                            continue
+                        if sizes[i] <= lighter.get(gpu.key, 0):
+                            continue  # a lighter mode already reaches this micro-batch
+                        lighter[gpu.key] = sizes[i]
+                        if zero == 1:
+                            zero1[gpu.key, ac] = sizes[i]
+                        elif zero == 2 and zero1.get((gpu.key, ac)) == sizes[i]:
+                            continue  # same micro-batch and communication as ZeRO-1
+                        fitting.append(make_plan(model, _on(acfg, gpu, sizes[i]), catalog))
+    return fitting, closest, searched
+
+
+def _memory_by_size(
+    model: PlanModel, cfg: PlanConfig, sizes: list[int], gpu: GPU
+) -> Callable[[int], float]:
+    """`total(i)`: memory per GPU at micro-batch `sizes[i]`, computed once. It is the same on
+    every GPU type (only the budget differs), so all of them share it."""
+    totals: dict[int, float] = {}
+
+    def total(i: int) -> float:
+        if i not in totals:
+            mb = replace(cfg, micro_batch=sizes[i])
+            totals[i] = training_memory(model, mb, gpu).total_bytes
+        return totals[i]
+
+    return total
+
+
+def _on(cfg: PlanConfig, gpu: GPU, micro_batch: int) -> PlanConfig:
+    return replace(cfg, gpu=gpu.key, gpus_per_node=gpu.gpus_per_node, micro_batch=micro_batch)
 
 
 def recommend(
@@ -76,61 +171,86 @@ def recommend(
     catalog: Catalog,
     gpus: list[str] | None = None,
     max_gpus: int = 512,
-    by: str = "cost",
+    by: str | None = None,
+    deadline_h: float | None = None,
 ) -> Recommendation:
-    """Every strategy that fits, ranked by `by` ("cost" or "time")."""
+    """Every strategy that fits, ranked by `by` ("cost" or "time"; default: cost when
+    `base.samples` is set, else time). Ranking by cost keeps the strategies that train
+    `base.samples` within `deadline_h` hours (default DEFAULT_DEADLINE_H)."""
+    by = by or ("cost" if base.samples else "time")
     if by not in ("cost", "time"):
         raise FieldError("--rank-by", f"{by!r} is not one of cost, time")
     if base.global_batch is None:
         raise FieldError("--global-batch", "--recommend needs the global batch to search over")
+    if deadline_h is not None and deadline_h <= 0:
+        raise FieldError("--deadline", f"must be a positive number of hours, got {deadline_h}")
+    if deadline_h is not None and not base.samples:
+        raise FieldError("--deadline", "a deadline needs --samples (how much to train)")
+    if deadline_h is None and by == "cost" and base.samples:
+        deadline_h = DEFAULT_DEADLINE_H
     keys = [catalog.gpu(g).key for g in gpus] if gpus else list(catalog.gpus)
-    heads = [s.heads for s in model.stacks]
-    fitting: list[Plan] = []
-    closest: Plan | None = None
-    searched = 0
-    for key in keys:
-        gpu = catalog.gpus[key]
-        try:
-            gpu.peak_flops(base.precision)
-        except FieldError:
-            continue
-        for count in (c for c in GPU_COUNTS if c <= max_gpus):
-            for tp in TP_SIZES:
-                if tp > min(count, gpu.gpus_per_node) or count % tp or any(h % tp for h in heads):
-                    continue
-                dp = count // tp
-                if base.global_batch % dp:
-                    continue
-                sizes = _micro_batches(base.global_batch // dp)
-                for zero in (0, 1, 2, 3) if dp > 1 else (0,):
-                    cfg = replace(
-                        base,
-                        gpu=key,
-                        gpus=count,
-                        tp=tp,
-                        zero=zero,
-                        gpus_per_node=gpu.gpus_per_node,
-                        micro_batch=1,
-                    )
-                    states = sum(model_states(model, cfg)[:3])
-                    if states + CUDA_CONTEXT_BYTES > gpu.usable_bytes * (1 - base.headroom):
-                        continue
-                    for ac in AC_ORDER:
-                        searched += 1
-                        best, miss = _largest_fitting(model, replace(cfg, ac=ac), catalog, sizes)
-                        if best is not None:
-                            fitting.append(best)
-                            if best.config.micro_batch == sizes[-1]:
-                                break  # more recomputation cannot buy a larger micro-batch
-                        elif miss is not None and (
-                            closest is None or _overshoot(miss) < _overshoot(closest)
-                        ):
-                            closest = miss
-    if not fitting and closest is None:  # not even the model states fit anywhere: say by how much
-        closest = _closest_states(model, base, catalog, keys, max_gpus)
-    fitting.sort(key=lambda p: (round(_score(p, by), 12), p.config.gpus if by == "cost" else 0))
+    usable = [g for g in (catalog.gpus[k] for k in keys) if _runs(g, base.precision)]
+    if not usable:
+        raise FieldError("--precision", f"none of {', '.join(keys)} runs {base.precision}")
+    fitting, miss, searched = _search(model, base, catalog, usable, max_gpus)
+    closest = None
+    if not fitting:
+        closest = (
+            make_plan(model, miss[1], catalog)
+            if miss is not None
+            else _closest_states(model, base, catalog, [g.key for g in usable], max_gpus)
+        )
+    ranked, met = fitting, True
+    if deadline_h is not None:
+        ranked = [p for p in fitting if p.time.time_to_train_s <= deadline_h * 3600]
+        if fitting and not ranked:
+            ranked, met = fitting, False
+    order = by if met else "time"
+    ranked = sorted(ranked, key=lambda p: _rank_key(p, order))
+    policy = _policy(by, deadline_h, base.samples, len(fitting), len(ranked), met)
     return Recommendation(
-        fitting, closest if not fitting else None, by, explain(fitting, by), searched
+        ranked=ranked,
+        closest=closest,
+        by=order,
+        explanation=explain(ranked, order),
+        searched=searched,
+        policy=policy,
+        deadline_h=deadline_h,
+        fitting=len(fitting),
+        met_deadline=met,
+    )
+
+
+def _runs(gpu: GPU, precision: str) -> bool:
+    try:
+        gpu.peak_flops(precision)
+    except FieldError:
+        return False
+    return True
+
+
+def _policy(by: str, deadline_h, samples: int, fitting: int, meeting: int, met: bool) -> str:
+    if by == "time":
+        line = "ranked by time per sample (fastest first; ties go to the cheaper)"
+        if not samples:
+            line += "; give --samples N to rank by cost within a deadline"
+        if deadline_h is not None:
+            line += f"; {meeting} of {fitting} fitting strategies train {samples:,} samples within {deadline_h:,.0f} h"
+        return line
+    bound = f"{deadline_h:,.0f} h ({deadline_h / 24:,.1f} days)"
+    default = (
+        " (the default; change it with --deadline HOURS)"
+        if deadline_h == DEFAULT_DEADLINE_H
+        else ""
+    )
+    if not met:
+        return (
+            f"none of the {fitting} fitting strategies trains {samples:,} samples within {bound}"
+            f"{default}: listed fastest first instead"
+        )
+    return (
+        f"ranked by cost per sample among the {meeting} of {fitting} fitting strategies that "
+        f"train {samples:,} samples within {bound}{default}; ties go to the faster"
     )
 
 
@@ -189,9 +309,18 @@ def explain(ranked: list[Plan], by: str) -> str:
     use = win.memory.total_bytes / win.memory.usable_bytes
     line = f"winner: {describe(win)}: {w.samples_per_s:,.3g} samples/s, MFU {w.mfu:.0%}, {use:.0%} of usable memory"
     if len(ranked) == 1:
-        return line + "; the only strategy that fits"
+        return line + "; the only strategy that qualifies"
     run = ranked[1]
-    ratio = _score(run, by) / _score(win, by) - 1
+    if _rank_key(run, by)[0] == _rank_key(win, by)[0]:  # a tie on the ranked score
+        other = "time" if by == "cost" else "cost"
+        ratio = _per_sample(run, other) / _per_sample(win, other) - 1
+        same = "costs the same per sample" if by == "cost" else "is as fast"
+        worse = "slower" if by == "cost" else "dearer"
+        return (
+            line
+            + f"; runner-up {describe(run)} {same} (to {TIE_DIGITS} significant figures) but is {ratio:.1%} {worse}"
+        )
+    ratio = _per_sample(run, by) / _per_sample(win, by) - 1
     return (
         line
         + f"; runner-up {describe(run)} is {ratio:.1%} {'dearer' if by == 'cost' else 'slower'} per sample because {_why(win, run, by)}"

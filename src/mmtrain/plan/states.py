@@ -14,6 +14,7 @@ momentum 8, each including the 4-byte fp32 master copy in mixed precision.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 # Optimizer bytes per parameter: with an fp32 master copy (mixed) / states in the weight dtype.
 _OPTIMIZER_MIXED = {"adamw": 12, "adamw8bit": 6, "sgd": 8}
@@ -35,6 +36,7 @@ class StateBytes:
         return self.weights + self.grads + self.optimizer
 
 
+@lru_cache(maxsize=64)
 def state_bytes(precision: str, optimizer: str, bytes_per_param: int = 16) -> StateBytes:
     """Weights, gradients and optimizer bytes per trainable parameter."""
     if precision == "fp32":

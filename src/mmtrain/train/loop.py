@@ -1,21 +1,30 @@
 """The training loop: `train(config)` reads top to bottom.
 
     set up ranks and device -> find the newest valid checkpoint -> build the model from its spec
-    -> freeze / precision / compile / activation checkpointing / DDP -> optimizer and schedule
-    -> data -> restore state when resuming -> loop over optimizer steps:
-         next K micro-batches -> contrastive-correct forward/backward -> guard non-finite
-         gradients -> clip -> optimizer step -> metrics -> checkpoint when due or on a signal
-    -> final checkpoint and OUT/model.safetensors + OUT/spec.yaml
+    -> freeze / precision / resolution / compile / activation checkpointing / DDP -> optimizer and
+    schedule -> data -> restore state when resuming -> log the memory plan -> loop over steps:
+         input size for this step -> next K micro-batches -> contrastive-correct forward/backward
+         (+ the fusion head's loss) -> skip non-finite steps -> clip -> optimizer step -> validate
+         when due -> metrics -> roll back after K non-finite steps in a row -> checkpoint
+    -> final checkpoint, OUT/model.safetensors + OUT/spec.yaml, OUT/eval.json
 
 Everything a resumed run needs is in the checkpoint (weights, optimizer, schedule, scaler, the
-loader's position, RNG states, counters), so running the same command again continues where
-the last valid checkpoint left off; on a CPU the result is bitwise identical to a run that was
-never interrupted.
+loader's position, each rank's RNG states, counters), so running the same command again
+continues where the last valid checkpoint left off; on a CPU the result is bitwise identical to
+a run that was never interrupted.
+
+RNG states are saved per rank (`state["rng"]` is a list indexed by rank). Resumed on the same
+number of ranks, each rank restores its own. On a different number, rank r restores entry r when
+the checkpoint has one, and ranks beyond the saved count seed their global generators from
+(seed, rank, step). mmtrain's own randomness (initialisation, data order, augmentation) comes
+from explicit generators derived from the seed and the sample's position, never from these
+global states, so the data stream and the weights do not depend on the choice.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import random
@@ -31,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from mmtrain import __version__
@@ -38,28 +48,37 @@ from mmtrain.atomic import atomic_write_text
 from mmtrain.config import RunConfig, diff_configs, parse_yaml
 from mmtrain.losses import ContrastiveLoss, logit_scale_value
 from mmtrain.models import MultimodalModel, create_model, save_model
-from mmtrain.spec import load_spec
+from mmtrain.spec import ModelSpec, load_spec
 from mmtrain.structured import FieldError
 from mmtrain.train import parallel
-from mmtrain.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from mmtrain.train.data import TrainData
+from mmtrain.train.checkpoint import Checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
+from mmtrain.train.data import LABEL_KEY, TrainData
 from mmtrain.train.metrics import (
     LossSpikes,
     MetricsWriter,
     detect_peak_flops,
     memory_gib,
+    planned_memory,
+    reset_peak_memory,
     throughput,
     train_flops_per_sample,
 )
-from mmtrain.train.optim import freeze_parameters, make_optimizer, make_scheduler
+from mmtrain.train.optim import (
+    freeze_parameters,
+    make_optimizer,
+    make_scheduler,
+    scale_learning_rates,
+)
 from mmtrain.train.precision import Precision, convert_to_fp8, make_precision
+from mmtrain.train.resolution import allow_any_resolution, check_schedules, spec_at
 from mmtrain.train.rng import capture_rng_state, restore_rng_state
 
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINT_DIR = "checkpoints"
-MAX_NONFINITE_IN_A_ROW = 10  # then stop: the run diverged, resuming would repeat it
+EVAL_FILE = "eval.json"
+EVAL_SCHEMA_VERSION = 1
 
 
 @dataclass
@@ -71,10 +90,12 @@ class TrainResult:
     samples_seen: int
     resumed_from: int | None  # checkpoint step resumed from, None for a fresh start
     stopped_by_signal: bool = False
-    skipped_steps: int = 0  # non-finite gradients or fp16 overflows
+    skipped_steps: int = 0  # non-finite loss or gradients, fp16 overflows
+    rollbacks: int = 0  # returns to the last checkpoint after non-finite steps in a row
     corrupt_samples: int = 0
     last_loss: float = math.nan
     history: list[dict[str, Any]] = field(default_factory=list)  # rows written to metrics.jsonl
+    eval: dict[str, Any] | None = None  # the final validation report (eval.json)
 
 
 def train(
@@ -93,14 +114,10 @@ def train(
     env = parallel.init_distributed(config.train.device)
     device, rank, world = env.device, env.rank, env.world_size
     config.validate(world_size=world)
+    t = config.train
     spec = load_spec(config.model)
-    if not spec.pairs:
-        raise FieldError(
-            "model",
-            f"{spec.name!r} has no contrastive pairs; `mmtrain train` does not train a "
-            "fusion-only head yet",
-        )
-    precision = make_precision(config.train.precision, device)  # fails early where it cannot run
+    check_schedules(spec, t.resolution_schedule, t.frames_schedule)
+    precision = make_precision(t.precision, device)  # fails early where it cannot run
     out = Path(config.out)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -118,39 +135,35 @@ def train(
     model = create_model(spec, seed=config.seed)
     if ckpt is not None:
         model.load_state_dict(ckpt.model)
-    frozen = freeze_parameters(model, config.train)
+    frozen = freeze_parameters(model, t)
     model.to(device)
-    if config.train.precision == "fp8":
-        convert_to_fp8(model, config.train.fp8_keep_bf16)
-    recompute = [n for n, t in config.train.towers.items() if t.activation_checkpointing]
-    parallel.checkpoint_tower_blocks(model, recompute)
-    if config.train.compile:
+    if t.precision == "fp8":
+        convert_to_fp8(model, t.fp8_keep_bf16)
+    if t.resolution_schedule or t.frames_schedule:
+        allow_any_resolution(model)  # position embeddings follow the input's size
+    recompute = [n for n, tower in t.towers.items() if tower.activation_checkpointing]
+    parallel.apply_activation_checkpointing(model, "full", recompute)
+    if t.compile:
         for tower in model.towers.values():
             tower.compile()  # in place: parameter names (and checkpoints) stay the same
-    trained = parallel.wrap_data_parallel(model, env, config.train.parallel)
+    trained = parallel.wrap_data_parallel(model, env, t.parallel)
 
-    optimizer = make_optimizer(model, config.train, device)
-    scheduler = make_scheduler(optimizer, config.train)
-    loss_fn = ContrastiveLoss.from_spec(spec)
-    ema = _Ema(model, config.train.ema) if config.train.ema else None
+    optimizer = make_optimizer(model, t, device)
+    scheduler = make_scheduler(optimizer, t)
+    loss_fn = ContrastiveLoss.from_spec(spec) if spec.pairs else None
+    ema = _Ema(model, t.ema) if t.ema else None
 
     # -- data ---------------------------------------------------------------------------------
     data = TrainData(config, spec, rank=rank, world_size=world, micro_batch=micro_batch)
+    validation = _Validation(config, spec, out, rank, world) if config.data.val else None
 
     # -- restore everything else a resumed run needs ---------------------------------------------
-    step, samples_seen, skipped, corrupt_before, nonfinite_in_a_row = 0, 0, 0, 0, 0
+    step, samples_seen, skipped, corrupt_before, rollbacks = 0, 0, 0, 0, 0
     if ckpt is not None:
-        optimizer.load_state_dict(ckpt.state["optimizer"])
-        scheduler.load_state_dict(ckpt.state["scheduler"])
-        if precision.scaler is not None and ckpt.state.get("scaler"):
-            precision.scaler.load_state_dict(ckpt.state["scaler"])
-        data.load_state_dict(ckpt.state["loader"])
-        if ema is not None and "ema" in ckpt.state:
-            ema.load_state_dict(ckpt.state["ema"])
-        restore_rng_state(ckpt.state["rng"])
-        counters = ckpt.state["counters"]
+        counters = _restore_state(ckpt, optimizer, scheduler, precision, data, ema, config, rank)
         step, samples_seen = counters["step"], counters["samples_seen"]
         skipped, corrupt_before = counters["skipped_steps"], counters["corrupt_samples"]
+        rollbacks = counters.get("rollbacks", 0)
         log.info("resuming from %s (step %d, %d samples seen)", ckpt.path, step, samples_seen)
     resumed_from = ckpt.step if ckpt is not None else None
     del ckpt  # the weights now live in the model and optimizer
@@ -161,24 +174,20 @@ def train(
     metrics = MetricsWriter(
         out, enabled=rank == 0, tensorboard=config.metrics.tensorboard, resume_step=step
     )
-    peak_flops = (config.metrics.peak_tflops or 0) * 1e12 or detect_peak_flops(
-        device, config.train.precision
+    # The planner's prediction for this run, to set beside the measured peak of each step.
+    metrics.record(
+        "plan",
+        step,
+        planned_memory(spec, config, world_size=world, recompute=recompute, device=device),
     )
-    flops_per_sample = train_flops_per_sample(spec.forward_flops(), recompute=bool(recompute))
+    peak_flops = (config.metrics.peak_tflops or 0) * 1e12 or detect_peak_flops(device, t.precision)
     result = TrainResult(out=out, step=step, samples_seen=samples_seen, resumed_from=resumed_from)
     log.info(
         "training %s: %d ranks x %d micro-batch x %d accumulation = %d per step, %d steps, %s on %s "
         "(%d frozen parameters)",
-        spec.name,
-        world,
-        micro_batch,
-        accumulation,
-        config.train.batch_size,
-        config.train.steps,
-        config.train.precision,
-        device,
+        spec.name, world, micro_batch, accumulation, t.batch_size, t.steps, t.precision, device,
         frozen,
-    )
+    )  # fmt: skip
 
     def save(at_step: int) -> None:
         state = {
@@ -186,12 +195,13 @@ def train(
             "scheduler": scheduler.state_dict(),
             "scaler": precision.scaler.state_dict() if precision.scaler is not None else {},
             "loader": data.state_dict(),
-            "rng": capture_rng_state(),
+            "rng": _gather_rng_states(),  # one entry per rank
             "counters": {
                 "step": at_step,
                 "samples_seen": samples_seen,
                 "skipped_steps": skipped,
                 "corrupt_samples": corrupt,
+                "rollbacks": rollbacks,
             },
         }
         if ema is not None:
@@ -200,35 +210,53 @@ def train(
             _check_finite_weights(model)
             meta = {"config": config.to_dict(), "samples_seen": samples_seen, "world_size": world}
             save_checkpoint(
-                out / CHECKPOINT_DIR,
-                at_step,
-                model.state_dict(),
-                state,
-                meta,
+                out / CHECKPOINT_DIR, at_step, model.state_dict(), state, meta,
                 keep=config.checkpoint.keep,
-            )
+            )  # fmt: skip
         parallel.barrier()
 
     # -- the loop -----------------------------------------------------------------------------
     last_save_time = time.monotonic()
     checkpoint_s = 0.0  # time spent writing checkpoints in this process (overhead, for metrics)
     spikes = LossSpikes()
+    nonfinite_in_a_row = 0
+    injected: set[int] = set()  # fault injection: each listed step corrupted once
+    corrupt = corrupt_before
     stop = _StopOnSignal()
     with stop:
-        while step < config.train.steps:
+        while step < t.steps:
+            # Progressive resolution: the input size of this step (a pure function of the step).
+            step_spec = spec_at(spec, step, t.resolution_schedule, t.frames_schedule)
+            data.set_input_spec(step_spec)
+            flops_per_sample = train_flops_per_sample(step_spec.forward_flops(), bool(recompute))
+            reset_peak_memory(device)
+
             t0 = time.perf_counter()
             micro_batches, step_keys = [], []
             for _ in range(accumulation):
-                micro_batches.append(data.next_batch())
+                micro_batches.append(_to_device(data.next_batch(), device))
                 step_keys += data.last_keys
+            if step + 1 in config.guards.inject_nan_steps and step + 1 not in injected:
+                injected.add(step + 1)
+                _inject_nan(micro_batches[0])
             t1 = time.perf_counter()
 
             optimizer.zero_grad(set_to_none=True)
-            loss, pair_losses = forward_backward(trained, model, loss_fn, micro_batches, precision)
+            loss, part_losses = forward_backward(
+                trained, model, loss_fn, micro_batches, precision, fusion_weight=t.fusion_weight
+            )
+            # One all-reduce: mean losses over ranks (each holds its share), summed corrupt counts.
+            losses, corrupt_now = _reduce_over_ranks(
+                [loss, *part_losses.values()], data.corrupt_samples()
+            )
+            corrupt = corrupt_before + corrupt_now
             _sync(device)
             t2 = time.perf_counter()
 
-            grad_norm, stepped = optimizer_step(model, optimizer, precision, config.train.grad_clip)
+            finite_loss = math.isfinite(losses[0])  # the same on every rank
+            grad_norm, stepped = optimizer_step(
+                model, optimizer, precision, t.grad_clip, skip=not finite_loss
+            )
             with warnings.catch_warnings():
                 # A skipped step still uses up its place in the schedule (by design, not a bug).
                 warnings.filterwarnings(
@@ -241,25 +269,17 @@ def train(
             t3 = time.perf_counter()
 
             step += 1
-            samples_seen += config.train.batch_size
+            samples_seen += t.batch_size
+            # fp16 overflows are the loss scaler's business; a non-finite loss, or a non-finite
+            # gradient without a scaler, is a step the guard counts towards a rollback.
+            bad = not finite_loss or (precision.scaler is None and not stepped)
+            nonfinite_in_a_row = nonfinite_in_a_row + 1 if bad else 0
             if not stepped:
                 skipped += 1
-                nonfinite_in_a_row += 1
-                log.warning("step %d: non-finite gradient (norm %s); step skipped", step, grad_norm)
-            else:
-                nonfinite_in_a_row = 0
-            if nonfinite_in_a_row >= MAX_NONFINITE_IN_A_ROW:
-                raise FloatingPointError(
-                    f"{nonfinite_in_a_row} steps in a row had non-finite gradients (step {step}); "
-                    f"the run diverged. Lower train.lr or use bf16/fp32; the last good checkpoint "
-                    f"is in {out / CHECKPOINT_DIR}"
-                )
-
-            # One all-reduce: mean losses over ranks (each holds its share), summed corrupt counts.
-            losses, corrupt_now = _reduce_over_ranks(
-                [loss, *pair_losses.values()], data.corrupt_samples()
-            )
-            corrupt = corrupt_before + corrupt_now
+                log.warning(
+                    "step %d skipped: loss %s, gradient norm %s; samples: %s",
+                    step, losses[0], grad_norm, ", ".join(step_keys[:8]),
+                )  # fmt: skip
             if spikes.check(losses[0]):
                 log.warning(
                     "step %d: loss spike %.4f; samples: %s", step, losses[0], ", ".join(step_keys)
@@ -267,26 +287,33 @@ def train(
             times = {"data": t1 - t0, "compute": t2 - t1, "optimizer": t3 - t2}
             row = {
                 "loss": losses[0],
-                **{f"loss/{k}": v for k, v in zip(pair_losses, losses[1:], strict=True)},
+                **{f"loss/{k}": v for k, v in zip(part_losses, losses[1:], strict=True)},
                 "lr": scheduler.get_last_lr()[0],
                 **{f"lr/{g['name']}": g["lr"] for g in optimizer.param_groups},
-                "logit_scale": float(logit_scale_value(model.logit_scale.detach())),
                 "grad_norm": float(grad_norm),
                 "samples_seen": samples_seen,
                 "skipped_steps": skipped,
+                "rollbacks": rollbacks,
                 "corrupt_samples": corrupt,
                 "checkpoint_s_total": checkpoint_s,
                 **throughput(
-                    config.train.batch_size,
+                    t.batch_size,
                     times,
                     flops_per_sample=flops_per_sample,
                     peak_flops=peak_flops,
                     world_size=world,
-                ),
+                ),  # fmt: skip
                 **memory_gib(device),
             }
+            if hasattr(model, "logit_scale"):
+                row["logit_scale"] = float(logit_scale_value(model.logit_scale.detach()))
+            if step_spec is not spec:
+                row.update({f"input_size/{k}": v for k, v in _input_sizes(step_spec).items()})
             if precision.scaler is not None:
                 row["loss_scale"] = float(precision.scaler.get_scale())
+            if validation is not None and validation.due(step, t.steps):
+                with precision.autocast():
+                    row.update(validation.run(trained, step))
             metrics.write(step, row)
             result.history.append({"step": step, **row})
             if on_step is not None and rank == 0:
@@ -295,8 +322,29 @@ def train(
             if halt_after_step is not None and step >= halt_after_step:
                 metrics.close()
                 data.close()
+                if validation is not None:
+                    validation.close()
                 result.step, result.samples_seen = step, samples_seen
                 return result  # as a crash would: nothing more written
+
+            if nonfinite_in_a_row >= config.guards.max_nonfinite_in_a_row:
+                # Roll back: every rank reloads the newest valid checkpoint (weights, optimizer,
+                # schedule, scaler, data position, RNG) and trains on from there.
+                ckpt = _rollback_checkpoint(out, step, nonfinite_in_a_row, rollbacks, config)
+                model.load_state_dict({k: v.to(device) for k, v in ckpt.model.items()})
+                counters = _restore_state(
+                    ckpt, optimizer, scheduler, precision, data, ema, config, rank
+                )
+                if config.guards.rollback_lr_factor != 1.0:
+                    scale_learning_rates(optimizer, scheduler, config.guards.rollback_lr_factor)
+                step, samples_seen = counters["step"], counters["samples_seen"]
+                corrupt_before, corrupt = counters["corrupt_samples"], counters["corrupt_samples"]
+                rollbacks += 1
+                nonfinite_in_a_row = 0
+                metrics.rewind(step)
+                result.history = [r for r in result.history if r["step"] <= step]
+                del ckpt
+                continue
 
             due_by_steps = (
                 config.checkpoint.every_steps and step % config.checkpoint.every_steps == 0
@@ -306,7 +354,7 @@ def train(
             )
             # Every rank must take the same branch: rank 0's clock and any rank's signal decide.
             by_time, signalled = parallel.agree_any([bool(due_by_time), stop.requested])
-            if signalled or by_time or due_by_steps or step == config.train.steps:
+            if signalled or by_time or due_by_steps or step == t.steps:
                 started = time.monotonic()
                 save(step)
                 last_save_time = time.monotonic()
@@ -316,15 +364,20 @@ def train(
                 result.stopped_by_signal = True
                 break
 
-    # -- final weights ------------------------------------------------------------------------
-    if rank == 0 and step >= config.train.steps:
+    # -- final weights and validation report -----------------------------------------------------
+    if rank == 0 and step >= t.steps:
         _check_finite_weights(model)
         save_model(model, out)
         if ema is not None:
             save_model(ema.model(model), out / "ema")
+    if validation is not None:
+        if step >= t.steps:
+            result.eval = validation.write_report(spec)
+        validation.close()
     parallel.barrier()
     metrics.close()
     result.step, result.samples_seen, result.skipped_steps = step, samples_seen, skipped
+    result.rollbacks = rollbacks
     result.corrupt_samples = corrupt_before + _reduce_over_ranks([], data.corrupt_samples())[1]
     result.last_loss = result.history[-1]["loss"] if result.history else math.nan
     data.close()
@@ -336,9 +389,10 @@ def train(
 def forward_backward(
     trained: nn.Module,
     model: MultimodalModel,
-    loss_fn: ContrastiveLoss,
+    loss_fn: ContrastiveLoss | None,
     micro_batches: Sequence[dict[str, torch.Tensor]],
     precision: Precision,
+    fusion_weight: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Forward and backward over K micro-batches, with the gradient of ONE batch of all of them.
 
@@ -350,34 +404,72 @@ def forward_backward(
     micro-batch's share of the full-batch gradient; their sum (no division by K) is the
     full-batch gradient. Costs one extra forward per micro-batch when K > 1.
 
+    A fusion head's loss (cross-entropy for `classify`, mean squared error for `regress`,
+    against `batch["label"]`) is per sample: each micro-batch adds its mean / K, so the sum is
+    the mean over the whole batch; `fusion_weight` scales it beside the contrastive loss.
+
     `trained` is what runs the forward (the DDP/compiled wrapper), `model` the plain module
     (for the logit scale and bias). Gradients accumulate in `.grad`; DDP synchronises them on
-    the last micro-batch only. Returns the loss and the per-pair losses (detached).
+    the last micro-batch only. Returns the total loss and the loss per pair and of the fusion
+    head ("fusion"), detached.
     """
-    pairs = model.spec.pairs
+    spec = model.spec
+    pairs = spec.pairs if loss_fn is not None else []
     names = sorted({name for pair in pairs for name in pair})
-    scale = model.logit_scale
+    scale = getattr(model, "logit_scale", None)
     bias = getattr(model, "logit_bias", None)
     k = len(micro_batches)
     cached: list[dict[str, torch.Tensor]] = []
-    if k > 1:
+    if pairs and k > 1:
         with torch.no_grad(), precision.autocast():
-            cached = [_features(trained(batch), names) for batch in micro_batches]
-    loss = pair_losses = None
+            cached = [_features(trained({n: b[n] for n in names}), names) for b in micro_batches]
+    contrastive = None
+    pair_losses: dict[str, torch.Tensor] = {}
+    head_total = torch.zeros(())
     for j, batch in enumerate(micro_batches):
+        inputs = {name: value for name, value in batch.items() if name != LABEL_KEY}
         sync = contextlib.nullcontext() if j == k - 1 else parallel.no_sync(trained)
         with sync:
             with precision.autocast():
-                features = _features(trained(batch), names)
-            extra = None
-            if k > 1:
-                extra = {n: torch.cat([cached[i][n] for i in range(k) if i != j]) for n in names}
-            loss, pair_losses = loss_fn(features, pairs, scale, bias, extra_negatives=extra)
+                out = trained(inputs)
+            loss = torch.zeros((), device=next(iter(inputs.values())).device)
+            if pairs:
+                extra = None
+                if k > 1:
+                    extra = {
+                        n: torch.cat([cached[i][n] for i in range(k) if i != j]) for n in names
+                    }
+                contrastive, pair_losses = loss_fn(
+                    _features(out, names), pairs, scale, bias, extra_negatives=extra
+                )
+                loss = loss + contrastive
+            if spec.fusion is not None:
+                head = fusion_loss(out["fusion"].float(), batch[LABEL_KEY], spec.fusion.task)
+                loss = loss + fusion_weight * head / k
+                head_total = head_total + head.detach().cpu() / k
+            if trained is not model:
+                # Embeddings no loss reads (a fused tower's projection): a zero term keeps their
+                # parameters in the graph, so DDP's reducer gets a (zero) gradient for each.
+                for name in sorted(out.keys() - set(names) - {"fusion"}):
+                    loss = loss + 0.0 * out[name].float().sum()
             if precision.scaler is not None:
                 precision.scaler.scale(loss).backward()
             else:
                 loss.backward()
-    return loss.detach(), {name: value.detach() for name, value in pair_losses.items()}
+    parts = {name: value.detach() for name, value in pair_losses.items()}
+    total = contrastive.detach() if contrastive is not None else torch.zeros(())
+    if spec.fusion is not None:
+        parts["fusion"] = head_total
+        total = total.cpu() + fusion_weight * head_total
+    return total, parts
+
+
+def fusion_loss(output: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
+    """Cross-entropy of class logits [B, C] against int64 labels [B] (`classify`), or the mean
+    squared error of values [B, C] against float targets [B, C] (`regress`)."""
+    if task == "classify":
+        return F.cross_entropy(output, labels)
+    return F.mse_loss(output, labels.to(output.dtype).reshape(output.shape))
 
 
 def _features(out: dict[str, torch.Tensor], names: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -390,11 +482,13 @@ def optimizer_step(
     optimizer: torch.optim.Optimizer,
     precision: Precision,
     grad_clip: float | None,
+    skip: bool = False,
 ) -> tuple[float, bool]:
     """Unscale (fp16), clip, and step unless a gradient is not finite; returns (norm, stepped).
 
     With fp16 the GradScaler skips overflowing steps itself and lowers its scale; otherwise a
-    non-finite norm skips the step here, so a single bad batch cannot poison the weights.
+    non-finite norm (or `skip`: the caller saw a non-finite loss) skips the step here, so a
+    single bad batch cannot poison the weights.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     scaler = precision.scaler
@@ -407,11 +501,160 @@ def optimizer_step(
         scaler.step(optimizer)
         scaler.update()
         return float(norm), scaler.get_scale() >= before
-    if not torch.isfinite(norm):
+    if skip or not torch.isfinite(norm):
         optimizer.zero_grad(set_to_none=True)
         return float(norm), False
     optimizer.step()
     return float(norm), True
+
+
+# ----------------------------------------------------------------------------- state
+def _restore_state(
+    ckpt: Checkpoint,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    precision: Precision,
+    data: TrainData,
+    ema: _Ema | None,
+    config: RunConfig,
+    rank: int,
+) -> dict[str, int]:
+    """Load everything but the weights from `ckpt`; returns its counters."""
+    optimizer.load_state_dict(ckpt.state["optimizer"])
+    scheduler.load_state_dict(ckpt.state["scheduler"])
+    if precision.scaler is not None and ckpt.state.get("scaler"):
+        precision.scaler.load_state_dict(ckpt.state["scaler"])
+    data.load_state_dict(ckpt.state["loader"])
+    if ema is not None and "ema" in ckpt.state:
+        ema.load_state_dict(ckpt.state["ema"])
+    counters = ckpt.state["counters"]
+    _restore_rng_states(ckpt.state["rng"], rank, config.seed, counters["step"])
+    return counters
+
+
+def _rollback_checkpoint(
+    out: Path, step: int, in_a_row: int, rollbacks: int, config: RunConfig
+) -> Checkpoint:
+    """The checkpoint to roll back to after `in_a_row` non-finite steps, or FloatingPointError
+    when the run has rolled back too often or has nothing to roll back to."""
+    where = out / CHECKPOINT_DIR
+    if rollbacks >= config.guards.max_rollbacks:
+        raise FloatingPointError(
+            f"{in_a_row} non-finite steps in a row at step {step} after {rollbacks} rollbacks "
+            f"(guards.max_rollbacks): the run diverges. Lower train.lr, set "
+            f"guards.rollback_lr_factor, or use bf16/fp32; the last good checkpoint is in {where}"
+        )
+    # steps step-in_a_row+1 .. step were bad: resume from before the first of them
+    path = latest_checkpoint(where, at_most_step=step - in_a_row)
+    if path is None:
+        raise FloatingPointError(
+            f"{in_a_row} non-finite steps in a row at step {step} and no checkpoint to roll back "
+            "to yet: lower checkpoint.every_steps or train.lr"
+        )
+    log.warning(
+        "step %d: %d non-finite steps in a row; rolling back to %s%s",
+        step, in_a_row, path.name,
+        f" with learning rates x{config.guards.rollback_lr_factor}"
+        if config.guards.rollback_lr_factor != 1.0 else "",
+    )  # fmt: skip
+    return load_checkpoint(path)
+
+
+def _gather_rng_states() -> list[dict[str, Any]]:
+    """Every rank's RNG states, indexed by rank (a collective under torch.distributed)."""
+    mine = capture_rng_state()
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return [mine]
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, mine)
+    return states
+
+
+def _restore_rng_states(saved: Any, rank: int, seed: int, step: int) -> None:
+    """This rank's entry of the saved list (a dict: a checkpoint of a single-state format);
+    ranks the checkpoint has no entry for seed from (seed, rank, step)."""
+    states = [saved] if isinstance(saved, dict) else list(saved)
+    if rank < len(states):
+        restore_rng_state(states[rank])
+    else:
+        log.info("rank %d has no saved RNG state (saved by %d ranks): seeding", rank, len(states))
+        _seed_everything(seed * 1_000_003 + rank * 7_919 + step)
+
+
+# ----------------------------------------------------------------------------- validation
+class _Validation:
+    """Periodic evaluation on `data.val` with the eval package's `Evaluator`, on every rank
+    (each embeds its share); rows get `val/...` metrics, the run folder gets eval.json."""
+
+    def __init__(self, config: RunConfig, spec: ModelSpec, out: Path, rank: int, world: int):
+        from mmtrain.eval.run import Evaluator
+
+        self.every = config.eval.every_steps
+        self.out, self.rank, self.world = out, rank, world
+        self.sources = [source.path for source in config.data.val]
+        self.evaluators = []
+        for i, path in enumerate(self.sources):
+            try:
+                self.evaluators.append(
+                    Evaluator(
+                        spec,
+                        path,
+                        batch_size=config.eval.batch_size,
+                        tokenizer=config.data.tokenizer,
+                        label_field=config.data.label_field,
+                        num_workers=config.data.workers,
+                        rank=rank,
+                        world_size=world,
+                    )  # fmt: skip
+                )
+            except FieldError as err:
+                raise FieldError(f"data.val[{i}].path", err.message) from None
+        self.last: tuple[int, list[dict[str, Any]]] | None = None
+
+    def due(self, step: int, total: int) -> bool:
+        return step == total or bool(self.every and step % self.every == 0)
+
+    def run(self, model: nn.Module, step: int) -> dict[str, float]:
+        """Evaluate now; flat `val/...` metrics (`val/N/...` for the N-th of several sets)."""
+        from mmtrain.eval.run import flatten_metrics
+
+        reports = [evaluator.report(model) for evaluator in self.evaluators]
+        self.last = (step, reports)
+        flat: dict[str, float] = {}
+        for i, report in enumerate(reports):
+            prefix = "val" if len(reports) == 1 else f"val/{i}"
+            flat.update(flatten_metrics(report, prefix))
+        return flat
+
+    def write_report(self, spec: ModelSpec) -> dict[str, Any] | None:
+        """OUT/eval.json from the evaluation at the final step (rank 0 writes; all return it)."""
+        if self.last is None:
+            return None
+        step, reports = self.last
+        sets = [
+            {
+                "schema_version": EVAL_SCHEMA_VERSION,
+                "model": str(self.out),
+                "model_name": spec.name,
+                "data": path,
+                "world_size": self.world,
+                "mmtrain_version": __version__,
+                "step": step,
+                **report,
+            }  # fmt: skip
+            for path, report in zip(self.sources, reports, strict=True)
+        ]
+        document = dict(sets[0])
+        if len(sets) > 1:
+            document["other_sets"] = sets[1:]
+        if self.rank == 0:
+            text = json.dumps(document, indent=2, default=str) + "\n"
+            atomic_write_text(self.out / EVAL_FILE, text)
+        return document
+
+    def close(self) -> None:
+        for evaluator in self.evaluators:
+            evaluator.close()
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -421,6 +664,31 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    if device.type == "cpu":
+        return batch
+    return {name: value.to(device, non_blocking=True) for name, value in batch.items()}
+
+
+def _inject_nan(batch: dict[str, torch.Tensor]) -> None:
+    """Fault injection (`guards.inject_nan_steps`): overwrite the float inputs with NaN."""
+    for name, value in batch.items():
+        if name != LABEL_KEY and value.is_floating_point():
+            batch[name] = torch.full_like(value, math.nan)
+    log.warning("fault injection: NaN inputs in this step's first micro-batch")
+
+
+def _input_sizes(spec: ModelSpec) -> dict[str, int]:
+    """Image size (and frames) per image/video tower of the step's input spec, for the row."""
+    sizes = {}
+    for name, tower in spec.towers.items():
+        if hasattr(tower.stem, "image_size"):
+            sizes[name] = tower.stem.image_size
+        if hasattr(tower.stem, "frames"):
+            sizes[f"{name}_frames"] = tower.stem.frames
+    return sizes
 
 
 def _save_resolved_config(config: RunConfig, out: Path) -> None:

@@ -3,8 +3,11 @@ TensorBoard, and the throughput figures that say whether the accelerator is busy
 
 Per step: loss and loss per pair, learning rate per group, logit scale, grad norm, samples/s,
 step time split into data wait / forward+backward / optimizer, the data-wait fraction, MFU
-(model FLOPs over the device's peak, when a peak is known), peak memory (CUDA) or RSS (CPU),
-skipped steps and corrupt samples.
+(model FLOPs over the device's peak, when a peak is known), peak memory of the step (CUDA) or
+the process's RSS (CPU), skipped steps and corrupt samples.
+
+Besides step rows, records with a `"kind"` (e.g. `{"kind": "plan", "step": 0, ...}`: the
+planner's memory prediction for this run, to set beside the measured peak) share the file.
 
 On resume the writer drops the lines after the checkpoint's step (a crashed run may have logged
 steps that the resumed run repeats) and TensorBoard purges its events after that step, so the
@@ -13,9 +16,11 @@ curves of an interrupted run look like one run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
+import os
 import resource
 import sys
 from pathlib import Path
@@ -24,6 +29,8 @@ from typing import Any
 import torch
 
 from mmtrain.atomic import atomic_write_text
+from mmtrain.config import RunConfig
+from mmtrain.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +58,104 @@ def detect_peak_flops(device: torch.device, precision: str) -> float | None:
         return None
 
 
-def memory_gib(device: torch.device) -> dict[str, float]:
-    """Peak CUDA memory allocated since the last reset, or the process's peak RSS on CPU."""
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory window (call at the start of each step; CUDA only)."""
     if device.type == "cuda":
-        return {"peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30}
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
-    return {"peak_rss_gib": peak * scale / 2**30}
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def memory_gib(device: torch.device) -> dict[str, float]:
+    """Memory measured this step, in GiB and bytes.
+
+    CUDA: the peak allocated since `reset_peak_memory` (tensors only: the planner's
+    `allocated_bytes` is the figure to compare). CPU: the process's resident set now and its
+    high-water mark (RSS also holds the Python runtime and libraries, hundreds of MiB that no
+    plan of the model counts).
+    """
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        return {"peak_memory_gib": peak / 2**30, "peak_memory_bytes": peak}
+    high = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    high *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    row = {"peak_rss_gib": high / 2**30, "peak_memory_bytes": high}
+    now = _current_rss_bytes()
+    if now is not None:
+        row["rss_bytes"] = now
+    return row
+
+
+def _current_rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None  # not Linux
+
+
+def planned_memory(
+    spec: ModelSpec,
+    config: RunConfig,
+    *,
+    world_size: int,
+    recompute: list[str],
+    device: torch.device,
+) -> dict[str, Any]:
+    """The planner's per-device memory prediction for this run (the `plan` record).
+
+    Same inputs as `mmtrain plan`: the spec (towers with `freeze: true` planned as frozen), the
+    precision, micro-batch, ranks and FSDP sharding, with activation checkpointing per tower
+    (`train.towers.NAME.activation_checkpointing`, planned as "full" for those towers).
+    `allocated_bytes` (model states + activations + communication buffers) is what CUDA's
+    `max_memory_allocated` measures; `total_bytes` adds the CUDA context and fragmentation.
+    """
+    from mmtrain.plan.activations import activation_options, contrastive_bytes, stack_activations
+    from mmtrain.plan.config import PlanConfig
+    from mmtrain.plan.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, comm_buffers, model_states
+    from mmtrain.plan.model import from_spec
+
+    frozen = {name: "frozen" for name, t in config.train.towers.items() if t.freeze}
+    plan_model = from_spec(spec).with_modes(frozen)
+    micro = config.micro_batch_for(world_size)
+    precision = config.train.precision
+    sharded = config.train.parallel == "fsdp" and world_size > 1
+    cfg = PlanConfig(
+        gpus=world_size,
+        precision=precision,
+        micro_batch=micro,
+        global_batch=config.train.batch_size,
+        zero=3 if sharded else 0,
+    )
+    weights, grads, optimizer, convention = model_states(plan_model, cfg)
+    options = activation_options(precision, "flash", "none", 1, False)
+    saved = recompute_bytes = 0.0
+    by_tower = {}
+    for stack in plan_model.stacks:
+        mode = "full" if stack.name in recompute else "none"
+        a = stack_activations(stack, micro, dataclasses.replace(options, ac=mode))
+        by_tower[stack.name] = int(a.saved)
+        saved += a.saved
+        recompute_bytes = max(recompute_bytes, a.recompute_bytes)  # one block at a time
+    saved += contrastive_bytes(plan_model, micro, world_size)
+    buffers = comm_buffers(plan_model, cfg)
+    activations = saved + recompute_bytes
+    model_state = weights + grads + optimizer
+    allocated = model_state + activations + buffers
+    on_gpu = device.type == "cuda"
+    overhead = (CUDA_CONTEXT_BYTES + FRAGMENTATION * (activations + buffers)) if on_gpu else 0.0
+    return {
+        "predicted_activations_bytes": int(activations),
+        "predicted_model_state_bytes": int(model_state),
+        "predicted_allocated_bytes": int(allocated),
+        "predicted_total_bytes": int(allocated + overhead),
+        "activations_by_tower": by_tower,
+        "micro_batch": micro,
+        "world_size": world_size,
+        "precision": precision,
+        "zero": cfg.zero,
+        "recompute": list(recompute),
+        "state_convention": convention,
+        "notes": list(plan_model.notes),
+    }
 
 
 class MetricsWriter:
@@ -72,17 +170,29 @@ class MetricsWriter:
         resume_step: int = 0,
     ):
         self.enabled = enabled
-        self.path = Path(out) / METRICS_FILE
+        self.out = Path(out)
+        self.path = self.out / METRICS_FILE
+        self.tensorboard = tensorboard
         self._file = None
         self._tb = None
-        if not enabled:
-            return
-        self._truncate_after(resume_step)
+        if enabled:
+            self._open(resume_step)
+
+    def _open(self, step: int) -> None:
+        self._truncate_after(step)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        if tensorboard:
+        if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(Path(out) / "tensorboard"), purge_step=resume_step + 1)
+            self._tb = SummaryWriter(str(self.out / "tensorboard"), purge_step=step + 1)
+
+    def rewind(self, step: int) -> None:
+        """Forget the rows after `step` (a rollback to the checkpoint of `step`): the steps
+        that follow are trained again and logged once more."""
+        if not self.enabled:
+            return
+        self.close()
+        self._open(step)
 
     def _truncate_after(self, step: int) -> None:
         if not self.path.exists():
@@ -93,24 +203,35 @@ class MetricsWriter:
                 row = json.loads(line)
             except ValueError:  # a line cut short by a crash
                 continue
-            if row.get("step", 0) <= step:
+            if isinstance(row, dict) and row.get("step", 0) <= step:
                 kept.append(line)
         atomic_write_text(self.path, "".join(line + "\n" for line in kept))
 
     def write(self, step: int, row: dict[str, Any]) -> None:
+        """One step's row: `{"step": step, **row}`; its numbers also go to TensorBoard."""
         if not self.enabled:
             return
-        row = {"step": step, **row}
+        self._append({"step": step, **row})
+        self._scalars(step, row, prefix="")
+
+    def record(self, kind: str, step: int, data: dict[str, Any]) -> None:
+        """A record that is not a step row (`{"kind": kind, "step": step, **data}`), e.g. the
+        memory plan; its top-level numbers go to TensorBoard as `kind/name`."""
+        if not self.enabled:
+            return
+        self._append({"kind": kind, "step": step, **data})
+        self._scalars(step, data, prefix=f"{kind}/")
+
+    def _append(self, row: dict[str, Any]) -> None:
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for key, value in row.items():
-                if (
-                    key != "step"
-                    and isinstance(value, (int, float))
-                    and not isinstance(value, bool)
-                ):
-                    self._tb.add_scalar(key.replace(".", "/"), value, step)
+
+    def _scalars(self, step: int, row: dict[str, Any], prefix: str) -> None:
+        if self._tb is None:
+            return
+        for key, value in row.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._tb.add_scalar(prefix + key.replace(".", "/"), value, step)
 
     def close(self) -> None:
         if self._file is not None:

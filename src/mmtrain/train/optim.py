@@ -142,3 +142,16 @@ def make_scheduler(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR over `lr_factor`; its state_dict holds only numbers (weights_only-loadable)."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config))
+
+
+def scale_learning_rates(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, factor: float
+) -> None:
+    """Multiply every group's learning rate, now and for the rest of the schedule, by `factor`
+    (after a rollback). The schedule's base rates live in its state_dict, so checkpoints written
+    afterwards, and runs resumed from them, keep the lower rates."""
+    scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+    for group in optimizer.param_groups:
+        group["lr"] *= factor
+        if "initial_lr" in group:
+            group["initial_lr"] *= factor

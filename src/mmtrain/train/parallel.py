@@ -1,7 +1,16 @@
-"""Parallelism applied to a built model from outside its code.
+"""Parallelism applied to a built model from outside its code (DESIGN.md section 3), in the
+order compile -> activation checkpointing -> DDP or FSDP2.
 
-For now: activation checkpointing per transformer block of each tower. The training issue adds
-DDP/FSDP here, in the order compile -> checkpointing -> FSDP.
+- `apply_activation_checkpointing(model, mode, towers)`: per transformer block, per tower,
+  non-reentrant `torch.utils.checkpoint`. The trainer and the planner's measurement both use it.
+- `wrap_data_parallel(model, env, "ddp")`: a DDP replica per rank.
+- `apply_fsdp(model, precision)`: FSDP2 (`fully_shard`) on each transformer block, then on the
+  whole model, with a mixed-precision policy derived from `train.precision`.
+- `full_model_state_dict`, `optimizer_state_dict`, `load_optimizer_state_dict`: full (unsharded)
+  state on the CPU whatever the strategy, so a checkpoint written under FSDP keeps the
+  single-process format (`model.safetensors`) and resumes on any number of ranks.
+
+The same code runs in one process, under torchrun on CPUs (gloo) and on GPUs (nccl).
 """
 
 from __future__ import annotations
@@ -9,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,8 +30,17 @@ from torch.utils.checkpoint import checkpoint
 from mmtrain.structured import FieldError
 
 AC_MODES = ("none", "selective", "full")
+# Parameters gathered/computed in this dtype under FSDP; gradients are reduced in fp32 (a sum
+# over ranks in bf16 loses the small contributions). fp8 matmuls run on bf16 parameters.
+FSDP_PARAM_DTYPES = {
+    "fp32": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.bfloat16,
+}
 
 
+# ----------------------------------------------------------------------------- checkpointing
 def _checkpointed(forward):
     """`forward` run under non-reentrant checkpointing: only its inputs are kept for backward;
     everything inside is recomputed when the gradient reaches it."""
@@ -32,18 +52,19 @@ def _checkpointed(forward):
     return run
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    """Every transformer block of every tower (`towers.NAME.blocks[i]`), in order."""
+def _towers(model: nn.Module) -> nn.ModuleDict:
     towers = getattr(model, "towers", None)
     if towers is None:
         raise TypeError(
             f"expected a model with .towers (MultimodalModel), got {type(model).__name__}"
         )
-    return [block for tower in towers.values() for block in tower.blocks]
+    return towers
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
-    """Checkpoint each block of each tower in place and return the model.
+def apply_activation_checkpointing(
+    model: nn.Module, mode: str, towers: Sequence[str] | None = None
+) -> nn.Module:
+    """Checkpoint each transformer block of the named towers (all towers when None) in place.
 
     - "full": the whole block is recomputed in backward; autograd keeps only the block input
       (Korthikanti et al. 2022's "full recompute", about one extra forward pass of compute).
@@ -55,29 +76,36 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
     - "none": nothing changes.
 
     The wrapped `forward` is set on the module instance, so parameter names (and checkpoints)
-    are unchanged. Applying a mode twice is an error (checkpoint inside checkpoint).
+    are unchanged and FSDP applied afterwards still sees the blocks as modules. Applying
+    checkpointing twice to a module is an error (checkpoint inside checkpoint).
     """
     if mode not in AC_MODES:
         raise ValueError(
             f"activation checkpointing mode {mode!r} is not one of {', '.join(AC_MODES)}"
         )
+    all_towers = _towers(model)
+    names = list(all_towers) if towers is None else list(towers)
+    for name in names:
+        if name not in all_towers:
+            raise FieldError(
+                f"train.towers.{name}",
+                f"the model has no tower {name!r}; towers: {', '.join(all_towers)}",
+            )
     if mode == "none":
         return model
-    for block in _blocks(model):
-        target = block if mode == "full" else block.attn
-        if getattr(target, "_mmtrain_checkpointed", False):
-            raise ValueError("activation checkpointing is already applied to this model")
-        target.forward = _checkpointed(target.forward)
-        target._mmtrain_checkpointed = True
+    for name in names:
+        for block in all_towers[name].blocks:
+            target = block if mode == "full" else block.attn
+            if any(getattr(m, "_mmtrain_checkpointed", False) for m in (block, block.attn)):
+                raise ValueError(
+                    f"activation checkpointing is already applied to tower {name!r} of this model"
+                )
+            target.forward = _checkpointed(target.forward)
+            target._mmtrain_checkpointed = True
     return model
 
 
-# ----------------------------------------------------------------------------- training loop
-# Added for `mmtrain train` (train/loop.py): process groups, data parallelism, per-tower
-# checkpointing. The same code runs in one process, under torchrun on CPUs (gloo) and on GPUs
-# (nccl).
-
-
+# ----------------------------------------------------------------------------- process groups
 @dataclass(frozen=True)
 class DistributedEnv:
     device: torch.device
@@ -132,41 +160,193 @@ def agree_any(flags: list[bool]) -> list[bool]:
     return [bool(v) for v in values.tolist()]
 
 
+# ----------------------------------------------------------------------------- data parallel
 def wrap_data_parallel(model: nn.Module, env: DistributedEnv, strategy: str = "auto") -> nn.Module:
     """The module the training loop calls: the model itself on one rank, DDP across ranks.
 
     DDP keeps a full replica per rank and averages gradients (bucketed, overlapped with the
     backward). Buffers are derived from the spec (mel filterbanks), identical on every rank, so
-    they are not broadcast at each forward.
+    they are not broadcast at each forward. FSDP is `apply_fsdp`: it shards the model in place
+    and needs the loop to save through `full_model_state_dict` / `optimizer_state_dict`.
     """
     if env.world_size == 1:
         return model
     if strategy == "fsdp":
-        raise FieldError("train.parallel", "fsdp is not available in `mmtrain train` yet; use ddp")
+        raise FieldError(
+            "train.parallel",
+            "fsdp is not wired into `mmtrain train` yet (its checkpoints must be gathered "
+            "with mmtrain.train.parallel.full_model_state_dict); use ddp",
+        )
     device_ids = [env.local_rank] if env.device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(
         model, device_ids=device_ids, broadcast_buffers=False
     )
 
 
-def no_sync(module: nn.Module):
-    """DDP's `no_sync()` (skip the gradient all-reduce of a non-final micro-batch), else a no-op."""
+def fsdp_mixed_precision(precision: str):
+    """FSDP2's MixedPrecisionPolicy for `train.precision`: parameters all-gathered and used in
+    the low dtype, gradients reduce-scattered in fp32, sharded master weights kept in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision not in FSDP_PARAM_DTYPES:
+        raise FieldError(
+            "train.precision", f"{precision!r} is not one of {', '.join(FSDP_PARAM_DTYPES)}"
+        )
+    dtype = FSDP_PARAM_DTYPES[precision]
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+
+
+def apply_fsdp(
+    model: nn.Module, precision: str = "fp32", *, reshard_after_forward: bool = True
+) -> nn.Module:
+    """Shard `model` in place with FSDP2 over the default process group; returns it.
+
+    Each transformer block is its own unit (its parameters are all-gathered just before it
+    runs and freed after, so at most about one block is unsharded at a time), then the root
+    takes what is left (stems, norms, projections). Call after compile and activation
+    checkpointing: FSDP then sees the blocks as modules and hooks their calls. Parameter names
+    do not change, so `full_model_state_dict` matches `create_model(spec)`.
+
+    `fully_shard` cannot shard 0-d parameters (the logit scale and bias): they stay whole on
+    every rank, in fp32, and their gradients are averaged over ranks by a hook, as DDP would.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        raise RuntimeError("FSDP needs a process group: launch with torchrun (WORLD_SIZE > 1)")
+    policy = fsdp_mixed_precision(precision)
+    for tower in _towers(model).values():
+        for block in tower.blocks:
+            fully_shard(block, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    scalars = {p for p in model.parameters() if p.dim() == 0}
+    for param in scalars:
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(_average_gradient_over_ranks)
+    fully_shard(
+        model,
+        mp_policy=policy,
+        reshard_after_forward=reshard_after_forward,
+        ignored_params=scalars or None,
+    )
+    return model
+
+
+def _average_gradient_over_ranks(param: torch.Tensor) -> None:
+    # Runs after each micro-batch's gradient is added to .grad. What is already there is the
+    # same on every rank (averaged before), so averaging again leaves it unchanged: the result
+    # is the mean over ranks of the summed micro-batch gradients, what FSDP gives the others.
+    dist.all_reduce(param.grad)  # SUM: gloo has no AVG
+    param.grad.div_(dist.get_world_size())
+
+
+def is_fsdp(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def no_sync(module: nn.Module) -> contextlib.AbstractContextManager:
+    """Skip the gradient reduction of a non-final micro-batch: DDP's `no_sync()`, FSDP2's
+    `set_requires_gradient_sync(False)`; a no-op on one rank."""
     if isinstance(module, nn.parallel.DistributedDataParallel):
         return module.no_sync()
+    if is_fsdp(module):
+        return _fsdp_no_sync(module)
     return contextlib.nullcontext()
 
 
-def checkpoint_tower_blocks(model: nn.Module, towers: list[str]) -> nn.Module:
-    """Full activation checkpointing of every block of the named towers only (per-tower flag)."""
-    for name in towers:
-        if name not in model.towers:
-            raise FieldError(
-                f"train.towers.{name}",
-                f"the model has no tower {name!r}; towers: {', '.join(model.towers)}",
-            )
-        for block in model.towers[name].blocks:
-            if getattr(block, "_mmtrain_checkpointed", False):
-                raise ValueError("activation checkpointing is already applied to this model")
-            block.forward = _checkpointed(block.forward)
-            block._mmtrain_checkpointed = True
-    return model
+@contextlib.contextmanager
+def _fsdp_no_sync(module: nn.Module) -> Iterator[None]:
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+# ----------------------------------------------------------------------------- state
+def _plain(module: nn.Module) -> nn.Module:
+    return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
+
+
+def _full_options(**extra: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **extra)
+
+
+def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's full state dict on the CPU, in `create_model(spec)`'s names and dtypes.
+
+    Under FSDP this is a collective (every rank must call it; each shard is all-gathered) and
+    only rank 0 receives the tensors: other ranks get an empty dict. Otherwise it is the
+    module's own state dict (every rank holds the full model), moved to the CPU.
+    """
+    if is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        state = get_model_state_dict(model, options=_full_options(cpu_offload=True))
+        return _copied(model, state)
+    return {k: v.detach().to("cpu", copy=True) for k, v in _plain(model).state_dict().items()}
+
+
+def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state, unsharded, to save in a checkpoint.
+
+    Plain and DDP models: `optimizer.state_dict()` (states keyed by parameter index). FSDP:
+    a collective returning full tensors keyed by parameter name on rank 0 (empty elsewhere).
+    `load_optimizer_state_dict` reads either form into either kind of model.
+    """
+    if is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        state = get_optimizer_state_dict(model, optimizer, options=_full_options(cpu_offload=True))
+        return _copied(model, state)
+    return optimizer.state_dict()
+
+
+def _copied(model: nn.Module, state: Any) -> Any:
+    """`state` with its tensors copied when the model lives on the CPU: there the gathered
+    "offloaded" tensors can share memory with what the next step overwrites (FSDP's buffers,
+    the unsharded logit scale and its optimizer state)."""
+    if next(model.parameters()).device.type != "cpu":
+        return state  # cpu_offload already copied them off the accelerator
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: _copied(model, v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_copied(model, v) for v in state]
+    return state
+
+
+def load_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """Load a state from `optimizer_state_dict` (of any strategy, any number of ranks).
+
+    Every rank passes the full state (each reads the checkpoint); under FSDP each keeps its
+    own shard of it. The optimizer may adopt tensors of `state`: do not reuse it afterwards.
+    """
+    keyed_by_name = any(isinstance(k, str) for k in state.get("state", {}))
+    if not is_fsdp(model) and not keyed_by_name:
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    if not keyed_by_name:
+        state = _keyed_by_name(_plain(model), optimizer, state)
+    set_optimizer_state_dict(_plain(model), optimizer, state, options=_full_options())
+
+
+def _keyed_by_name(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> dict[str, Any]:
+    """`optimizer.state_dict()`'s index keys -> parameter names (the form FSDP's loader reads).
+    Indexes count the parameters of `optimizer.param_groups` in order, as torch numbers them."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    groups = [
+        {**saved, "params": [order[i] for i in saved["params"]]} for saved in state["param_groups"]
+    ]
+    return {"state": {order[i]: s for i, s in state["state"].items()}, "param_groups": groups}

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One GPU benchmark, well under 8 minutes on an H100/H200 (torch 2.11+, no internet):
+# ViT-B-16 CLIP training in bf16 on synthetic data -- samples/s and MFU of mmtrain's step beside
+# OpenCLIP's same model in the same run, peak memory vs the planner at 3 batch sizes (with and
+# without activation checkpointing), fp8 through torchao, checkpoint save time.
+#
+#   bash bench/gpu.sh                 # results in $OUT (default /tmp/mmtrain-gpu-bench): gpu_results.{md,json}
+#   bash bench/gpu.sh --dry-run       # tiny sizes on the CPU: proves the script runs
+#
+# open_clip and torchao are optional: put their wheels (and open_clip's needs: ftfy, regex,
+# timm, huggingface_hub, ...) in .whl/ and they are installed offline into /tmp/site first.
+# Copy the table of gpu_results.md into bench/RESULTS.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/mmtrain-gpu-bench}"
+PY="${PYTHON:-python3}"
+mkdir -p "$OUT"
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}" \
+    || echo "wheels in .whl/ did not install; going on without them" >&2
+fi
+# mmtrain from this checkout, without installing it (src/ layout); bench/ for its helpers.
+export PYTHONPATH="$PWD/src:$PWD/bench:${PYTHONPATH:-}"
+export PYTHONUNBUFFERED=1
+
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+fi
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+timeout 450 "$PY" bench/gpu_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_bench.log"

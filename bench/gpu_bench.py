@@ -1,0 +1,268 @@
+"""The GPU benchmark behind bench/gpu.sh: ViT-B-16 CLIP training in bf16 on synthetic data.
+
+Measured in one run: samples/s and MFU of mmtrain's training step (the trainer's own
+`forward_backward` + `optimizer_step`), the same for OpenCLIP's ViT-B-16 when open_clip is
+importable, peak CUDA memory beside the planner's prediction at several batch sizes, fp8
+matmuls through torchao when importable, and the time to write a checkpoint. Writes
+OUT/gpu_results.json and OUT/gpu_results.md and prints the table.
+
+    python bench/gpu_bench.py --out DIR [--batch 256] [--steps 20]
+    python bench/gpu_bench.py --out DIR --dry-run     # tiny-clip, tiny sizes, on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from common import command, machine
+
+import mmtrain
+from mmtrain.hardware import default_catalog
+from mmtrain.losses import ContrastiveLoss
+from mmtrain.plan.config import PlanConfig
+from mmtrain.plan.estimate import make_plan
+from mmtrain.plan.measure import random_batch
+from mmtrain.plan.workloads import load_model
+from mmtrain.spec import load_spec
+from mmtrain.train.checkpoint import save_checkpoint
+from mmtrain.train.loop import forward_backward, optimizer_step
+from mmtrain.train.metrics import detect_peak_flops, train_flops_per_sample
+from mmtrain.train.parallel import apply_activation_checkpointing
+from mmtrain.train.precision import convert_to_fp8, make_precision
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_steps(step, steps: int, warmup: int, device: torch.device) -> float:
+    """Median seconds of `step()` over `steps` calls after `warmup` untimed ones."""
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def mmtrain_case(args, device, precision: str, batch: int, ac: str = "none") -> dict:
+    """mmtrain's step for args.model at `batch`: step time, samples/s, MFU, peak memory."""
+    spec = load_spec(args.model)
+    model = mmtrain.create_model(spec, seed=0).to(device)
+    if precision == "fp8":
+        convert_to_fp8(model)
+    apply_activation_checkpointing(model, ac)
+    prec = make_precision(precision, device) if device.type == "cuda" else _cpu(precision)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    loss_fn = ContrastiveLoss.from_spec(spec, distributed=False)
+    data = {
+        k: v.to(device)
+        for k, v in random_batch(spec, batch, torch.Generator().manual_seed(0)).items()
+    }
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        forward_backward(model, model, loss_fn, [data], prec)
+        optimizer_step(model, optimizer, prec, 1.0)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    step_s = _time_steps(step, args.steps, args.warmup, device)
+    flops = train_flops_per_sample(spec.forward_flops(), recompute=ac != "none")
+    peak = detect_peak_flops(device, precision)
+    row = {
+        "impl": "mmtrain",
+        "model": spec.name,
+        "precision": precision,
+        "ac": ac,
+        "batch": batch,
+        "step_s": step_s,
+        "samples_s": batch / step_s,
+        "mfu": batch / step_s * flops / peak if peak else None,
+        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30
+        if device.type == "cuda"
+        else None,
+    }
+    row["predicted_gib"] = _predicted_gib(args, spec.name, batch, ac)
+    row["_model"], row["_optimizer"] = model, optimizer
+    return row
+
+
+def _cpu(precision: str):
+    # fp8 and CUDA-only checks do not apply to the dry run; bf16 autocast works on CPUs.
+    return make_precision("bf16" if precision == "fp8" else precision, torch.device("cpu"))
+
+
+def _predicted_gib(args, name: str, batch: int, ac: str) -> float | None:
+    """The planner's allocator-level prediction (states + activations + loss; without the CUDA
+    context and fragmentation allowance, which max_memory_allocated does not see)."""
+    try:
+        cfg = PlanConfig(gpu=args.gpu, precision="bf16", bytes_per_param=18, micro_batch=batch)
+        plan = make_plan(load_model(name), replace(cfg, ac=ac), default_catalog())
+    except Exception as err:  # noqa: BLE001 - a benchmark reports and goes on
+        print(f"planner: {err}", file=sys.stderr)
+        return None
+    m = plan.memory
+    return (m.total_bytes - m.cuda_context_bytes - m.fragmentation_bytes) / 2**30
+
+
+def openclip_case(args, device, batch: int) -> dict | None:
+    """OpenCLIP's same model and step (AdamW, bf16 autocast, its ClipLoss), if installed."""
+    try:
+        import open_clip
+    except ImportError:
+        return None
+    name = "ViT-B-16" if not args.dry_run else "ViT-B-32"
+    model = open_clip.create_model(name).to(device)
+    loss_fn = open_clip.ClipLoss()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    size = model.visual.image_size
+    size = size[0] if isinstance(size, tuple) else size
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(batch, 3, size, size, generator=g).to(device)
+    texts = torch.randint(1, 49407, (batch, 77), generator=g).to(device)
+    dtype = torch.bfloat16
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=dtype):
+            image_f, text_f, scale = model(images, texts)
+        loss = loss_fn(image_f.float(), text_f.float(), scale)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    step_s = _time_steps(step, args.steps, args.warmup, device)
+    flops = train_flops_per_sample(load_spec(name).forward_flops())
+    peak = detect_peak_flops(device, "bf16")
+    return {
+        "impl": f"open_clip {open_clip.__version__}",
+        "model": name,
+        "precision": "bf16",
+        "ac": "none",
+        "batch": batch,
+        "step_s": step_s,
+        "samples_s": batch / step_s,
+        "mfu": batch / step_s * flops / peak if peak else None,
+        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30
+        if device.type == "cuda"
+        else None,
+        "predicted_gib": None,
+    }
+
+
+def checkpoint_seconds(model, optimizer) -> float:
+    """Seconds to write one full checkpoint (weights, optimizer, manifest) to local disk."""
+    with tempfile.TemporaryDirectory() as folder:
+        start = time.perf_counter()
+        state = {"optimizer": optimizer.state_dict()}
+        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        save_checkpoint(Path(folder), 1, weights, state, {"bench": True}, keep=1)
+        return time.perf_counter() - start
+
+
+def table(rows: list[dict]) -> list[str]:
+    out = [
+        "| impl | model | precision | AC | batch | step ms | samples/s | MFU | peak GiB | plan GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
+        peak = f"{r['peak_gib']:.2f}" if r.get("peak_gib") is not None else "-"
+        plan = f"{r['predicted_gib']:.2f}" if r.get("predicted_gib") is not None else "-"
+        out.append(
+            f"| {r['impl']} | {r['model']} | {r['precision']} | {r['ac']} | {r['batch']} "
+            f"| {1e3 * r['step_s']:.1f} | {r['samples_s']:.1f} | {mfu} | {peak} | {plan} |"
+        )
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder for gpu_results.json/.md")
+    parser.add_argument("--model", default="ViT-B-16")
+    parser.add_argument("--gpu", default="h200", help="catalog name for the planner")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--memory-batches", default="64,128,256")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--dry-run", action="store_true", help="tiny-clip, tiny sizes, CPU")
+    args = parser.parse_args()
+    if args.dry_run:
+        args.model, args.batch, args.memory_batches = "tiny-clip", 4, "2,4"
+        args.steps, args.warmup = 2, 1
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        print("no CUDA GPU visible: use --dry-run on a CPU", file=sys.stderr)
+        return 2
+    else:
+        device = torch.device("cuda")
+        torch.backends.cuda.matmul.allow_tf32 = True
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, notes = [], []
+
+    def run(label: str, fn, *a, **kw):
+        try:
+            row = fn(*a, **kw)
+        except Exception as err:  # noqa: BLE001 - report the case and go on with the others
+            notes.append(f"{label}: failed: {type(err).__name__}: {err}")
+            print(notes[-1], file=sys.stderr, flush=True)
+            return None
+        if row is not None:
+            rows.append(row)
+            print(table([row])[-1], flush=True)
+        return row
+
+    main_row = run("mmtrain bf16", mmtrain_case, args, device, "bf16", args.batch)
+    if main_row is not None:
+        seconds = checkpoint_seconds(main_row["_model"], main_row["_optimizer"])
+        notes.append(f"checkpoint save (weights + AdamW state + manifest): {seconds:.2f} s")
+        print(notes[-1], flush=True)
+        main_row.pop("_model"), main_row.pop("_optimizer")
+    if run("open_clip", openclip_case, args, device, args.batch) is None and not any(
+        n.startswith("open_clip") for n in notes
+    ):
+        notes.append("open_clip: not installed (carry its wheels in .whl/ to compare)")
+    for batch in [int(b) for b in args.memory_batches.split(",")]:
+        for ac in ("none", "full"):
+            row = run(f"memory b={batch} ac={ac}", mmtrain_case, args, device, "bf16", batch, ac)
+            if row is not None:
+                row.pop("_model"), row.pop("_optimizer")
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        notes.append("fp8: torchao not installed (carry its wheels in .whl/ to measure)")
+    else:
+        row = run("mmtrain fp8", mmtrain_case, args, device, "fp8", args.batch)
+        if row is not None:
+            row.pop("_model"), row.pop("_optimizer")
+    for r in rows:
+        r.pop("_model", None), r.pop("_optimizer", None)
+    lines = table(rows)
+    header = [f"command: `{command()}`", f"machine: {machine()}", ""]
+    (out / "gpu_results.md").write_text("\n".join([*header, *lines, "", *notes, ""]))
+    (out / "gpu_results.json").write_text(
+        json.dumps({"machine": machine(), "rows": rows, "notes": notes}, indent=1)
+    )
+    print("\n".join(["", *lines, "", *notes]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""`mmtrain eval RUN_DIR|WEIGHTS_DIR --data PATTERN`: retrieval, CLIP score, zero-shot, probe.
+
+Loads the model folder (model.safetensors + spec.yaml), streams the data in eval mode, and
+writes `eval.json` (into the model folder unless `--out` says otherwise) and a table. Under
+torchrun every rank embeds and scores its share; rank 0 writes and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from mmtrain.cli import UsageError
+
+ORDER = 40
+EVAL_FILE = "eval.json"
+SCHEMA_VERSION = 1
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="evaluate a trained model: retrieval, CLIP score, zero-shot, linear probe",
+        description=(
+            "Evaluate the model in RUN_DIR (or a folder written by save_model / convert) on "
+            "shards: retrieval R@1/5/10 and ranks in both directions of each pair, CLIP score, "
+            "zero-shot classification with class names, a linear probe on labels. Writes "
+            "eval.json. Exit code 2 on bad input."
+        ),
+    )
+    p.add_argument(
+        "model", metavar="RUN_DIR|WEIGHTS_DIR", help="folder with model.safetensors and spec.yaml"
+    )
+    p.add_argument("--data", required=True, help="shard folder, .tar, glob or brace pattern")
+    p.add_argument(
+        "--json", action="store_true", help="print the report as JSON instead of a table"
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=64, help="samples per forward pass per rank (default 64)"
+    )
+    p.add_argument(
+        "--pairs",
+        help="tower pairs to score, e.g. image-text or image-text,audio-text (default: the model's pairs)",
+    )
+    p.add_argument(
+        "--zeroshot",
+        action="store_true",
+        help="zero-shot classification with class names from the data's manifest.json ('classes')",
+    )
+    p.add_argument(
+        "--zeroshot-classes",
+        metavar="FILE",
+        help="class names, one per line (or a JSON list); implies --zeroshot",
+    )
+    p.add_argument(
+        "--templates",
+        metavar="FILE",
+        help="prompt templates, one per line with {} for the class name",
+    )
+    p.add_argument(
+        "--label-field",
+        default="label",
+        help="json field holding the label when a sample has no .cls (default: label)",
+    )
+    p.add_argument(
+        "--probe", action="store_true", help="linear probe on the labels (accuracy, macro-F1)"
+    )
+    p.add_argument(
+        "--probe-train",
+        metavar="PATTERN",
+        help="shards to fit the probe on (default: 4 in 5 samples of --data, by key hash)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        help="'byte', a tokenizer.json or CLIP merges file (default: the run's config, else byte)",
+    )
+    p.add_argument("--workers", type=int, default=0, help="decode processes per rank (default 0)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when available)")
+    p.add_argument(
+        "--out", metavar="FILE", help=f"where to write the report (default: MODEL_DIR/{EVAL_FILE})"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch  # imported here so `mmtrain --help` stays fast
+
+    import mmtrain
+    from mmtrain import distributed
+    from mmtrain.atomic import atomic_write_text
+    from mmtrain.eval.run import ZeroShotConfig, parse_pairs
+    from mmtrain.eval.zeroshot import DEFAULT_TEMPLATES, read_class_names, read_templates
+
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        raise UsageError(f"{model_dir}: not a folder (expected RUN_DIR or a model folder)")
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be positive, got {args.batch_size}")
+    if args.workers < 0:
+        raise UsageError(f"--workers must be 0 or more, got {args.workers}")
+    device = _init_distributed(args.device, torch)
+    model = mmtrain.load_model(model_dir, device=device)
+    spec = model.spec
+    try:
+        pairs = parse_pairs(args.pairs, spec) if args.pairs else [tuple(p) for p in spec.pairs]
+    except ValueError as err:
+        raise UsageError(f"--pairs: {getattr(err, 'message', err)}") from None
+    tokenizer = args.tokenizer or _run_tokenizer(model_dir)
+    zeroshot = None
+    if args.zeroshot or args.zeroshot_classes:
+        names = (
+            read_class_names(args.zeroshot_classes)
+            if args.zeroshot_classes
+            else _manifest_classes(args.data)
+        )
+        templates = read_templates(args.templates) if args.templates else list(DEFAULT_TEMPLATES)
+        zeroshot = ZeroShotConfig(names, templates, tokenizer)
+    elif args.templates:
+        raise UsageError("--templates needs --zeroshot or --zeroshot-classes")
+    if args.probe_train and not args.probe:
+        raise UsageError("--probe-train needs --probe")
+    evaluator = _evaluator(
+        spec,
+        args.data,
+        batch_size=args.batch_size,
+        tokenizer=tokenizer,
+        pairs=pairs,
+        zeroshot=zeroshot,
+        probe=args.probe,
+        probe_data=args.probe_train,
+        label_field=args.label_field,
+        class_names=_manifest_class_names(args.data),
+        num_workers=args.workers,
+    )
+    report = evaluator.report(model)
+    evaluator.close()
+    report = {
+        "schema_version": SCHEMA_VERSION,
+        "model": str(model_dir),
+        "model_name": spec.name,
+        "data": args.data,
+        "world_size": distributed.world_size(),
+        "mmtrain_version": mmtrain.__version__,
+        **report,
+    }
+    if distributed.rank() == 0:
+        out = Path(args.out) if args.out else model_dir / EVAL_FILE
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out, json.dumps(report, indent=2) + "\n")
+        print(json.dumps(report, indent=2) if args.json else format_report(report, out))
+    if distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+def _evaluator(spec: Any, data: str, **options: Any) -> Any:
+    """An `Evaluator`; errors about the data name the flag that gave it."""
+    from mmtrain.eval.run import Evaluator
+    from mmtrain.structured import FieldError
+
+    flags = {"data": "--data", "probe_data": "--probe-train"}
+    try:
+        return Evaluator(spec, data, **options)
+    except FieldError as err:
+        if err.path in flags:
+            raise UsageError(f"{flags[err.path]} {err.message}") from None
+        raise
+
+
+def _init_distributed(device_arg: str | None, torch: Any) -> Any:
+    """Join torchrun's process group when launched by it; the device this rank uses."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available() and (device_arg is None or device_arg.startswith("cuda"))
+    if world > 1 and not torch.distributed.is_initialized():
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    if device_arg and not (world > 1 and cuda):
+        try:
+            return torch.device(device_arg)
+        except RuntimeError as err:
+            raise UsageError(f"--device {device_arg!r}: {err}") from None
+    if cuda:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _run_tokenizer(model_dir: Path) -> str:
+    """The tokenizer a run trained with (its config.yaml `data.tokenizer`), else 'byte'."""
+    import yaml
+
+    config = model_dir / "config.yaml"
+    if not config.is_file():
+        return "byte"
+    try:
+        data = yaml.safe_load(config.read_text())
+        value = data["data"]["tokenizer"]
+    except (yaml.YAMLError, KeyError, TypeError):
+        return "byte"
+    if not isinstance(value, str):
+        return "byte"
+    if value != "byte" and not Path(value).is_absolute() and (model_dir / value).exists():
+        return str(model_dir / value)
+    return value
+
+
+def _manifest_class_names(data: str) -> list[str] | None:
+    """The `classes` list of the data folder's manifest.json, if it has one."""
+    from mmtrain.data.shards import read_manifest
+
+    folder = Path(data)
+    if not (folder / "manifest.json").is_file():
+        return None
+    names = read_manifest(folder).get("classes")
+    if isinstance(names, list) and names and all(isinstance(n, str) for n in names):
+        return names
+    return None
+
+
+def _manifest_classes(data: str) -> list[str]:
+    names = _manifest_class_names(data)
+    if names is None:
+        raise UsageError(
+            f"--zeroshot: {data} is not a shard folder whose manifest.json lists 'classes'; give "
+            "the class names with --zeroshot-classes FILE"
+        )
+    return names
+
+
+def format_report(report: dict[str, Any], out: Path) -> str:
+    """A plain-text table of the report's main numbers."""
+    lines = [f"{report['model_name']} on {report['data']}: {report['n_samples']} samples"]
+    retrieval = report.get("retrieval", {})
+    if retrieval:
+        ks = [k for k in next(iter(retrieval.values())) if k.startswith("R@")]
+        header = (
+            f"{'direction':<22}"
+            + "".join(f"{k:>8}" for k in ks)
+            + f"{'mean rank':>11}{'median':>8}{'queries':>9}"
+        )
+        lines += ["", header]
+        for direction, m in retrieval.items():
+            row = f"{direction:<22}" + "".join(f"{m[k]:>8.3f}" for k in ks)
+            lines.append(
+                row + f"{m['mean_rank']:>11.1f}{m['median_rank']:>8.1f}{m['n_queries']:>9d}"
+            )
+    for pair, s in report.get("clip_score", {}).items():
+        lines.append(
+            f"CLIP score {pair}: mean {s['mean']:.2f}, median {s['median']:.2f} ({s['n_pairs']} pairs)"
+        )
+    for tower, z in report.get("zeroshot", {}).items():
+        tops = ", ".join(f"{k} {v:.3f}" for k, v in z.items() if k.startswith("top"))
+        lines.append(
+            f"zero-shot {tower}: {tops} ({z['n_classes']} classes, {z['n_samples']} samples)"
+        )
+    if "probe" in report:
+        p = report["probe"]
+        lines.append(
+            f"linear probe ({'+'.join(p['towers'])}): accuracy {p['accuracy']:.3f}, macro-F1 "
+            f"{p['macro_f1']:.3f} ({p['n_train']} train / {p['n_test']} test)"
+        )
+    if "fusion" in report:
+        f = report["fusion"]
+        lines.append(f"fusion head: accuracy {f['accuracy']:.3f}, macro-F1 {f['macro_f1']:.3f}")
+    if report.get("corrupt_samples"):
+        lines.append(f"skipped {report['corrupt_samples']} corrupt samples")
+    lines += ["", f"wrote {out}"]
+    return "\n".join(lines)

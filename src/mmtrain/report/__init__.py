@@ -1,0 +1,173 @@
+"""The run report: `build_report(RUN_DIR)` writes RUN_DIR/report.html and its PNGs.
+
+    run folder ──rundata.load_run──▶ RunData (series, plan, eval.json, checkpoints, notes)
+        ──plots.make_plots──▶ training charts ─┐
+        ──gallery.retrieval_gallery──▶ gallery ─┼─▶ html.render_html ─▶ report.html (+ PNGs)
+        ──rundata.summary_rows──▶ summary table ┘
+
+The HTML is self-contained (PNGs as data URIs, inline CSS, no script), so it opens from disk
+without a server; the same PNGs are written beside it for slides and tickets. Missing parts of a
+run (no eval, no plan record, a crashed run without final weights) leave their chart out with a
+note, never an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mmtrain.report.html import Page, Table, render_html
+from mmtrain.report.plots import Plot, make_plots
+from mmtrain.report.rundata import RunData, flatten, load_run, summary_rows
+
+log = logging.getLogger(__name__)
+
+REPORT_FILE = "report.html"
+
+__all__ = ["REPORT_FILE", "Report", "RunData", "build_report", "load_run"]
+
+
+@dataclass
+class Report:
+    """What `build_report` wrote."""
+
+    html: Path
+    pngs: list[Path] = field(default_factory=list)
+    plots: list[Plot] = field(default_factory=list)  # drawn or not (then `note` says why)
+    notes: list[str] = field(default_factory=list)
+
+
+def build_report(
+    run_dir: str | Path,
+    out: str | Path | None = None,
+    *,
+    gallery: bool = True,
+    device: str = "cpu",
+) -> Report:
+    """Write the report of the run in `run_dir` to `out` (default RUN_DIR/report.html) and each
+    chart as `<out stem>_<chart>.png` beside it. `gallery=False` skips the retrieval gallery
+    (which loads the model and embeds validation samples: seconds on a CPU for tiny models)."""
+    from mmtrain import __version__
+    from mmtrain.atomic import atomic_write_bytes, atomic_write_text
+
+    run = load_run(run_dir)
+    html_path = Path(out) if out is not None else run.run_dir / REPORT_FILE
+    html_path.parent.mkdir(parents=True, exist_ok=True)
+    training = make_plots(run)
+    sections: list[tuple[str, list[Plot], bool]] = [("Training", training, False)]
+    gallery_plots: list[Plot] = []
+    stale = set()
+    if gallery:
+        from mmtrain.report.gallery import GALLERY_NAMES, retrieval_gallery
+
+        gallery_plots = retrieval_gallery(run, device=device)
+        sections.append(("Retrieval gallery", gallery_plots, True))
+        stale |= set(GALLERY_NAMES)
+
+    plots = training + gallery_plots
+    files = {p.name: f"{html_path.stem}_{p.name}.png" for p in plots if p.png is not None}
+    pngs = []
+    for plot in plots:
+        if plot.png is not None:
+            path = html_path.parent / files[plot.name]
+            atomic_write_bytes(path, plot.png)
+            pngs.append(path)
+    for name in (stale | {p.name for p in plots}) - set(files):
+        _remove_stale(html_path.parent / f"{html_path.stem}_{name}.png")
+
+    name = run.spec.name if run.spec is not None else run.run_dir.name
+    page = Page(
+        title=f"Training report: {run.run_dir.resolve().name} ({name})",
+        subtitle=str(run.run_dir.resolve()),
+        summary=summary_rows(run),
+        tables=eval_tables(run.eval_report),
+        sections=sections,
+        notes=run.notes,
+        footer=f"written by mmtrain {__version__} (mmtrain report); charts also saved as PNG "
+        f"files beside this page",
+        files=files,
+    )
+    atomic_write_text(html_path, render_html(page))
+    log.debug("report written to %s (%d charts)", html_path, len(pngs))
+    return Report(html=html_path, pngs=pngs, plots=plots, notes=run.notes)
+
+
+def eval_tables(report: Mapping[str, Any]) -> list[Table]:
+    """Tables of eval.json: retrieval per direction, then the other numbers it holds; the same
+    for each further validation set (`other_sets`, written by the training loop)."""
+    tables = _eval_set_tables(report)
+    others = report.get("other_sets")
+    for i, other in enumerate(others if isinstance(others, list) else [], start=1):
+        if isinstance(other, Mapping):
+            tables += _eval_set_tables(other, f" set {i}")
+    return tables
+
+
+def _eval_set_tables(report: Mapping[str, Any], which: str = "") -> list[Table]:
+    tables = []
+    details = [f"on {report['data']}"] if report.get("data") else []
+    if isinstance(report.get("step"), int):
+        details.append(f"at step {report['step']}")
+    source = " ".join([f"eval.json{which}", *details])
+    retrieval = report.get("retrieval")
+    if isinstance(retrieval, Mapping) and retrieval:
+        ks = sorted(
+            {
+                k
+                for m in retrieval.values()
+                if isinstance(m, Mapping)
+                for k in m
+                if k.startswith("R@")
+            },
+            key=lambda k: int(k[2:]) if k[2:].isdigit() else 0,
+        )
+        header = ["direction", *ks, "mean rank", "median rank", "queries"]
+        rows = []
+        for direction, metrics in retrieval.items():
+            if isinstance(metrics, Mapping):
+                rows.append(
+                    [
+                        direction,
+                        *(_percent(metrics.get(k)) for k in ks),
+                        _number(metrics.get("mean_rank")),
+                        _number(metrics.get("median_rank")),
+                        _number(metrics.get("n_queries")),
+                    ]
+                )
+        title = f"Final retrieval ({source})"
+        tables.append(Table(title, header, rows, numeric=range(1, len(header))))
+    other = {
+        key: value
+        for section in ("zeroshot", "clip_score", "probe", "fusion")
+        if isinstance(report.get(section), Mapping)
+        for key, value in flatten(report[section], section).items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
+    if other:
+        rows = [[key, _number(value)] for key, value in other.items()]
+        tables.append(
+            Table(f"Other evaluation metrics ({source})", ["metric", "value"], rows, (1,))
+        )
+    return tables
+
+
+def _percent(value: Any) -> str:
+    return f"{100 * value:.1f}%" if isinstance(value, (int, float)) else "-"
+
+
+def _number(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "-"
+    return f"{value:,}" if isinstance(value, int) else f"{value:,.4g}"
+
+
+def _remove_stale(path: Path) -> None:
+    """A chart drawn by an earlier report but not this time: remove it, so no PNG beside the
+    report contradicts it."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,266 @@
+"""The report's plots: one small function per chart, each returning a `Plot` (PNG bytes, or a
+note saying why there is nothing to draw).
+
+Figures are built as `matplotlib.figure.Figure` objects with the Agg canvas directly, never
+through `pyplot`: no global figure registry, no backend switching, nothing left behind in the
+calling process (a notebook or a training job can build a report safely).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from mmtrain.report.rundata import RunData, eval_label, planned_memory_gib
+
+DPI = 110
+SIZE_IN = (6.4, 3.4)
+SMOOTH_ABOVE = 30  # points; longer noisy curves get a smoothed line over the faint raw one
+PALETTE = ("#1f6feb", "#d9480f", "#2f9e44", "#9c36b5", "#0c8599", "#c2255c", "#5c940d", "#495057")
+
+
+@dataclass
+class Plot:
+    """One chart of the report: `png` is None when the run has no data for it (`note` says why)."""
+
+    name: str  # file stem: the PNG is written as NAME.png beside report.html
+    title: str
+    png: bytes | None
+    note: str = ""
+
+
+@dataclass
+class Line:
+    label: str
+    steps: Sequence[float]
+    values: Sequence[float]
+    smooth: bool = False  # draw the raw values faintly and an exponential average on top
+    style: str = "-"
+    marker: str | None = None
+    color: str | None = None  # default: the next colour of PALETTE
+
+
+# ----------------------------------------------------------------------------- drawing
+def figure(
+    lines: Sequence[Line],
+    *,
+    ylabel: str,
+    xlabel: str = "optimizer step",
+    hlines: Sequence[tuple[str, float]] = (),
+    logy: bool = False,
+    ylim: tuple[float | None, float | None] | None = None,
+) -> bytes:
+    """PNG bytes of a line chart (one Figure, rendered by Agg, then dropped)."""
+    fig = Figure(figsize=SIZE_IN, dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for i, line in enumerate(lines):
+        color = line.color or PALETTE[i % len(PALETTE)]
+        single = len(line.values) == 1
+        marker = line.marker or ("o" if single or len(line.values) <= 12 else None)
+        if line.smooth and len(line.values) > SMOOTH_ABOVE:
+            ax.plot(line.steps, line.values, color=color, alpha=0.25, linewidth=0.8)
+            ax.plot(line.steps, smooth(line.values), color=color, label=line.label, linewidth=1.6)
+        else:
+            ax.plot(
+                line.steps,
+                line.values,
+                line.style,
+                color=color,
+                label=line.label,
+                marker=marker,
+                markersize=4,
+                linewidth=1.6,
+            )
+    for j, (label, value) in enumerate(hlines):
+        color = PALETTE[(len(lines) + j) % len(PALETTE)]
+        ax.axhline(value, color=color, linestyle="--", linewidth=1.4, label=label)
+    if logy:
+        ax.set_yscale("log")
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.spines[["top", "right"]].set_visible(False)
+    entries = len(lines) + len(hlines)
+    if entries > 3:  # below the axes: a big legend inside would hide the curves
+        ax.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)
+    elif entries > 1:
+        ax.legend(fontsize=8, frameon=False)
+    return to_png(fig)
+
+
+def to_png(fig: Figure) -> bytes:
+    """Render a Figure to PNG bytes without timestamps or software tags (reproducible files)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi="figure", metadata={"Software": None})
+    return buffer.getvalue()
+
+
+def smooth(values: Sequence[float]) -> list[float]:
+    """Bias-corrected exponential moving average over about 1/20 of the curve."""
+    window = max(2, len(values) // 20)
+    decay = 1.0 - 1.0 / window
+    out, mean, weight = [], 0.0, 0.0
+    for value in values:
+        mean = decay * mean + (1 - decay) * value
+        weight = decay * weight + (1 - decay)
+        out.append(mean / weight)
+    return out
+
+
+def _missing(name: str, title: str, why: str) -> Plot:
+    return Plot(name, title, None, why)
+
+
+# ----------------------------------------------------------------------------- the charts
+def loss_plot(run: RunData) -> Plot:
+    title = "Loss (total and per pair)"
+    steps, values = run.series("loss")
+    if not values:
+        return _missing("loss", title, "no training rows with a finite loss in metrics.jsonl")
+    lines = [Line("total", steps, values, smooth=True)]
+    pairs = run.keys("loss/")
+    if len(pairs) > 1:  # with one pair its loss is the total: do not draw it twice
+        lines += [Line(k[len("loss/") :], *run.series(k), smooth=True) for k in pairs]
+    note = (
+        f"one pair ({pairs[0][len('loss/') :]}): its loss is the total" if len(pairs) == 1 else ""
+    )
+    return Plot("loss", title, figure(lines, ylabel="contrastive loss"), note)
+
+
+def lr_plot(run: RunData) -> Plot:
+    title = "Learning rate"
+    groups = run.keys("lr/")
+    distinct = {tuple(run.series(k)[1]) for k in groups}
+    if len(groups) > 1 and len(distinct) > 1:  # parameter groups with different rates
+        lines = [Line(k[len("lr/") :], *run.series(k)) for k in groups]
+    else:
+        lines = [Line("lr", *run.series("lr"))]
+    if not lines[0].values:
+        return _missing("lr", title, "no learning rate in metrics.jsonl")
+    return Plot("lr", title, figure(lines, ylabel="learning rate"))
+
+
+def logit_scale_plot(run: RunData) -> Plot:
+    title = "Logit scale (inverse temperature)"
+    steps, values = run.series("logit_scale")
+    if not values:
+        return _missing("logit_scale", title, "no logit scale in metrics.jsonl")
+    return Plot("logit_scale", title, figure([Line("logit scale", steps, values)], ylabel="scale"))
+
+
+def throughput_plot(run: RunData) -> Plot:
+    title = "Throughput"
+    steps, values = run.series("samples_per_s")
+    if not values:
+        return _missing("throughput", title, "no samples/s in metrics.jsonl")
+    line = Line("samples/s", steps, values, smooth=True)
+    return Plot(
+        "throughput", title, figure([line], ylabel="samples / s (all ranks)", ylim=(0, None))
+    )
+
+
+def data_wait_plot(run: RunData) -> Plot:
+    title = "Time waiting for data"
+    steps, values = run.series("data_wait_fraction")
+    if not values:
+        return _missing("data_wait", title, "no data-wait fraction in metrics.jsonl")
+    line = Line("data wait", steps, [100 * v for v in values], smooth=True)
+    note = "share of each step spent waiting for the next batch; high means the loader starves the model"
+    return Plot("data_wait", title, figure([line], ylabel="% of step time", ylim=(0, 100)), note)
+
+
+def mfu_plot(run: RunData) -> Plot:
+    title = "Model FLOPs utilisation"
+    steps, values = run.series("mfu")
+    if not values:
+        return _missing(
+            "mfu",
+            title,
+            "no MFU in metrics.jsonl: the device's peak FLOP/s is unknown (on a CPU, set "
+            "metrics.peak_tflops to get it)",
+        )
+    line = Line("MFU", steps, [100 * v for v in values], smooth=True)
+    return Plot("mfu", title, figure([line], ylabel="% of peak FLOP/s", ylim=(0, None)))
+
+
+def measured_memory(run: RunData) -> tuple[str, list, list]:
+    """(label, steps, GiB) of the measured peak: CUDA allocator peak, else the CPU process RSS."""
+    for key, label in (("peak_memory_gib", "measured peak (CUDA)"), ("peak_rss_gib", "peak RSS")):
+        steps, values = run.series(key)
+        if values:
+            return label, steps, values
+    return "", [], []
+
+
+def memory_plot(run: RunData) -> Plot:
+    title = "Memory: measured vs planned"
+    planned = planned_memory_gib(run.plan)
+    label, steps, values = measured_memory(run)
+    if not values and planned is None:
+        return _missing("memory", title, "no memory figures in metrics.jsonl")
+    notes = []
+    if label == "peak RSS":
+        notes.append("on a CPU the measure is the process's peak RSS (Python, data and model)")
+    if planned is None:
+        notes.append("no planner record in metrics.jsonl, so no planned line")
+    elif values and planned > 0:
+        notes.append(f"final measured / planned = {values[-1] / planned:.2f}")
+    lines = [Line(label, steps, values)] if values else []
+    hlines = [("planned (mmtrain plan)", planned)] if planned is not None else []
+    # A CPU's RSS can be 100x the plan of a tiny model: a log axis keeps both lines visible.
+    levels = [v for v in [*values, planned] if v is not None and v > 0]
+    logy = bool(levels) and max(levels) / min(levels) > 20
+    ylim = None if logy else (0, None)
+    png = figure(lines, ylabel="GiB per device", hlines=hlines, logy=logy, ylim=ylim)
+    return Plot("memory", title, png, "; ".join(notes))
+
+
+def eval_plot(run: RunData) -> Plot:
+    title = "Evaluation during training"
+    keys = [k for k in run.keys("", run.eval_rows) if k != "step" and _is_recall(k)]
+    if not keys:
+        why = "no periodic evaluation rows in metrics.jsonl"
+        if run.eval_report:
+            why += " (final metrics from eval.json are in the table above)"
+        return _missing("eval", title, why)
+    # One colour per direction (or metric group), one line style per k: R@1 solid, R@5 dashed...
+    groups = list(dict.fromkeys(key.rsplit("/", 1)[0] for key in keys))
+    styles: dict[str, str] = {}
+    lines = []
+    for key in keys:
+        group, metric = key.rsplit("/", 1) if "/" in key else ("", key)
+        style = styles.setdefault(metric, ("-", "--", ":", "-.")[len(styles) % 4])
+        color = PALETTE[groups.index(group) % len(PALETTE)]
+        steps, values = run.series(key, run.eval_rows)
+        percent = [100 * v for v in values]
+        lines.append(Line(eval_label(key), steps, percent, style=style, marker="o", color=color))
+    return Plot("eval", title, figure(lines, ylabel="% of queries", ylim=(0, 100)))
+
+
+def _is_recall(key: str) -> bool:
+    last = key.rsplit("/", 1)[-1]
+    return last.startswith(("R@", "top")) or last in ("accuracy",)
+
+
+PLOTS: tuple[Callable[[RunData], Plot], ...] = (
+    loss_plot,
+    lr_plot,
+    logit_scale_plot,
+    throughput_plot,
+    data_wait_plot,
+    mfu_plot,
+    memory_plot,
+    eval_plot,
+)
+
+
+def make_plots(run: RunData) -> list[Plot]:
+    """Every chart of the report, in display order (those without data carry a note)."""
+    return [make(run) for make in PLOTS]

@@ -1,0 +1,1 @@
+"""Fault-injection suite (issue 7): kills, full disks, signals, non-finite numbers, lost ranks."""

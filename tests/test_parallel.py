@@ -1,0 +1,213 @@
+"""Parallelism applied from outside the model: activation checkpointing per block and per tower
+(gradients unchanged, activations saved fewer), FSDP2 on 2 real gloo processes following DDP's
+losses and gathering checkpoints in the single-process format, and torch.compile."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import mmtrain
+from dist_helpers import run_distributed
+from mmtrain.losses import ContrastiveLoss
+from mmtrain.plan.measure import random_batch
+from mmtrain.spec import ModelSpec
+from mmtrain.structured import FieldError
+from mmtrain.train import parallel
+from mmtrain.train.loop import forward_backward, optimizer_step
+from mmtrain.train.precision import make_precision
+
+MICRO = {
+    "name": "micro",
+    "embed_dim": 16,
+    "pairs": [["image", "text"]],
+    "towers": {
+        "image": {
+            "modality": "image",
+            "stem": {"image_size": 16, "patch_size": 8},
+            "width": 32,
+            "layers": 2,
+            "heads": 2,
+        },
+        "text": {
+            "modality": "text",
+            "stem": {"vocab_size": 258, "context_length": 8},
+            "width": 32,
+            "layers": 2,
+            "heads": 2,
+        },
+    },
+}
+FP32 = make_precision("fp32", torch.device("cpu"))
+
+
+def _model(seed: int = 0):
+    return mmtrain.create_model(ModelSpec.from_dict(MICRO), seed=seed)
+
+
+def _batch(n: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
+    return random_batch(ModelSpec.from_dict(MICRO), n, torch.Generator().manual_seed(seed))
+
+
+def _saved_bytes(model, batch) -> tuple[int, dict[str, torch.Tensor]]:
+    """Bytes autograd keeps for backward (non-parameter storages) and the gradients."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(batch)
+        loss, _ = ContrastiveLoss("clip", distributed=False)(
+            out, model.spec.pairs, model.logit_scale
+        )
+    loss.backward()
+    return sum(saved.values()), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(("mode", "towers"), [("full", None), ("selective", ["text"])])
+def test_activation_checkpointing_keeps_gradients_and_saves_less(mode, towers):
+    batch = _batch()
+    plain_bytes, plain_grads = _saved_bytes(_model(), batch)
+    model = parallel.apply_activation_checkpointing(_model(), mode, towers)
+    kept_bytes, grads = _saved_bytes(model, batch)
+    assert kept_bytes < plain_bytes
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
+    # Parameter names are untouched: checkpoints load into a plain model.
+    assert list(model.state_dict()) == list(_model().state_dict())
+
+
+def test_activation_checkpointing_modes_order_their_savings():
+    batch = _batch(8)
+    saved = {
+        mode: _saved_bytes(parallel.apply_activation_checkpointing(_model(), mode), batch)[0]
+        for mode in parallel.AC_MODES
+    }
+    assert saved["full"] < saved["selective"] < saved["none"]
+
+
+def test_activation_checkpointing_rejects_bad_input():
+    with pytest.raises(ValueError, match="'some' is not one of none, selective, full"):
+        parallel.apply_activation_checkpointing(_model(), "some")
+    with pytest.raises(FieldError, match=r"train\.towers\.audio: the model has no tower"):
+        parallel.apply_activation_checkpointing(_model(), "full", ["audio"])
+    model = parallel.apply_activation_checkpointing(_model(), "full", ["image"])
+    parallel.apply_activation_checkpointing(model, "full", ["text"])  # another tower: fine
+    with pytest.raises(ValueError, match="already applied to tower 'image'"):
+        parallel.apply_activation_checkpointing(model, "selective", ["image"])
+
+
+def test_fsdp_mixed_precision_policy_follows_train_precision():
+    bf16 = parallel.fsdp_mixed_precision("bf16")
+    assert bf16.param_dtype == torch.bfloat16 and bf16.reduce_dtype == torch.float32
+    assert parallel.fsdp_mixed_precision("fp8").param_dtype == torch.bfloat16
+    fp32 = parallel.fsdp_mixed_precision("fp32")
+    assert fp32.param_dtype is None and fp32.reduce_dtype is None
+    with pytest.raises(FieldError, match=r"train\.precision: 'int4'"):
+        parallel.fsdp_mixed_precision("int4")
+
+
+# ----------------------------------------------------------------------------- FSDP vs DDP
+STEPS = 3
+
+
+def _step(trained, model, optimizer, step: int, rank: int, world: int) -> tuple[float, float]:
+    """One optimizer step of the global batch of 8 samples for `step`: this rank's share, in two
+    micro-batches (contrastive-correct accumulation, whose first micro-batch skips the gradient
+    reduction). Returns the global loss and the gradient norm."""
+    spec = model.spec
+    full = random_batch(spec, 8, torch.Generator().manual_seed(100 + step))
+    mine = {k: v.chunk(world)[rank] for k, v in full.items()}
+    micro = [{k: v.chunk(2)[j] for k, v in mine.items()} for j in range(2)]
+    optimizer.zero_grad(set_to_none=True)
+    loss, _ = forward_backward(trained, model, ContrastiveLoss.from_spec(spec), micro, FP32)
+    norm, stepped = optimizer_step(model, optimizer, FP32, grad_clip=1.0)
+    assert stepped
+    if world > 1:
+        torch.distributed.all_reduce(loss)
+    return float(loss) / world, norm
+
+
+def _parallel_model(strategy: str, rank: int, world: int, weights=None):
+    model = _model()
+    if weights is not None:
+        model.load_state_dict(weights)
+    parallel.apply_activation_checkpointing(model, "full", ["image"])  # before FSDP, as in train
+    if strategy == "fsdp":
+        trained = parallel.apply_fsdp(model, "fp32")
+    else:
+        env = parallel.DistributedEnv(torch.device("cpu"), rank, world, rank, False)
+        trained = parallel.wrap_data_parallel(model, env, "ddp")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    return model, trained, optimizer
+
+
+def _train_and_resume(rank: int, world: int, strategy: str) -> dict:
+    """STEPS steps of a micro CLIP; the state a checkpoint saves; one more step. Under FSDP also
+    resume that state into a freshly sharded model and take the same step there."""
+    model, trained, optimizer = _parallel_model(strategy, rank, world)
+    steps = [_step(trained, model, optimizer, s, rank, world) for s in range(STEPS)]
+    saved = {
+        "weights": parallel.full_model_state_dict(model),
+        "optimizer": parallel.optimizer_state_dict(model, optimizer),
+    }
+    result = {"steps": steps, "saved": saved}
+    if strategy == "fsdp":
+        # Every rank reads the checkpoint from disk in `train`; here rank 0 hands over a copy
+        # (the optimizer may adopt the tensors it is given).
+        shared = [copy.deepcopy(saved)]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        fresh, fresh_trained, fresh_optimizer = _parallel_model(
+            strategy, rank, world, shared[0]["weights"]
+        )
+        parallel.load_optimizer_state_dict(fresh, fresh_optimizer, shared[0]["optimizer"])
+        result["resumed"] = _step(fresh_trained, fresh, fresh_optimizer, STEPS, rank, world)
+    result["next"] = _step(trained, model, optimizer, STEPS, rank, world)
+    result["final"] = parallel.full_model_state_dict(model)
+    return result
+
+
+@pytest.mark.slow
+def test_fsdp_follows_ddp_gathers_full_checkpoints_and_resumes_on_other_rank_counts():
+    ddp = run_distributed(_train_and_resume, 2, ("ddp",), timeout_s=300)[0]
+    fsdp, fsdp1 = run_distributed(_train_and_resume, 2, ("fsdp",), timeout_s=300)
+    torch.testing.assert_close(torch.tensor(fsdp["steps"]), torch.tensor(ddp["steps"]))
+    assert fsdp1["saved"] == {"weights": {}, "optimizer": {}}  # gathered on rank 0 only
+    weights = fsdp["saved"]["weights"]
+    assert list(weights) == list(_model().state_dict())  # the single-process names
+    torch.testing.assert_close(weights, ddp["saved"]["weights"])
+
+    # Resumed into a freshly sharded model: the next step is the uninterrupted run's.
+    torch.testing.assert_close(torch.tensor(fsdp["resumed"]), torch.tensor(fsdp["next"]))
+    # Resumed in ONE process (no process group, plain model): the same next step and weights.
+    model, trained, optimizer = _parallel_model("none", 0, 1, weights)
+    parallel.load_optimizer_state_dict(model, optimizer, fsdp["saved"]["optimizer"])
+    one = _step(trained, model, optimizer, STEPS, 0, 1)
+    torch.testing.assert_close(torch.tensor(one), torch.tensor(fsdp["next"]))
+    torch.testing.assert_close(model.state_dict(), fsdp["final"])
+
+
+# ----------------------------------------------------------------------------- torch.compile
+@pytest.mark.slow
+def test_compiled_towers_train_like_eager():
+    """`train.compile`: each tower compiled in place (names unchanged), one training step equal
+    to eager's. Inductor needs a C++ compiler on the CPU; CPU training is slower compiled."""
+    batch = _batch()
+    eager = _model()
+    compiled = parallel.apply_activation_checkpointing(_model(), "full", ["image"])
+    for tower in compiled.towers.values():
+        tower.compile()
+    results = []
+    for model in (eager, compiled):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        loss, _ = forward_backward(model, model, ContrastiveLoss("clip"), [batch], FP32)
+        optimizer_step(model, optimizer, FP32, grad_clip=1.0)
+        results.append((loss, model.state_dict()))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-5)
