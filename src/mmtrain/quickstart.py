@@ -1,0 +1,361 @@
+"""`mmtrain quickstart`: see a model learn, offline, in minutes on a laptop CPU.
+
+    Twemoji PNGs + names (pip packages) ──quickstart_data──▶ OUT/data/raw/{train,val}/KEY.png|txt
+        ──mmtrain data build──▶ OUT/data/{train,val}/ shards + manifest.json
+        ──time a few steps──▶ steps that fit the budget
+        ──mmtrain train (tiny-clip, validation on the held-out keys)──▶ OUT/run/ (+ eval.json)
+        ──mmtrain report──▶ OUT/run/report.html
+
+Every stage is the project's own public API, so the quickstart is also a worked example of
+the commands a user runs on their own data. The model is tiny-clip (width 128, byte-level
+text) cut to fit minutes on a CPU: 32-pixel images (an emoji is still recognisable, with a
+quarter of the patches of 64 pixels), 64 text bytes (all but the longest 5% of captions; the
+text tower costs most of a step, so each padded byte counts) and 2 blocks per tower instead of
+5, which trains about 2.5 times more steps in the same minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mmtrain.quickstart_data import check_packages, list_emoji, write_raw
+from mmtrain.spec import ModelSpec, load_spec, with_tower
+from mmtrain.structured import FieldError
+
+log = logging.getLogger(__name__)
+
+BASE_MODEL = "tiny-clip"
+MIN_STEPS = 20  # below this nothing is learned; the budget is then too small for the machine
+BUDGET_MARGIN = 1.15  # data decoding, metrics and validation on top of the timed steps
+
+
+@dataclass
+class QuickstartConfig:
+    """What `mmtrain quickstart` runs; the defaults are tuned for 2 CPU cores and 5 minutes."""
+
+    out: Path = Path("runs/quickstart")
+    minutes: float = 4.0  # training time budget; data build and report come on top (~1 min)
+    steps: int | None = None  # a fixed number of steps instead of the time budget
+    max_steps: int = 2000
+    batch_size: int = 64
+    lr: float = 5e-4  # 1e-3 collapses this small batch to one embedding for ~100 steps
+    warmup_fraction: float = 0.1
+    weight_decay: float = 0.1
+    image_size: int = 32
+    patch_size: int = 8
+    context_length: int = 64
+    layers: int | None = 2  # transformer blocks per tower (None: tiny-clip's 5)
+    text_pooling: str = "eot"  # tiny-clip's
+    val_fraction: float = 0.1  # share of emoji keys held out (by hash of the key)
+    limit: int | None = None  # use an evenly spaced subset of this many emoji (tests)
+    evals: int = 4  # validations during training (the last one is at the final step)
+    build_workers: int = 2
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.steps is not None and self.steps < 1:
+            raise FieldError("--steps", f"must be at least 1, got {self.steps}")
+        if not self.minutes > 0:
+            raise FieldError("--minutes", f"must be positive, got {self.minutes}")
+        if not 0 < self.val_fraction < 1:
+            raise FieldError("val_fraction", f"must be in (0, 1), got {self.val_fraction}")
+        if self.limit is not None and self.limit < 20:
+            raise FieldError("--limit", f"needs at least 20 emoji, got {self.limit}")
+        for name in ("batch_size", "image_size", "patch_size", "context_length", "evals"):
+            if getattr(self, name) < 1:
+                raise FieldError(name, f"must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass
+class Paths:
+    """Where the quickstart writes, under `out`."""
+
+    out: Path
+
+    @property
+    def raw(self) -> Path:
+        return self.out / "data" / "raw"
+
+    @property
+    def train_shards(self) -> Path:
+        return self.out / "data" / "train"
+
+    @property
+    def val_shards(self) -> Path:
+        return self.out / "data" / "val"
+
+    @property
+    def spec(self) -> Path:
+        return self.out / "model.yaml"
+
+    @property
+    def run(self) -> Path:
+        return self.out / "run"
+
+
+@dataclass
+class QuickstartResult:
+    """What a quickstart did: where its outputs are, how well the model retrieves, how long."""
+
+    paths: Paths
+    n_train: int
+    n_val: int
+    steps: int
+    step_seconds: float | None  # the calibration's estimate (None with a fixed --steps)
+    retrieval: dict[str, dict[str, Any]]  # eval.json "retrieval": {"image->text": {"R@1": ..}}
+    chance: dict[str, float]  # {"R@1": 1/n, "R@5": 5/n, ...} for the held-out pairs
+    report_html: Path | None
+    seconds: dict[str, float] = field(default_factory=dict)  # per stage
+
+    @property
+    def eval_json(self) -> Path:
+        return self.paths.run / "eval.json"
+
+
+Phase = Callable[[str, str], None]  # (stage name, detail) as each stage starts
+StepHook = Callable[[dict[str, Any]], None]  # each step's metrics row, plus "total_steps"
+
+
+# ----------------------------------------------------------------------------- stages
+def quickstart_spec(config: QuickstartConfig) -> ModelSpec:
+    """tiny-clip with the quickstart's image size, patch size and text length."""
+    spec = load_spec(BASE_MODEL)
+    image = {"image_size": config.image_size, "patch_size": config.patch_size}
+    spec = with_tower(spec, "image", stem=image)
+    spec = with_tower(
+        spec, "text", stem={"context_length": config.context_length}, pooling=config.text_pooling
+    )
+    if config.layers is not None:
+        for name in spec.towers:
+            spec = with_tower(spec, name, layers=config.layers)
+    spec.validate()
+    return spec
+
+
+def build_shards(src: Path, out: Path, workers: int) -> dict[str, Any]:
+    """`mmtrain data build SRC --out OUT --modalities image,text` through its Python API;
+    returns the manifest. Nothing may be rejected: the source is ours."""
+    from mmtrain.data.ingest import add_build_arguments, build, config_from_args
+
+    parser = argparse.ArgumentParser(prog="mmtrain data build")
+    add_build_arguments(parser)
+    argv = [str(src), "--out", str(out), "--modalities", "image,text"]
+    argv += ["--workers", str(workers), "--max-reject-rate", "0", "--no-progress"]
+    source, build_config = config_from_args(parser.parse_args(argv))
+    report = build(source, build_config)
+    if not report.ok or report.manifest["counts"]["rejected"]:
+        raise RuntimeError(f"building {out} rejected samples; see {out / 'rejects.jsonl'}")
+    return report.manifest
+
+
+def time_steps(spec: ModelSpec, batch_size: int, probe_batch: int = 32) -> float:
+    """Seconds per optimizer step of `spec` at `batch_size` on this CPU.
+
+    Two steps (forward, loss, backward, AdamW) on random inputs of the right shapes are timed
+    after a warm-up step, at `probe_batch` samples and scaled up linearly: a CPU's step time is
+    close to linear in the batch, and the fixed overhead left in makes the estimate cautious.
+    The faster of the two counts (the one least disturbed by other processes).
+    """
+    import torch
+
+    from mmtrain.losses import ContrastiveLoss
+    from mmtrain.models import create_model
+
+    probe = min(probe_batch, batch_size)
+    generator = torch.Generator().manual_seed(0)
+    model = create_model(spec, seed=0)
+    loss_fn = ContrastiveLoss.from_spec(spec)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    image, text = spec.towers["image"].stem, spec.towers["text"].stem
+    batch = {
+        "image": torch.randn(probe, 3, image.image_size, image.image_size, generator=generator),
+        "text": torch.randint(1, 256, (probe, text.context_length), generator=generator),
+    }
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        features = model(batch)
+        loss, _ = loss_fn(features, spec.pairs, model.logit_scale)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return min(times[1:]) * batch_size / probe
+
+
+def plan_steps(config: QuickstartConfig, step_seconds: float, spent_s: float = 0.0) -> int:
+    """Steps that fit what is left of `config.minutes` after `spent_s` (the timing itself) at
+    `step_seconds` each, within [MIN_STEPS, max_steps]."""
+    steps = int((config.minutes * 60 - spent_s) / (step_seconds * BUDGET_MARGIN))
+    if steps < MIN_STEPS:
+        raise FieldError(
+            "--minutes",
+            f"{config.minutes} min gives only {steps} steps at {step_seconds:.2f} s per step on "
+            f"this machine; give more minutes, or --steps {MIN_STEPS} or more",
+        )
+    return min(steps, config.max_steps)
+
+
+def run_config(config: QuickstartConfig, paths: Paths, steps: int) -> Any:
+    """The `mmtrain train` config of the quickstart run (also saved as OUT/run/config.yaml)."""
+    from mmtrain.config import config_from_dict
+
+    warmup = min(steps, max(10, round(config.warmup_fraction * steps)))
+    evals = min(config.evals, steps)
+    return config_from_dict(
+        {
+            "model": str(paths.spec),
+            "data": {
+                "train": str(paths.train_shards),
+                "val": str(paths.val_shards),
+                "tokenizer": "byte",
+                "workers": 0,  # decoding a 72-pixel PNG is cheap next to a step
+                "shuffle_window": 4096,
+            },
+            "train": {
+                "steps": steps,
+                "batch_size": config.batch_size,
+                "precision": "fp32",
+                "lr": config.lr,
+                "min_lr": config.lr / 100,
+                "weight_decay": config.weight_decay,
+                "warmup_steps": warmup,
+                "schedule": "cosine",
+                "grad_clip": 1.0,
+                "device": "cpu",
+            },
+            "eval": {"every_steps": math.ceil(steps / evals), "batch_size": 256},
+            "checkpoint": {"every_steps": None, "every_minutes": 5, "keep": 1},
+            "metrics": {"log_every": 10},
+            "seed": config.seed,
+            "out": str(paths.run),
+        }
+    )
+
+
+def chance_levels(n: int, ks: tuple[int, ...] = (1, 5, 10)) -> dict[str, float]:
+    """Expected R@k of a random ranking of `n` candidates with one right answer: k / n."""
+    return {f"R@{k}": min(k, n) / n for k in ks}
+
+
+def check_out(out: Path) -> None:
+    """Refuse an output folder that already holds something other than an unfinished
+    quickstart: the quickstart never overwrites a user's files."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise FieldError("--out", f"{out} is a file; give a folder")
+    if (Paths(out).run / "eval.json").exists():
+        raise FieldError(
+            "--out", f"{out} already holds a finished quickstart; give another --out or delete it"
+        )
+    foreign = [p.name for p in out.iterdir() if p.name not in ("data", "model.yaml", "run")]
+    if foreign:
+        raise FieldError(
+            "--out", f"{out} holds other files ({', '.join(sorted(foreign)[:3])}); use a new folder"
+        )
+
+
+# ----------------------------------------------------------------------------- the whole run
+def run_quickstart(
+    config: QuickstartConfig,
+    on_phase: Phase | None = None,
+    on_step: StepHook | None = None,
+) -> QuickstartResult:
+    """Data, calibration, training with validation, report; see the module docstring.
+
+    Raises `quickstart_data.MissingPackages` when the optional packages are not installed
+    (before writing anything) and FieldError for bad settings.
+    """
+    config.validate()
+    check_packages()
+    check_out(config.out)
+    phase = on_phase or (lambda name, detail: None)
+    paths = Paths(config.out)
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        seconds[name] = now - clock
+        clock = now
+
+    phase("data", f"{config.limit or 'all'} emoji, {config.val_fraction:.0%} held out")
+    # Raw files and shards are cheap to remake; an interrupted run starts them afresh.
+    shutil.rmtree(paths.out / "data", ignore_errors=True)
+    shutil.rmtree(paths.run, ignore_errors=True)
+    split = write_raw(list_emoji(config.limit), paths.raw, config.val_fraction)
+    if split.val < 2 or split.train < config.batch_size:
+        raise FieldError(
+            "--limit",
+            f"{split.train} train / {split.val} validation emoji is too few for batches of "
+            f"{config.batch_size}; use more emoji or a smaller batch",
+        )
+    build_shards(split.train_dir, paths.train_shards, config.build_workers)
+    build_shards(split.val_dir, paths.val_shards, config.build_workers)
+    shutil.copy2(paths.raw / "ATTRIBUTION.txt", paths.out / "ATTRIBUTION.txt")
+    spec = quickstart_spec(config)
+    spec.save(paths.spec)
+    lap("data")
+
+    step_seconds = None
+    steps = config.steps
+    if steps is None:
+        phase("calibrate", f"batch {config.batch_size}, budget {config.minutes:g} min")
+        started = time.perf_counter()
+        step_seconds = time_steps(spec, config.batch_size)
+        steps = plan_steps(config, step_seconds, time.perf_counter() - started)
+        lap("calibrate")
+        log.info("%.2f s per step: %d steps fit %.1f min", step_seconds, steps, config.minutes)
+
+    phase("train", f"{steps} steps of {config.batch_size} pairs")
+    from mmtrain.train.loop import train
+
+    hook = None if on_step is None else lambda row: on_step({**row, "total_steps": steps})
+    result = train(run_config(config, paths, steps), on_step=hook)
+    lap("train")
+    if result.eval is None or "retrieval" not in result.eval:
+        raise RuntimeError(f"training wrote no validation report in {paths.run}")
+
+    phase("report", str(paths.run / "report.html"))
+    from mmtrain.report import build_report
+
+    report = build_report(paths.run)
+    lap("report")
+    shutil.copy2(paths.out / "ATTRIBUTION.txt", paths.run / "ATTRIBUTION.txt")
+    return QuickstartResult(
+        paths=paths,
+        n_train=split.train,
+        n_val=result.eval["n_samples"],
+        steps=steps,
+        step_seconds=step_seconds,
+        retrieval=result.eval["retrieval"],
+        chance=chance_levels(result.eval["n_samples"]),
+        report_html=report.html,
+        seconds=seconds,
+    )
+
+
+__all__ = [
+    "BASE_MODEL",
+    "Paths",
+    "QuickstartConfig",
+    "QuickstartResult",
+    "build_shards",
+    "chance_levels",
+    "check_out",
+    "plan_steps",
+    "quickstart_spec",
+    "run_config",
+    "run_quickstart",
+    "time_steps",
+]
