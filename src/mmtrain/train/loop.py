@@ -1,8 +1,9 @@
 """The training loop: `train(config)` reads top to bottom.
 
     set up ranks and device -> find the newest valid checkpoint -> build the model from its spec
-    -> freeze / precision / resolution / compile / activation checkpointing / DDP -> optimizer and
-    schedule -> data -> restore state when resuming -> log the memory plan -> loop over steps:
+    -> freeze / precision / resolution / compile / activation checkpointing / DDP or FSDP2
+    -> optimizer and schedule -> data -> restore state when resuming -> log the memory plan
+    -> loop over steps:
          input size for this step -> next K micro-batches -> contrastive-correct forward/backward
          (+ the fusion head's loss) -> skip non-finite steps -> clip -> optimizer step -> validate
          when due -> metrics -> roll back after K non-finite steps in a row -> checkpoint
@@ -115,6 +116,11 @@ def train(
     device, rank, world = env.device, env.rank, env.world_size
     config.validate(world_size=world)
     t = config.train
+    if t.ema and t.parallel == "fsdp" and world > 1:
+        # The average is kept of full, unsharded weights; FSDP leaves each rank a shard only.
+        raise FieldError(
+            "train.ema", "is not supported with train.parallel=fsdp; set it to null or use ddp"
+        )
     spec = load_spec(config.model)
     check_schedules(spec, t.resolution_schedule, t.frames_schedule)
     precision = make_precision(t.precision, device)  # fails early where it cannot run
@@ -146,7 +152,8 @@ def train(
     if t.compile:
         for tower in model.towers.values():
             tower.compile()  # in place: parameter names (and checkpoints) stay the same
-    trained = parallel.wrap_data_parallel(model, env, t.parallel)
+    # FSDP shards `model` in place (then `trained is model`): the optimizer comes after.
+    trained = parallel.wrap_data_parallel(model, env, t.parallel, t.precision)
 
     optimizer = make_optimizer(model, t, device)
     scheduler = make_scheduler(optimizer, t)
@@ -160,7 +167,9 @@ def train(
     # -- restore everything else a resumed run needs ---------------------------------------------
     step, samples_seen, skipped, corrupt_before, rollbacks = 0, 0, 0, 0, 0
     if ckpt is not None:
-        counters = _restore_state(ckpt, optimizer, scheduler, precision, data, ema, config, rank)
+        counters = _restore_state(
+            ckpt, model, optimizer, scheduler, precision, data, ema, config, rank
+        )
         step, samples_seen = counters["step"], counters["samples_seen"]
         skipped, corrupt_before = counters["skipped_steps"], counters["corrupt_samples"]
         rollbacks = counters.get("rollbacks", 0)
@@ -190,8 +199,10 @@ def train(
     )  # fmt: skip
 
     def save(at_step: int) -> None:
+        # Collectives under FSDP (every rank takes part, rank 0 receives the full tensors).
+        weights = _full_weights(model, rank)
         state = {
-            "optimizer": optimizer.state_dict(),
+            "optimizer": parallel.optimizer_state_dict(model, optimizer),
             "scheduler": scheduler.state_dict(),
             "scaler": precision.scaler.state_dict() if precision.scaler is not None else {},
             "loader": data.state_dict(),
@@ -207,10 +218,10 @@ def train(
         if ema is not None:
             state["ema"] = ema.state_dict()
         if rank == 0:
-            _check_finite_weights(model)
+            _check_finite_weights(weights)
             meta = {"config": config.to_dict(), "samples_seen": samples_seen, "world_size": world}
             save_checkpoint(
-                out / CHECKPOINT_DIR, at_step, model.state_dict(), state, meta,
+                out / CHECKPOINT_DIR, at_step, weights, state, meta,
                 keep=config.checkpoint.keep,
             )  # fmt: skip
         parallel.barrier()
@@ -331,9 +342,9 @@ def train(
                 # Roll back: every rank reloads the newest valid checkpoint (weights, optimizer,
                 # schedule, scaler, data position, RNG) and trains on from there.
                 ckpt = _rollback_checkpoint(out, step, nonfinite_in_a_row, rollbacks, config)
-                model.load_state_dict({k: v.to(device) for k, v in ckpt.model.items()})
+                parallel.load_full_model_state_dict(model, ckpt.model)
                 counters = _restore_state(
-                    ckpt, optimizer, scheduler, precision, data, ema, config, rank
+                    ckpt, model, optimizer, scheduler, precision, data, ema, config, rank
                 )
                 if config.guards.rollback_lr_factor != 1.0:
                     scale_learning_rates(optimizer, scheduler, config.guards.rollback_lr_factor)
@@ -365,11 +376,13 @@ def train(
                 break
 
     # -- final weights and validation report -----------------------------------------------------
-    if rank == 0 and step >= t.steps:
-        _check_finite_weights(model)
-        save_model(model, out)
-        if ema is not None:
-            save_model(ema.model(model), out / "ema")
+    if step >= t.steps:
+        weights = _full_weights(model, rank)  # a collective under FSDP
+        if rank == 0:
+            _check_finite_weights(weights)
+            save_model(_model_with(model.spec, weights), out)
+            if ema is not None:
+                save_model(ema.model(model), out / "ema")
     if validation is not None:
         if step >= t.steps:
             result.eval = validation.write_report(spec)
@@ -511,6 +524,7 @@ def optimizer_step(
 # ----------------------------------------------------------------------------- state
 def _restore_state(
     ckpt: Checkpoint,
+    model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     precision: Precision,
@@ -519,8 +533,9 @@ def _restore_state(
     config: RunConfig,
     rank: int,
 ) -> dict[str, int]:
-    """Load everything but the weights from `ckpt`; returns its counters."""
-    optimizer.load_state_dict(ckpt.state["optimizer"])
+    """Load everything but the weights from `ckpt`; returns its counters. The optimizer state
+    may have been saved under any strategy; under FSDP each rank keeps its shard of it."""
+    parallel.load_optimizer_state_dict(model, optimizer, ckpt.state["optimizer"])
     scheduler.load_state_dict(ckpt.state["scheduler"])
     if precision.scaler is not None and ckpt.state.get("scaler"):
         precision.scaler.load_state_dict(ckpt.state["scaler"])
@@ -703,11 +718,25 @@ def _save_resolved_config(config: RunConfig, out: Path) -> None:
     atomic_write_text(path, text)
 
 
-def _check_finite_weights(model: nn.Module) -> None:
+def _full_weights(model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
+    """The full weights on the CPU for rank 0 to save. Under FSDP a collective every rank must
+    call (the others get an empty dict); otherwise only rank 0 copies them."""
+    if parallel.is_fsdp(model) or rank == 0:
+        return parallel.full_model_state_dict(model)
+    return {}
+
+
+def _model_with(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> MultimodalModel:
+    """A CPU model of `spec` adopting `weights` (no copy), e.g. gathered from FSDP shards."""
+    model = create_model(spec, device="meta")
+    model.load_state_dict(weights, assign=True)
+    model.reset_buffers()
+    return model
+
+
+def _check_finite_weights(weights: dict[str, torch.Tensor]) -> None:
     bad = [
-        name
-        for name, p in model.state_dict().items()
-        if p.is_floating_point() and not torch.isfinite(p).all()
+        name for name, p in weights.items() if p.is_floating_point() and not torch.isfinite(p).all()
     ]
     if bad:
         raise FloatingPointError(f"refusing to save non-finite weights: {', '.join(bad[:5])}")

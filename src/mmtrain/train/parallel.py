@@ -3,12 +3,14 @@ order compile -> activation checkpointing -> DDP or FSDP2.
 
 - `apply_activation_checkpointing(model, mode, towers)`: per transformer block, per tower,
   non-reentrant `torch.utils.checkpoint`. The trainer and the planner's measurement both use it.
-- `wrap_data_parallel(model, env, "ddp")`: a DDP replica per rank.
+- `wrap_data_parallel(model, env, "ddp" | "fsdp", precision)`: a DDP replica per rank, or
+  FSDP2 through `apply_fsdp`.
 - `apply_fsdp(model, precision)`: FSDP2 (`fully_shard`) on each transformer block, then on the
   whole model, with a mixed-precision policy derived from `train.precision`.
-- `full_model_state_dict`, `optimizer_state_dict`, `load_optimizer_state_dict`: full (unsharded)
-  state on the CPU whatever the strategy, so a checkpoint written under FSDP keeps the
-  single-process format (`model.safetensors`) and resumes on any number of ranks.
+- `full_model_state_dict`, `load_full_model_state_dict`, `optimizer_state_dict`,
+  `load_optimizer_state_dict`: full (unsharded) state on the CPU whatever the strategy, so a
+  checkpoint written under FSDP keeps the single-process format (`model.safetensors`) and
+  resumes on any number of ranks.
 
 The same code runs in one process, under torchrun on CPUs (gloo) and on GPUs (nccl).
 """
@@ -161,22 +163,22 @@ def agree_any(flags: list[bool]) -> list[bool]:
 
 
 # ----------------------------------------------------------------------------- data parallel
-def wrap_data_parallel(model: nn.Module, env: DistributedEnv, strategy: str = "auto") -> nn.Module:
-    """The module the training loop calls: the model itself on one rank, DDP across ranks.
+def wrap_data_parallel(
+    model: nn.Module, env: DistributedEnv, strategy: str = "auto", precision: str = "fp32"
+) -> nn.Module:
+    """The module the training loop calls: the model itself on one rank, DDP or FSDP2 across
+    ranks. Create the optimizer afterwards: FSDP replaces the parameters by their shards.
 
     DDP keeps a full replica per rank and averages gradients (bucketed, overlapped with the
     backward). Buffers are derived from the spec (mel filterbanks), identical on every rank, so
-    they are not broadcast at each forward. FSDP is `apply_fsdp`: it shards the model in place
-    and needs the loop to save through `full_model_state_dict` / `optimizer_state_dict`.
+    they are not broadcast at each forward. "fsdp" is `apply_fsdp` with `precision`'s policy: it
+    shards the model in place (and returns it), so the caller must save through
+    `full_model_state_dict` / `optimizer_state_dict` on every rank.
     """
     if env.world_size == 1:
         return model
     if strategy == "fsdp":
-        raise FieldError(
-            "train.parallel",
-            "fsdp is not wired into `mmtrain train` yet (its checkpoints must be gathered "
-            "with mmtrain.train.parallel.full_model_state_dict); use ddp",
-        )
+        return apply_fsdp(model, precision)
     device_ids = [env.local_rank] if env.device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(
         model, device_ids=device_ids, broadcast_buffers=False
@@ -288,6 +290,21 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         state = get_model_state_dict(model, options=_full_options(cpu_offload=True))
         return _copied(model, state)
     return {k: v.detach().to("cpu", copy=True) for k, v in _plain(model).state_dict().items()}
+
+
+def load_full_model_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a full (unsharded) state dict, as `full_model_state_dict` gives, into `model`.
+
+    Under FSDP every rank passes the full state and keeps its own shard of each tensor (a
+    sharded model cannot `load_state_dict` full tensors itself); otherwise the tensors are
+    copied into the module's parameters and buffers, on whatever device they live.
+    """
+    if is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(model, state, options=_full_options(broadcast_from_rank0=False))
+        return
+    _plain(model).load_state_dict(state)
 
 
 def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -1,0 +1,100 @@
+"""`train` with `train.parallel=fsdp` on 2 real CPU processes (gloo): FSDP2 follows DDP's losses,
+its final `model.safetensors` is the full single-process model, and a run killed after a
+checkpoint resumes to the uninterrupted run's weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+import mmtrain
+from dist_helpers import run_distributed
+from mmtrain.config import config_from_dict
+from mmtrain.structured import FieldError
+from mmtrain.train.checkpoint import load_checkpoint
+from test_train import MICRO_SPEC, make_shards
+
+pytestmark = pytest.mark.slow
+
+
+def _config(folder, shards: str, **train):
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = folder / "spec.yaml"
+    spec.write_text(yaml.safe_dump(MICRO_SPEC))
+    # 2 ranks x micro-batch 2 x 2 accumulation: FSDP's skipped reduction on the first one.
+    settings = {"steps": 4, "batch_size": 8, "micro_batch": 2, "lr": 2e-3, "warmup_steps": 1}
+    return config_from_dict(
+        {
+            "model": str(spec),
+            "data": {"train": shards, "shuffle_window": 8},
+            "train": {**settings, **train},
+            "checkpoint": {"every_steps": 2, "keep": 2},
+            "metrics": {"tensorboard": False},
+            "seed": 1,
+            "out": str(folder / "run"),
+        }
+    )
+
+
+def _runs(rank: int, world_size: int, configs: dict) -> dict:
+    """Each run of `configs` in turn on this rank: losses by run ("halted" stops after step 3,
+    "resumed" then reruns its folder), and the error message of a refused configuration."""
+    from mmtrain.train.loop import train
+
+    losses = {}
+    for name in ("ddp", "fsdp"):
+        losses[name] = [row["loss"] for row in train(configs[name]).history]
+    halted = train(configs["resumed"], halt_after_step=3)
+    losses["halted"] = [row["loss"] for row in halted.history]
+    resumed = train(configs["resumed"])
+    assert resumed.resumed_from == 2
+    losses["resumed"] = [row["loss"] for row in resumed.history]
+    try:
+        train(configs["ema"])
+    except FieldError as err:
+        losses["ema_error"] = str(err)
+    return losses
+
+
+def test_fsdp_follows_ddp_saves_full_weights_and_resumes_exactly(tmp_path):
+    shards = make_shards(tmp_path / "shards", 32)
+    configs = {
+        "ddp": _config(tmp_path / "ddp", shards, parallel="ddp"),
+        "fsdp": _config(tmp_path / "fsdp", shards, parallel="fsdp"),
+        "resumed": _config(tmp_path / "resumed", shards, parallel="fsdp"),
+        "ema": _config(tmp_path / "ema", shards, parallel="fsdp", ema=0.99),
+    }
+    first, second = run_distributed(_runs, world_size=2, args=(configs,), timeout_s=300)
+    assert first == second  # every rank logs the global loss
+
+    ddp, fsdp = torch.tensor(first["ddp"]), torch.tensor(first["fsdp"])
+    assert len(fsdp) == 4 and fsdp[-1] < fsdp[0]  # it learns
+    torch.testing.assert_close(fsdp, ddp, rtol=1e-4, atol=1e-5)
+
+    # The final weights were gathered from the shards into the single-process format.
+    ddp_model = mmtrain.load_model(tmp_path / "ddp" / "run").state_dict()
+    fsdp_model = mmtrain.load_model(tmp_path / "fsdp" / "run").state_dict()
+    assert list(fsdp_model) == list(ddp_model)
+    for name, value in ddp_model.items():
+        torch.testing.assert_close(fsdp_model[name], value, rtol=1e-3, atol=1e-5, msg=name)
+    # So were the checkpoint's: full weights and a name-keyed, unsharded optimizer state.
+    saved = load_checkpoint(tmp_path / "fsdp" / "run" / "checkpoints" / "step_00000004")
+    assert set(saved.model) == set(ddp_model)  # stored sorted by name
+    for name, value in saved.model.items():
+        torch.testing.assert_close(value, fsdp_model[name], rtol=0, atol=0, msg=name)
+    moments = saved.state["optimizer"]["state"]
+    assert set(moments) == set(ddp_model) and len(saved.state["rng"]) == 2
+    assert moments["logit_scale"]["exp_avg"].shape == ()  # the unsharded scalar too
+    weight = next(name for name in ddp_model if ddp_model[name].dim() == 2)
+    assert moments[weight]["exp_avg"].shape == ddp_model[weight].shape
+
+    # Killed after step 3 (last checkpoint at step 2), then run again: the same steps 3-4 and
+    # the same final weights, bit for bit, as the run that was never interrupted.
+    assert first["halted"] == first["fsdp"][:3]
+    assert first["resumed"] == first["fsdp"][2:]
+    resumed_model = mmtrain.load_model(tmp_path / "resumed" / "run").state_dict()
+    for name, value in fsdp_model.items():
+        assert torch.equal(resumed_model[name], value), name
+
+    assert "train.ema" in first["ema_error"] and "fsdp" in first["ema_error"]
