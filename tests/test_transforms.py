@@ -268,3 +268,102 @@ def test_sample_decoder_feeds_every_tower():
         decode(missing, rng(0))
     with pytest.raises(MediaError, match="truncated WAV"):
         decode({**sample, "wav": sample["wav"][:100]}, rng(0))
+
+
+# ----------------------------------------------------------------------------- reduced decoding
+# Drafted (reduced-size) JPEG decoding against the full decode, on normalised pixels (CLIP
+# mean/std, so 1.0 is ~70 grey levels): measured ~0.03 mean absolute error for 512 -> 224 crops
+# of photo-like JPEGs, 0.008-0.014 here; a wrong crop (another seed's) gives ~0.3.
+DRAFT_MEAN_ABS_ERROR = 0.06
+
+
+def photo(width: int, height: int, fmt: str = "JPEG", seed: int = 0, exif=None) -> bytes:
+    """Smooth colour fields plus fine texture, encoded: like a photo, not a flat test card."""
+    import io
+
+    from PIL import Image
+
+    generator = rng(seed)
+    coarse = Image.fromarray(generator.integers(0, 256, (6, 6, 3), dtype=np.uint8))
+    base = np.asarray(coarse.resize((width, height), Image.Resampling.BICUBIC), np.float32)
+    pixels = np.clip(base + generator.normal(0, 8, (height, width, 1)), 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format=fmt, quality=90, **({"exif": exif} if exif else {}))
+    return out.getvalue()
+
+
+def full_decode(transform: ImageTransform, data: bytes, seed: int) -> torch.Tensor:
+    from mmtrain.data.media import decode_image
+
+    return transform(decode_image(data), rng(seed))
+
+
+def test_draft_reduction_never_upsamples():
+    from mmtrain.data.media import draft_reduction
+
+    ratios = (0.5, 1.99, 2.0, 3.9, 4.0, 7.99, 8.0, 50)
+    assert [draft_reduction(r) for r in ratios] == [1, 1, 2, 2, 4, 4, 8, 8]
+
+
+def test_decode_drafts_jpegs_when_the_crop_allows_and_stays_close():
+    data = photo(256, 256)
+    t = ImageTransform(64, train=True, augment=AugmentConfig(flip=True))
+    for seed in range(6):
+        box, _ = t.sample_params(256, 256, rng(seed))
+        assert min(box[2] - box[0], box[3] - box[1]) >= 2 * 64  # every crop is drafted
+        drafted, full = t.decode(data, rng(seed)), full_decode(t, data, seed)
+        assert drafted.shape == (3, 64, 64)
+        assert torch.equal(drafted, t.decode(data, rng(seed)))  # same rng, same tensor
+        assert not torch.equal(drafted, full)  # really decoded at a reduced size ...
+        assert (drafted - full).abs().mean() < DRAFT_MEAN_ABS_ERROR  # ... and the same crop
+    outputs = [t.decode(data, rng(seed)) for seed in range(4)]
+    assert any(not torch.equal(outputs[0], other) for other in outputs[1:])
+
+
+def test_decode_follows_exif_orientation_when_drafting():
+    from PIL import Image
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees: stored 320 x 160, shown 160 x 320
+    data = photo(320, 160, exif=exif.tobytes())
+    t = ImageTransform(48, train=True)
+    for seed in range(3):
+        drafted, full = t.decode(data, rng(seed)), full_decode(t, data, seed)
+        assert not torch.equal(drafted, full)  # crops of >= 131 px for 48: decoded at 1/2
+        assert (drafted - full).abs().mean() < DRAFT_MEAN_ABS_ERROR
+
+
+def test_decode_without_reduction_is_the_full_decode_bit_for_bit():
+    small = photo(120, 120)  # every crop is < 2 x 64 px: drafting would need upsampling
+    png = photo(256, 256, fmt="PNG")  # not a JPEG: no reduced decoding
+    for data in (small, png):
+        for train in (True, False):
+            t = ImageTransform(64, train=train, augment=AugmentConfig(flip=True))
+            for seed in range(3):
+                assert torch.equal(t.decode(data, rng(seed)), full_decode(t, data, seed))
+
+
+def test_eval_decode_is_the_centre_square_of_the_draft_decode():
+    from mmtrain.data.media import decode_image
+
+    data = photo(300, 260)  # 260 / 64 > 4: decoded at 1/4 (75 x 65), as the image cache does
+    t = ImageTransform(64, train=False)
+    assert torch.equal(t.decode(data), t(decode_image(data, draft_size=64)))
+    assert (t.decode(data) - t(decode_image(data))).abs().mean() < DRAFT_MEAN_ABS_ERROR
+
+
+def test_apply_normalises_exactly_like_the_float32_formula():
+    image = gradient_image(50, 70)
+    t = ImageTransform(32, train=False)
+    box = (3.0, 2.0, 60.0, 48.0)
+    from PIL import Image
+
+    resized = np.asarray(
+        Image.fromarray(image).resize((32, 32), Image.Resampling.BICUBIC, box=box), np.float32
+    )
+    mean = np.asarray(CLIP_MEAN, np.float32) * 255.0
+    inv_std = 1.0 / (np.asarray(CLIP_STD, np.float32) * 255.0)
+    expected = ((resized - mean) * inv_std).transpose(2, 0, 1)
+    assert torch.equal(t.apply(image, box, False), torch.from_numpy(np.ascontiguousarray(expected)))
+    flipped = torch.from_numpy(np.ascontiguousarray(expected[:, :, ::-1]))
+    assert torch.equal(t.apply(image, box, True), flipped)

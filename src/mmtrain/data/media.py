@@ -11,12 +11,14 @@ failure of the underlying library becomes a `MediaError` with a reason a user ca
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import math
 import struct
 import warnings
-from typing import NamedTuple
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -28,6 +30,9 @@ __all__ = [
     "sniff",
     "check_extension",
     "decode_image",
+    "LazyImage",
+    "draft_reduction",
+    "JPEG_REDUCTIONS",
     "VideoClip",
     "decode_video",
     "decode_audio",
@@ -156,6 +161,11 @@ def _library_error(what: str, err: Exception) -> MediaError:
 
 
 # ----------------------------------------------------------------------------- images
+# libjpeg decodes a JPEG at 1/2, 1/4 or 1/8 of each side (DCT scaling) far faster than in full.
+JPEG_REDUCTIONS = (8, 4, 2)
+_TRANSPOSING_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that swap width and height
+
+
 def decode_image(
     data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, draft_size: int | None = None
 ) -> np.ndarray:
@@ -164,28 +174,90 @@ def decode_image(
     The pixel count is read from the header and refused above `max_pixels` before any pixel is
     decoded (a 50 kB PNG can claim 100k x 100k pixels). `draft_size` lets JPEG decoding use
     libjpeg's DCT scaling (1/2, 1/4, 1/8) while both sides stay >= draft_size: decoding a
-    512 px JPEG for a 224 px crop then costs a fraction of a full decode.
+    512 px JPEG for a 224 px crop then costs a fraction of a full decode. To pick the
+    reduction from a crop rather than from the whole image, use `LazyImage`.
     """
-    from PIL import Image, ImageOps
+    image = LazyImage(data, max_pixels)
+    reduce = draft_reduction(min(image.height, image.width) / draft_size) if draft_size else 1
+    return image.decode(reduce)[0]
 
-    _require_bytes(data, "image")
+
+class LazyImage:
+    """Image bytes whose header is read and checked, but whose pixels are not decoded yet.
+
+    Lets a transform look at the size first (`height`, `width`: after EXIF orientation, as
+    `decode` returns them), decide which region it needs, and only then decode, at a reduced
+    size when that region allows it. `decode` can be called once.
+    """
+
+    def __init__(self, data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS):
+        from PIL import ExifTags, Image
+
+        _require_bytes(data, "image")
+        self._data = data
+        with _image_errors(data):
+            self._image = Image.open(io.BytesIO(data))  # reads the header only
+            width, height = self._image.size
+            if width * height > max_pixels:
+                raise MediaError(
+                    f"image of {width} x {height} = {width * height:,} pixels exceeds "
+                    f"max_pixels {max_pixels:,} (possible decompression bomb)"
+                )
+            orientation = self._image.getexif().get(ExifTags.Base.Orientation, 1)
+        swap = orientation in _TRANSPOSING_ORIENTATIONS
+        self.height, self.width = (width, height) if swap else (height, width)
+        self.is_jpeg = self._image.format == "JPEG"
+
+    def decode(self, reduce: int = 1) -> tuple[np.ndarray, int]:
+        """(uint8 [H, W, 3] RGB, the reduction applied): a JPEG is decoded at 1/`reduce` of
+        each side (rounded up; reduced pixel i covers full pixels [i * reduce, (i + 1) *
+        reduce)), other formats, and JPEGs libjpeg cannot scale, in full (reduction 1)."""
+        image, applied = self.decode_pil(reduce)
+        return np.asarray(image), applied
+
+    def decode_pil(self, reduce: int = 1) -> tuple[Any, int]:
+        """`decode` as an RGB PIL image, for callers that resize with Pillow next (saves two
+        copies of the pixels)."""
+        from PIL import ImageOps
+
+        if reduce not in (1, *JPEG_REDUCTIONS):
+            raise ValueError(f"reduce must be 1, 2, 4 or 8, got {reduce}")
+        img = self._image
+        with _image_errors(self._data):
+            try:
+                applied = 1
+                full = img.size
+                if reduce > 1 and self.is_jpeg and min(full) >= reduce:
+                    # Asking for exactly size // reduce makes Pillow pick `reduce` itself.
+                    img.draft("RGB", (full[0] // reduce, full[1] // reduce))
+                    if img.size != full:
+                        applied = reduce
+                img.load()  # decode now, inside the error mapping (Pillow is lazy)
+                oriented = ImageOps.exif_transpose(img)
+                # Alpha is dropped, not composited, as CLIP's preprocessing does.
+                rgb = oriented if oriented.mode == "RGB" else oriented.convert("RGB")
+                return rgb, applied
+            finally:
+                img.close()
+
+
+def draft_reduction(ratio: float) -> int:
+    """The JPEG reduction to decode at when the source has `ratio` times the pixels needed
+    along its shorter side: the largest of 8, 4, 2 that is <= ratio (so nothing is upsampled
+    afterwards), else 1."""
+    return next((r for r in JPEG_REDUCTIONS if ratio >= r), 1)
+
+
+@contextlib.contextmanager
+def _image_errors(data: bytes) -> Iterator[None]:
+    """Map Pillow's many failure types onto MediaError with a reason a user can act on."""
+    from PIL import Image
+
     try:
         with warnings.catch_warnings():
             # Our own max_pixels check decides; Pillow still raises above twice its limit.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as img:
-                width, height = img.size
-                if width * height > max_pixels:
-                    raise MediaError(
-                        f"image of {width} x {height} = {width * height:,} pixels exceeds "
-                        f"max_pixels {max_pixels:,} (possible decompression bomb)"
-                    )
-                if draft_size and img.format == "JPEG":
-                    img.draft("RGB", (draft_size, draft_size))
-                img.load()  # decode now, inside the error mapping (Pillow is lazy)
-                img = ImageOps.exif_transpose(img)
-                # Alpha is dropped, not composited, as CLIP's preprocessing does.
-                return np.asarray(img.convert("RGB"))
+            yield
     except MediaError:
         raise
     except Image.DecompressionBombError as err:

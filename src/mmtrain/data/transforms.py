@@ -33,12 +33,13 @@ from PIL import Image
 
 from mmtrain.data.media import (
     DEFAULT_MAX_PIXELS,
+    LazyImage,
     MediaError,
     decode_audio,
-    decode_image,
     decode_text,
     decode_timeseries,
     decode_video,
+    draft_reduction,
 )
 from mmtrain.data.tokenizer import ByteTokenizer, Tokenizer
 from mmtrain.spec import (
@@ -169,7 +170,8 @@ class ImageTransform:
 
     Train: random resized crop + optional horizontal flip. Eval: resize the shorter side to
     `size` and centre-crop (done as one bicubic resize of the centred square, as CLIP's eval
-    preprocessing up to sub-pixel rounding).
+    preprocessing up to sub-pixel rounding). `decode` does the same from encoded bytes,
+    decoding JPEGs at the smallest size the crop allows.
     """
 
     def __init__(
@@ -196,8 +198,9 @@ class ImageTransform:
         return cls(stem.image_size, train, stem.channels, augment)
 
     def min_decode_size(self) -> int:
-        """The shortest source side that still gives full-resolution crops: pass it to
-        `decode_image(draft_size=...)` so JPEGs can be decoded at a reduced size."""
+        """The shortest source side that still gives full-resolution crops, whatever crop is
+        drawn: for decoders that must pick their size before the crop (video). Images use
+        `decode`, which picks the size from the crop actually drawn and so reduces more."""
         if not self.train:
             return self.size
         smallest = self.augment.scale[0] * min(self.augment.ratio[0], 1 / self.augment.ratio[1])
@@ -214,17 +217,43 @@ class ImageTransform:
 
     def apply(self, image: np.ndarray, box: Box, flip: bool) -> torch.Tensor:
         """Crop `box`, resize to size x size (bicubic, antialiased), flip, normalise -> [C, H, W]."""
-        pil = Image.fromarray(image)
+        return self._resize(Image.fromarray(image), box, flip)
+
+    def _resize(self, pil: Image.Image, box: Box, flip: bool) -> torch.Tensor:
         if self.channels == 1:
             pil = pil.convert("L")
         out = pil.resize((self.size, self.size), Image.Resampling.BICUBIC, box=box)
-        pixels = np.asarray(out, dtype=np.float32)
-        if pixels.ndim == 2:
-            pixels = pixels[:, :, None]
         if flip:
-            pixels = pixels[:, ::-1]
-        pixels = (pixels - self._mean) * self._inv_std
-        return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
+            out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        pixels = np.asarray(out)
+        return self.normalise(pixels[:, :, None] if pixels.ndim == 2 else pixels)
+
+    def decode(
+        self,
+        data: bytes,
+        rng: np.random.Generator | None = None,
+        max_pixels: int = DEFAULT_MAX_PIXELS,
+    ) -> torch.Tensor:
+        """Encoded image bytes -> float32 [C, size, size], decoding no more than the crop needs.
+
+        Train: the crop and flip are drawn from `rng` for the full image size (read from the
+        header), exactly as `self(decode_image(data), rng)` draws them; a JPEG is then decoded
+        at the largest reduction (1/2, 1/4, 1/8) that leaves the crop at least `size` pixels on
+        both sides (never upsampled), and cropped in reduced coordinates. The result equals the
+        full decode's up to resampling differences, and bit for bit when nothing is reduced
+        (crops under 2x the output, non-JPEG data). Eval: the centre square of the image
+        decoded with `draft_size=size`, exactly what `ImageCache` stores.
+        """
+        image = LazyImage(data, max_pixels)
+        box, flip = self.sample_params(image.height, image.width, rng)
+        side = min(box[2] - box[0], box[3] - box[1])
+        pil, reduced = image.decode_pil(draft_reduction(side / self.size))
+        if not self.train:
+            box = centre_square_box(pil.height, pil.width)
+        elif reduced > 1:
+            # Reduced pixel i covers full pixels [i * reduced, (i + 1) * reduced).
+            box = (box[0] / reduced, box[1] / reduced, box[2] / reduced, box[3] / reduced)
+        return self._resize(pil, box, flip)
 
     def normalise(self, pixels: np.ndarray) -> torch.Tensor:
         """uint8 [H, W, C] already at its final size -> normalised float32 [C, H, W].
@@ -452,8 +481,8 @@ class SampleDecoder:
 
     Decodes the member of each tower's modality and applies the tower's transform: the
     `decode(sample, rng)` function the streaming loader takes. Decoders work at reduced size
-    where they can (JPEG draft decoding and video scaling down to the smallest size the crop
-    needs). Any problem (missing member, undecodable bytes) raises `MediaError`, which the
+    where they can (JPEGs decoded at 1/2, 1/4 or 1/8 when the crop drawn allows it, video
+    scaled down to the smallest size any crop needs). Any problem (missing member, undecodable bytes) raises `MediaError`, which the
     loader counts as a corrupt sample.
     """
 
@@ -484,13 +513,13 @@ class SampleDecoder:
                 f"no {tower.modality} member for tower {name!r} (has {', '.join(present)}; "
                 f"expected one of {', '.join(MODALITY_EXTENSIONS[tower.modality])})"
             )
-        value = self._decode(self.transforms[name], tower.stem, ext, sample[ext])
-        return self.transforms[name](value, rng)
+        transform = self.transforms[name]
+        if isinstance(transform, ImageTransform):
+            # Crop first, then decode only as many pixels as that crop needs.
+            return transform.decode(sample[ext], rng, self.max_pixels)
+        return transform(self._decode(transform, tower.stem, ext, sample[ext]), rng)
 
     def _decode(self, transform: Transform, stem: Any, ext: str, data: bytes) -> Any:
-        if isinstance(transform, ImageTransform):
-            size = transform.min_decode_size()
-            return decode_image(data, max_pixels=self.max_pixels, draft_size=size)
         if isinstance(transform, VideoTransform):
             size = transform.image.min_decode_size()
             clip = decode_video(data, transform.frames, short_side=size, max_pixels=self.max_pixels)
