@@ -29,6 +29,14 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, {gpu}, torch {torch.__version__}"
 
 
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages: how busy the (shared) machine was."""
+    try:
+        return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
 def command() -> str:
     return " ".join([Path(sys.executable).name, *sys.argv])
 
