@@ -339,8 +339,8 @@ def render(cases: dict[str, Case], seconds: float, kills: str) -> str:
         "# Reliability: what mmtrain survives",
         "",
         "Every row is a test that injects the fault or feeds the input, and the figure is what "
-        "the last run measured. Regenerate with `python -m tests.faults.report` or "
-        "`python tests/faults/report.py` (it runs the tests; `MMTRAIN_FAULT_KILLS=N` sets the "
+        "the last run measured. Regenerate with `scripts/reliability-report` (or "
+        "`python tests/faults/report.py` in the venv; it runs the tests; `MMTRAIN_FAULT_KILLS=N` sets the "
         "number of SIGKILLs, default 20).",
         "",
         f"Last run: {date.today().isoformat()}, {platform.machine()} with {os.cpu_count()} CPU "
