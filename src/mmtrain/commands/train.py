@@ -39,6 +39,9 @@ def run(args: argparse.Namespace) -> int:
     progress = _Progress(config.train.steps, config.metrics.log_every)
     result = train(config, on_step=progress)
     progress.close()
+    if result.resumed_from is not None and result.resumed_from >= config.train.steps:
+        print(f"already finished: {result.step} steps; weights in {result.out}/model.safetensors")
+        return 0
     if result.resumed_from is not None:
         print(f"resumed from step {result.resumed_from}")
     if result.stopped_by_signal:
