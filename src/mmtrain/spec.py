@@ -564,3 +564,24 @@ def with_tower(spec: ModelSpec, name: str, **changes: Any) -> ModelSpec:
     towers = dict(spec.towers)
     towers[name] = replace(tower, **changes)
     return replace(spec, towers=towers)
+
+
+def with_input_sizes(
+    spec: ModelSpec,
+    image_size: int | None = None,
+    frames: int | None = None,
+    context: int | None = None,
+) -> ModelSpec:
+    """`spec` with every image/video tower at `image_size`, video towers at `frames` frames and
+    text towers at `context` tokens (None leaves a size as it is): the planner's size flags."""
+    for tower_name, tower in spec.towers.items():
+        stem: dict[str, int] = {}
+        if image_size and tower.modality in ("image", "video"):
+            stem["image_size"] = image_size
+        if frames and tower.modality == "video":
+            stem["frames"] = frames
+        if context and tower.modality == "text":
+            stem["context_length"] = context
+        if stem:
+            spec = with_tower(spec, tower_name, stem=stem)
+    return spec

@@ -315,16 +315,8 @@ def decode_video(
         raise ValueError(f"frames must be >= 1, got {frames}")
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
-            if not container.streams.video:
-                raise MediaError("no video stream in the container")
-            stream = container.streams.video[0]
+            stream = first_video_stream(container, max_pixels)
             width, height = stream.codec_context.width, stream.codec_context.height
-            if width * height <= 0:
-                raise MediaError("video stream has no frame size")
-            if width * height > max_pixels:
-                raise MediaError(
-                    f"video frames of {width} x {height} pixels exceed max_pixels {max_pixels:,}"
-                )
             fps = _video_fps(stream)
             duration = _video_duration(container, stream)
             size = _scaled_size(width, height, short_side)
@@ -339,6 +331,21 @@ def decode_video(
         raise
     except Exception as err:  # av.error.FFmpegError and its subclasses, mostly
         raise _library_error("video", err) from None
+
+
+def first_video_stream(container, max_pixels: int):
+    """The first video stream of an open PyAV container, after the frame-size bomb check."""
+    if not container.streams.video:
+        raise MediaError("no video stream in the container")
+    stream = container.streams.video[0]
+    width, height = stream.codec_context.width, stream.codec_context.height
+    if width * height <= 0:
+        raise MediaError("video stream has no frame size")
+    if width * height > max_pixels:
+        raise MediaError(
+            f"video frames of {width} x {height} pixels exceed max_pixels {max_pixels:,}"
+        )
+    return stream
 
 
 def _video_fps(stream) -> float:

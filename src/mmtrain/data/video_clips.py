@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from mmtrain.data.media import DEFAULT_MAX_PIXELS, MediaError
+from mmtrain.data.media import DEFAULT_MAX_PIXELS, MediaError, first_video_stream
 
 __all__ = [
     "ClipOptions",
@@ -154,16 +154,7 @@ def _frames(data: bytes, max_pixels: int) -> Iterator[tuple[Any, Any, Any]]:
 
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
-            if not container.streams.video:
-                raise MediaError("no video stream in the container")
-            stream = container.streams.video[0]
-            width, height = stream.codec_context.width, stream.codec_context.height
-            if width * height <= 0:
-                raise MediaError("video stream has no frame size")
-            if width * height > max_pixels:
-                raise MediaError(
-                    f"video frames of {width} x {height} pixels exceed max_pixels {max_pixels:,}"
-                )
+            stream = first_video_stream(container, max_pixels)
             for frame in container.decode(stream):
                 yield container, stream, frame
     except MediaError:

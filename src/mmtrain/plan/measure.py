@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from mmtrain.plan.estimate import Plan
-from mmtrain.spec import ModelSpec, load_spec, with_tower
+from mmtrain.spec import ModelSpec, load_spec, with_input_sizes
 
 
 @dataclass(frozen=True)
@@ -60,17 +60,7 @@ def spec_with_overrides(
 ) -> ModelSpec:
     """The spec `workloads.load_model` plans for, with the same stem overrides."""
     spec = load_spec(name)
-    for tower_name, tower in spec.towers.items():
-        stem = {}
-        if image_size and tower.modality in ("image", "video"):
-            stem["image_size"] = image_size
-        if frames and tower.modality == "video":
-            stem["frames"] = frames
-        if context and tower.modality == "text":
-            stem["context_length"] = context
-        if stem:
-            spec = with_tower(spec, tower_name, stem=stem)
-    return spec
+    return with_input_sizes(spec, image_size, frames, context)
 
 
 def random_batch(

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from mmtrain.plan.model import PlanModel, Stack, from_spec
-from mmtrain.spec import load_spec, with_tower
+from mmtrain.spec import load_spec, with_input_sizes
 from mmtrain.structured import FieldError, closest, from_dict
 
 
@@ -389,16 +389,7 @@ def load_model(
         raise FieldError(
             "--model", f"unknown model {name!r}{closest(name, names)}; presets: {', '.join(names)}"
         ) from None
-    for tower_name, tower in spec.towers.items():
-        stem = {}
-        if image_size and tower.modality in ("image", "video"):
-            stem["image_size"] = image_size
-        if frames and tower.modality == "video":
-            stem["frames"] = frames
-        if context and tower.modality == "text":
-            stem["context_length"] = context
-        if stem:
-            spec = with_tower(spec, tower_name, stem=stem)
+    spec = with_input_sizes(spec, image_size, frames, context)
     spec.validate()
     return from_spec(spec)
 
