@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from faults.harness import make_shards, start, tiny_run
+from faults.harness import kill_leftovers, make_shards, start, tiny_run
 
 STEPS = 8  # the storage, signal and distributed tests train this many steps
 
@@ -23,3 +23,9 @@ def reference(tmp_path_factory, fault_shards) -> bytes:
     child = start(tiny_run(folder, steps=STEPS, shards=fault_shards), log=folder / "out.log")
     assert child.wait(300) == 0, child.output()
     return (folder / "run" / "model.safetensors").read_bytes()
+
+
+@pytest.fixture(autouse=True)
+def _no_child_outlives_its_test():
+    yield
+    kill_leftovers()

@@ -225,7 +225,25 @@ def start(
         process.join(timeout)
         return process.exitcode
 
-    return Child(process.pid, log, wait, process.is_alive)
+    return _track(Child(process.pid, log, wait, process.is_alive))
+
+
+_STARTED: list[Child] = []
+
+
+def _track(child: Child) -> Child:
+    _STARTED.append(child)
+    return child
+
+
+def kill_leftovers() -> None:
+    """SIGKILL every child still running: a failed test must not leave a training process
+    behind (it would hold the test run's output open and keep CI waiting)."""
+    while _STARTED:
+        child = _STARTED.pop()
+        if child.alive():
+            child.signal(signal.SIGKILL)
+            child.wait(30)
 
 
 class _FileLimit:
@@ -267,7 +285,7 @@ def _start_process(
         except subprocess.TimeoutExpired:
             return None
 
-    return Child(process.pid, log, wait, lambda: process.poll() is None)
+    return _track(Child(process.pid, log, wait, lambda: process.poll() is None))
 
 
 def wait_for(condition: Callable[[], bool], child: Child, timeout_s: float, poll_s: float) -> bool:

@@ -25,6 +25,7 @@ global states, so the data stream and the weights do not depend on the choice.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -394,6 +395,11 @@ def train(
     result.corrupt_samples = corrupt_before + _reduce_over_ranks([], data.corrupt_samples())[1]
     result.last_loss = result.history[-1]["loss"] if result.history else math.nan
     data.close()
+    # Free the DDP wrapper while the process group is still alive. Its C++ reducer frees
+    # without releasing the GIL; were it to hold the group's last reference, the group's
+    # destructor would join a gloo thread that waits for the GIL: a deadlock seen under load.
+    del trained
+    gc.collect()
     parallel.shutdown(env)
     return result
 
