@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+import traceback
 from typing import Any
 
 from mmtrain.config import load_config
+from mmtrain.structured import FieldError
 
 ORDER = 30
 
@@ -37,7 +40,12 @@ def run(args: argparse.Namespace) -> int:
     from mmtrain.train.loop import train  # torch is imported only when training
 
     progress = _Progress(config.train.steps, config.metrics.log_every)
-    result = train(config, on_step=progress)
+    try:
+        result = train(config, on_step=progress)
+    except Exception as err:
+        if isinstance(err, FieldError) or not _several_ranks():
+            raise
+        _exit_rank(err, config.out)
     progress.close()
     if result.resumed_from is not None and result.resumed_from >= config.train.steps:
         print(f"already finished: {result.step} steps; weights in {result.out}/model.safetensors")
@@ -55,6 +63,38 @@ def run(args: argparse.Namespace) -> int:
         f"weights in {result.out}/model.safetensors"
     )
     return 0
+
+
+_PEER_WORDS = ("connection reset", "connection closed", "broken pipe", "timed out", "peer")
+
+
+def _several_ranks() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _exit_rank(err: Exception, out: str) -> None:
+    """Print why this rank stops and what to do, then exit at once. A normal exit would tear
+    down the process group, which can wait forever for a peer that is gone; the job's other
+    ranks see this one leave and stop the same way, so the whole job ends instead of hanging."""
+    import torch.distributed as dist
+
+    traceback.print_exc()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    peer = any(words in first_line.lower() for words in _PEER_WORDS)
+    cause = "another rank of this job stopped or was killed (its log says why)" if peer else ""
+    print(
+        f"error: rank {rank} of {world} stopped: {first_line}\n"
+        + (f"  cause: {cause}\n" if cause else "")
+        + "  restart every rank with the same command: training resumes from the newest "
+        f"valid checkpoint in {out}/checkpoints",
+        file=sys.stderr,
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 class _Progress:
