@@ -11,6 +11,7 @@ import torch
 
 import mmtrain
 from dist_helpers import run_distributed
+from micro import micro_spec
 from mmtrain.losses import ContrastiveLoss
 from mmtrain.plan.measure import random_batch
 from mmtrain.spec import ModelSpec
@@ -19,27 +20,7 @@ from mmtrain.train import parallel
 from mmtrain.train.loop import forward_backward, optimizer_step
 from mmtrain.train.precision import make_precision
 
-MICRO = {
-    "name": "micro",
-    "embed_dim": 16,
-    "pairs": [["image", "text"]],
-    "towers": {
-        "image": {
-            "modality": "image",
-            "stem": {"image_size": 16, "patch_size": 8},
-            "width": 32,
-            "layers": 2,
-            "heads": 2,
-        },
-        "text": {
-            "modality": "text",
-            "stem": {"vocab_size": 258, "context_length": 8},
-            "width": 32,
-            "layers": 2,
-            "heads": 2,
-        },
-    },
-}
+MICRO = micro_spec("micro", embed_dim=16, context_length=8, text_pooling=None)
 FP32 = make_precision("fp32", torch.device("cpu"))
 
 

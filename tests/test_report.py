@@ -18,6 +18,7 @@ import yaml
 from PIL import Image
 
 import mmtrain
+from micro import micro_spec
 from mmtrain.cli import main
 from mmtrain.config import config_from_dict
 from mmtrain.data.shards import ShardWriter
@@ -28,28 +29,7 @@ from mmtrain.train.checkpoint import save_checkpoint
 from mmtrain.train.metrics import MetricsWriter, memory_gib, throughput
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-SPEC = {
-    "name": "micro-clip",
-    "embed_dim": 16,
-    "pairs": [["image", "text"]],
-    "towers": {
-        "image": {
-            "modality": "image",
-            "stem": {"image_size": 16, "patch_size": 8},
-            "width": 32,
-            "layers": 1,
-            "heads": 2,
-        },
-        "text": {
-            "modality": "text",
-            "stem": {"vocab_size": 258, "context_length": 16},
-            "width": 32,
-            "layers": 1,
-            "heads": 2,
-            "pooling": "eot",
-        },
-    },
-}
+SPEC = micro_spec(embed_dim=16, layers=1)
 COLORS = ("red", "green", "blue", "yellow", "cyan", "magenta")
 
 

@@ -3,22 +3,19 @@ corrupt sample), signals, precision modes, parameter groups, freezing, schedules
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
 import shutil
 import signal
 
-import numpy as np
 import pytest
 import torch
 import yaml
-from PIL import Image
 
 import mmtrain
+from micro import MICRO_SPEC, make_shards
 from mmtrain.config import config_from_dict
-from mmtrain.data.shards import ShardWriter
 from mmtrain.losses import ContrastiveLoss
 from mmtrain.structured import FieldError
 from mmtrain.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
@@ -27,50 +24,6 @@ from mmtrain.train.metrics import LossSpikes
 from mmtrain.train.optim import freeze_parameters, lr_factor, param_groups
 from mmtrain.train.parallel import apply_activation_checkpointing
 from mmtrain.train.precision import make_precision
-
-MICRO_SPEC = {
-    "name": "micro-clip",
-    "embed_dim": 32,
-    "pairs": [["image", "text"]],
-    "towers": {
-        "image": {
-            "modality": "image",
-            "stem": {"image_size": 16, "patch_size": 8},
-            "width": 32,
-            "layers": 2,
-            "heads": 2,
-        },
-        "text": {
-            "modality": "text",
-            "stem": {"vocab_size": 258, "context_length": 16},
-            "width": 32,
-            "layers": 2,
-            "heads": 2,
-            "pooling": "eot",
-        },
-    },
-}
-COLORS = ("red", "green", "blue", "white")
-
-
-def make_shards(folder, samples: int, corrupt: tuple[int, ...] = ()) -> str:
-    """PNG + caption shards of coloured squares; samples listed in `corrupt` get broken PNGs."""
-    rng = np.random.default_rng(0)
-    with ShardWriter(folder, max_samples=16) as writer:
-        for i in range(samples):
-            c = i % len(COLORS)
-            pixels = np.zeros((20, 24, 3), np.uint8)
-            pixels[..., c % 3] = 180 + 20 * c
-            pixels = (pixels + rng.integers(0, 40, pixels.shape)).astype(np.uint8)
-            buffer = io.BytesIO()
-            Image.fromarray(pixels).save(buffer, format="PNG")
-            png = buffer.getvalue()
-            if i in corrupt:
-                png = png[: len(png) // 2]  # truncated: the decoder refuses it
-            writer.write(
-                {"__key__": f"s{i:05d}", "png": png, "txt": f"a {COLORS[c]} square".encode()}
-            )
-    return str(folder)
 
 
 def make_config(tmp_path, shards: str, **train):

@@ -16,7 +16,6 @@ fault hook as a real `python -m mmtrain train ...` instead (slower; same asserti
 
 from __future__ import annotations
 
-import io
 import multiprocessing
 import os
 import resource
@@ -28,63 +27,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import yaml
-from PIL import Image
 
-from mmtrain.data.shards import ShardWriter
+from micro import make_shards, micro_spec
 
 REPO = Path(__file__).resolve().parents[2]
 THREADS = 1  # every child, every run: bitwise equality needs the same reduction order
 EXEC = os.environ.get("MMTRAIN_FAULTS_EXEC") == "1"
 
-FAULT_SPEC = {
-    "name": "fault-clip",
-    "embed_dim": 32,
-    "pairs": [["image", "text"]],
-    "towers": {
-        "image": {
-            "modality": "image",
-            "stem": {"image_size": 16, "patch_size": 8},
-            "width": 32,
-            "layers": 2,
-            "heads": 2,
-        },
-        "text": {
-            "modality": "text",
-            "stem": {"vocab_size": 258, "context_length": 16},
-            "width": 32,
-            "layers": 2,
-            "heads": 2,
-            "pooling": "eot",
-        },
-    },
-}
-COLORS = ("red", "green", "blue", "white")
+FAULT_SPEC = micro_spec("fault-clip")
 
 
 # ----------------------------------------------------------------------------- the tiny run
-def make_shards(folder: Path, samples: int = 48) -> Path:
-    """Coloured 20x24 PNG squares with captions, 16 samples per shard."""
-    rng = np.random.default_rng(0)
-    with ShardWriter(folder, max_samples=16) as writer:
-        for i in range(samples):
-            c = i % len(COLORS)
-            pixels = np.zeros((20, 24, 3), np.uint8)
-            pixels[..., c % 3] = 180 + 20 * c
-            pixels = (pixels + rng.integers(0, 40, pixels.shape)).astype(np.uint8)
-            buffer = io.BytesIO()
-            Image.fromarray(pixels).save(buffer, format="PNG")
-            writer.write(
-                {
-                    "__key__": f"s{i:05d}",
-                    "png": buffer.getvalue(),
-                    "txt": f"a {COLORS[c]} square".encode(),
-                }
-            )
-    return folder
-
-
 def tiny_run(folder: Path, steps: int = 12, shards: Path | None = None, **sections: dict) -> Path:
     """Write spec.yaml and run.yaml (plus shards unless given) under `folder`; the run folder
     is `folder/run`. `sections` update the config's sections, e.g. train={"precision": "fp16"}."""

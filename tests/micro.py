@@ -1,0 +1,73 @@
+"""The smallest real CLIP run the tests train: a two-tower spec (16 px images, byte-level text)
+and shards of coloured squares with captions, shared by the train, parallel, report and fault
+tests so that they all break the same thing."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from mmtrain.data.shards import ShardWriter
+
+COLORS = ("red", "green", "blue", "white")
+
+
+def micro_spec(
+    name: str = "micro-clip",
+    *,
+    embed_dim: int = 32,
+    layers: int = 2,
+    context_length: int = 16,
+    text_pooling: str | None = "eot",
+) -> dict[str, Any]:
+    """A ModelSpec dict: image (16 px, patch 8) and text towers of width 32, two heads."""
+    text: dict[str, Any] = {
+        "modality": "text",
+        "stem": {"vocab_size": 258, "context_length": context_length},
+        "width": 32,
+        "layers": layers,
+        "heads": 2,
+    }
+    if text_pooling is not None:
+        text["pooling"] = text_pooling
+    image = {
+        "modality": "image",
+        "stem": {"image_size": 16, "patch_size": 8},
+        "width": 32,
+        "layers": layers,
+        "heads": 2,
+    }
+    return {
+        "name": name,
+        "embed_dim": embed_dim,
+        "pairs": [["image", "text"]],
+        "towers": {"image": image, "text": text},
+    }
+
+
+MICRO_SPEC = micro_spec()
+
+
+def make_shards(folder: Path | str, samples: int = 48, corrupt: tuple[int, ...] = ()) -> str:
+    """PNG + caption shards of noisy coloured 20x24 squares, 16 samples per shard; samples
+    listed in `corrupt` get a truncated PNG (the decoder refuses it)."""
+    rng = np.random.default_rng(0)
+    with ShardWriter(folder, max_samples=16) as writer:
+        for i in range(samples):
+            c = i % len(COLORS)
+            pixels = np.zeros((20, 24, 3), np.uint8)
+            pixels[..., c % 3] = 180 + 20 * c
+            pixels = (pixels + rng.integers(0, 40, pixels.shape)).astype(np.uint8)
+            buffer = io.BytesIO()
+            Image.fromarray(pixels).save(buffer, format="PNG")
+            png = buffer.getvalue()
+            if i in corrupt:
+                png = png[: len(png) // 2]
+            writer.write(
+                {"__key__": f"s{i:05d}", "png": png, "txt": f"a {COLORS[c]} square".encode()}
+            )
+    return str(folder)
