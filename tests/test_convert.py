@@ -51,6 +51,11 @@ SMALL = ClipShape(
 ATOL = 1e-5
 
 
+def convert(*args) -> int:
+    """`mmtrain convert ARGS...` through the real CLI; returns its exit code."""
+    return main(["convert", *map(str, args)])
+
+
 def small_case(seed: int = 0, shape: ClipShape = SMALL) -> tuple[ModelSpec, dict]:
     spec = ModelSpec.from_dict(shape.spec_dict())
     return spec, random_openclip_state_dict(shape, torch.Generator().manual_seed(seed))
@@ -241,18 +246,7 @@ def test_cli_round_trip(tmp_path, suffix, capsys):
 
     folder = tmp_path / "converted"
     assert (
-        main(
-            [
-                "convert",
-                "--from",
-                "openclip",
-                str(source),
-                "--model",
-                str(spec_file),
-                "--out",
-                str(folder),
-            ]
-        )
+        convert("--from", "openclip", str(source), "--model", str(spec_file), "--out", str(folder))
         == 0
     )
     model = load_model(folder)
@@ -260,19 +254,7 @@ def test_cli_round_trip(tmp_path, suffix, capsys):
 
     back = tmp_path / f"back{suffix}"
     assert (
-        main(
-            [
-                "convert",
-                "--to",
-                "openclip",
-                str(folder),
-                "--model",
-                str(spec_file),
-                "--out",
-                str(back),
-            ]
-        )
-        == 0
+        convert("--to", "openclip", str(folder), "--model", str(spec_file), "--out", str(back)) == 0
     )
     exported = read_openclip_checkpoint(back)
     assert exported.keys() == openclip_sd.keys()
@@ -288,17 +270,8 @@ def test_cli_reports_bad_checkpoint_with_file_and_keys(tmp_path, capsys):
     openclip_sd["visual.extra"] = torch.zeros(2)
     source = tmp_path / "broken.safetensors"
     save_file(openclip_sd, source)
-    code = main(
-        [
-            "convert",
-            "--from",
-            "openclip",
-            str(source),
-            "--model",
-            str(spec_file),
-            "--out",
-            str(tmp_path / "out"),
-        ]
+    code = convert(
+        "--from", "openclip", str(source), "--model", str(spec_file), "--out", str(tmp_path / "out")
     )
     err = capsys.readouterr().err
     assert code == 2
@@ -310,17 +283,8 @@ def test_cli_refuses_the_wrong_model_and_unknown_files(tmp_path, capsys):
     spec, openclip_sd = small_case()
     source = tmp_path / "small.safetensors"
     save_file(openclip_sd, source)
-    code = main(
-        [
-            "convert",
-            "--from",
-            "openclip",
-            str(source),
-            "--model",
-            "ViT-B-32",
-            "--out",
-            str(tmp_path / "o"),
-        ]
+    code = convert(
+        "--from", "openclip", str(source), "--model", "ViT-B-32", "--out", str(tmp_path / "o")
     )
     assert code == 2
     assert (
@@ -328,17 +292,14 @@ def test_cli_refuses_the_wrong_model_and_unknown_files(tmp_path, capsys):
     )
 
     assert (
-        main(
-            [
-                "convert",
-                "--from",
-                "openclip",
-                str(tmp_path / "nope.pt"),
-                "--model",
-                "ViT-B-32",
-                "--out",
-                str(tmp_path / "o"),
-            ]
+        convert(
+            "--from",
+            "openclip",
+            str(tmp_path / "nope.pt"),
+            "--model",
+            "ViT-B-32",
+            "--out",
+            str(tmp_path / "o"),
         )
         == 2
     )
@@ -347,17 +308,8 @@ def test_cli_refuses_the_wrong_model_and_unknown_files(tmp_path, capsys):
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint")
     assert (
-        main(
-            [
-                "convert",
-                "--from",
-                "openclip",
-                str(garbage),
-                "--model",
-                "ViT-B-32",
-                "--out",
-                str(tmp_path / "o"),
-            ]
+        convert(
+            "--from", "openclip", str(garbage), "--model", "ViT-B-32", "--out", str(tmp_path / "o")
         )
         == 2
     )
@@ -372,38 +324,18 @@ def test_cli_export_checks_the_named_model(tmp_path, capsys):
     save_file(openclip_sd, source)
     folder = tmp_path / "converted"
     assert (
-        main(
-            [
-                "convert",
-                "--from",
-                "openclip",
-                str(source),
-                "--model",
-                str(spec_file),
-                "--out",
-                str(folder),
-            ]
-        )
+        convert("--from", "openclip", str(source), "--model", str(spec_file), "--out", str(folder))
         == 0
     )
     capsys.readouterr()
     assert (
-        main(
-            [
-                "convert",
-                "--to",
-                "openclip",
-                str(folder),
-                "--model",
-                "ViT-B-32",
-                "--out",
-                str(tmp_path / "x.pt"),
-            ]
+        convert(
+            "--to", "openclip", str(folder), "--model", "ViT-B-32", "--out", str(tmp_path / "x.pt")
         )
         == 2
     )
     assert "visual.conv1.weight: [32, 3, 8, 8] vs [768, 3, 32, 32]" in capsys.readouterr().err
-    assert main(["convert", "--to", "openclip", str(folder), "--out", str(tmp_path / "x.npz")]) == 2
+    assert convert("--to", "openclip", str(folder), "--out", str(tmp_path / "x.npz")) == 2
     assert ".safetensors or FILE.pt" in capsys.readouterr().err
     assert not (tmp_path / "x.pt").exists()
 
