@@ -29,7 +29,9 @@ def _config(folder, shards: str, **train):
             "model": str(spec),
             "data": {"train": shards, "shuffle_window": 8},
             "train": {**settings, **train},
-            "checkpoint": {"every_steps": 2, "keep": 2},
+            # The gathered single-process format (the default under FSDP is sharded, see
+            # tests/test_checkpoint_sharded.py).
+            "checkpoint": {"every_steps": 2, "keep": 2, "format": "full"},
             "metrics": {"tensorboard": False},
             "seed": 1,
             "out": str(folder / "run"),

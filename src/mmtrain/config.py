@@ -27,6 +27,7 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 SCHEDULES = ("cosine", "constant")
 PARALLELS = ("auto", "ddp", "fsdp")
 DEVICES = ("auto", "cpu", "cuda")
+CHECKPOINT_FORMATS = ("auto", "full", "sharded")
 
 
 # ----------------------------------------------------------------------------- sections
@@ -115,6 +116,16 @@ class CheckpointConfig:
     every_steps: int | None = 1000
     every_minutes: float | None = None
     keep: int = 3
+    # full: one gathered model.safetensors + state.pt (rank 0 writes); sharded: every rank
+    # writes its shards through torch.distributed.checkpoint (resumable on any rank count);
+    # auto: sharded under train.parallel=fsdp on several ranks, else full.
+    format: str = "auto"
+
+    def format_for(self, parallel: str, world_size: int) -> str:
+        """The format `auto` resolves to for this run ("full" or "sharded")."""
+        if self.format != "auto":
+            return self.format
+        return "sharded" if parallel == "fsdp" and world_size > 1 else "full"
 
 
 @dataclass
@@ -201,6 +212,7 @@ class RunConfig:
                 "checkpoint.every_minutes", f"must be positive or null, got {c.every_minutes}"
             )
         _at_least("checkpoint.keep", c.keep, 1)
+        check_choice("checkpoint.format", c.format, CHECKPOINT_FORMATS)
         _at_least("data.workers", self.data.workers, 0)
         _at_least("data.shuffle_window", self.data.shuffle_window, 1)
         for i, source in enumerate(self.data.train):

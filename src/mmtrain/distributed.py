@@ -5,6 +5,9 @@ so the same code runs in one process (world size 1) and under `torchrun`.
 
 `all_gather_with_grad` is the collective a distributed contrastive loss needs: every rank sees
 the embeddings of the whole global batch, and gradients flow back to the rank that produced them.
+
+Each collective here runs inside `timed_collective()`: during a training step it counts towards
+the step's `comm_s` / `comm_exposed_s` (mmtrain.train.comm_timing); elsewhere that is a no-op.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from mmtrain.train.comm_timing import timed_collective
 
 _MAX_DIMS = 8
 
@@ -48,7 +53,8 @@ def _check_same_shape(tensor: torch.Tensor, group: Any) -> None:
     row = [tensor.dim(), *tensor.shape] + [-1] * (_MAX_DIMS - tensor.dim())
     local = torch.tensor(row, dtype=torch.int64, device=tensor.device)
     shapes = [torch.empty_like(local) for _ in range(world_size(group))]
-    dist.all_gather(shapes, local, group=group)
+    with timed_collective():
+        dist.all_gather(shapes, local, group=group)
     rows = [s.tolist() for s in shapes]
     if any(r != rows[0] for r in rows):
         described = ", ".join(f"rank {i}: {r[1 : 1 + r[0]]}" for i, r in enumerate(rows))
@@ -64,7 +70,8 @@ def all_gather(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
         return tensor
     _check_same_shape(tensor, group)
     parts = [torch.empty_like(tensor) for _ in range(world_size(group))]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
+    with timed_collective():
+        dist.all_gather(parts, tensor.contiguous(), group=group)
     return torch.cat(parts, dim=0)
 
 
@@ -83,7 +90,8 @@ class _AllGatherWithGrad(torch.autograd.Function):
         ctx.group = group
         ctx.rows = tensor.shape[0]
         parts = [torch.empty_like(tensor) for _ in range(world_size(group))]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
+        with timed_collective():
+            dist.all_gather(parts, tensor.contiguous(), group=group)
         return torch.cat(parts, dim=0)
 
     @staticmethod
@@ -91,7 +99,8 @@ class _AllGatherWithGrad(torch.autograd.Function):
         # all_reduce instead of reduce_scatter: gloo has no reduce_scatter, and the tensors are
         # embeddings (batch x dim), so the extra traffic is negligible.
         total = grad.contiguous().clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
+        with timed_collective():
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
         start = rank(ctx.group) * ctx.rows
         return total[start : start + ctx.rows], None
 

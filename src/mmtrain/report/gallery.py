@@ -100,12 +100,11 @@ def retrieval_gallery(
 def _model_and_towers(run: RunData) -> tuple[Any, str, str]:
     """The run's model (final weights, else the newest checkpoint's) and its image/text towers."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     import mmtrain
     from mmtrain.models import create_model
     from mmtrain.structured import FieldError
-    from mmtrain.train.checkpoint import latest_checkpoint
+    from mmtrain.train.checkpoint import latest_checkpoint, load_weights
 
     spec = run.spec
     if spec is None:
@@ -126,7 +125,7 @@ def _model_and_towers(run: RunData) -> tuple[Any, str, str]:
         checkpoint = latest_checkpoint(run.run_dir / CHECKPOINT_DIR)  # the newest that verifies
         if checkpoint is not None:
             model = create_model(spec)
-            model.load_state_dict(load_file(checkpoint / WEIGHTS_FILE, device="cpu"))
+            model.load_state_dict(load_weights(checkpoint))  # full or sharded (FSDP)
             return model, *pair
     except (OSError, FieldError, RuntimeError, SafetensorError) as err:
         raise GallerySkipped(f"the model weights could not be loaded: {err}") from None

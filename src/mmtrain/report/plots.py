@@ -166,6 +166,37 @@ def throughput_plot(run: RunData) -> Plot:
     )
 
 
+# (metrics.jsonl key, legend, line style): the step split, then communication drawn beside it.
+STEP_TIME_PARTS = (
+    ("data_wait_s", "data wait", "-"),
+    ("compute_s", "forward+backward", "-"),
+    ("optimizer_s", "optimizer", "-"),
+    ("comm_s", "communication in flight", "--"),
+    ("comm_exposed_s", "communication waited for", ":"),
+)
+
+
+def step_time_plot(run: RunData) -> Plot:
+    """The step split beside its communication; drawn for runs on several ranks (the only
+    ones with communication: one process's split is in throughput and data wait)."""
+    title = "Step time and communication"
+    if not run.series("comm_s")[1]:
+        why = "no communication in metrics.jsonl: one process, or a run older than the figures"
+        return _missing("step_time", title, why)
+    lines = []
+    for key, label, style in STEP_TIME_PARTS:
+        steps, values = run.series(key)
+        if values:
+            ms = [1e3 * v for v in values]
+            lines.append(Line(label, steps, ms, smooth=True, style=style))
+    note = (
+        "data wait + forward+backward + optimizer = the step; communication runs inside "
+        "forward+backward (overlapping it, not a fourth slice): 'in flight' counts every "
+        "collective, 'waited for' only the time the step could not compute meanwhile"
+    )
+    return Plot("step_time", title, figure(lines, ylabel="ms per step", ylim=(0, None)), note)
+
+
 def data_wait_plot(run: RunData) -> Plot:
     title = "Time waiting for data"
     steps, values = run.series("data_wait_fraction")
@@ -254,6 +285,7 @@ PLOTS: tuple[Callable[[RunData], Plot], ...] = (
     lr_plot,
     logit_scale_plot,
     throughput_plot,
+    step_time_plot,
     data_wait_plot,
     mfu_plot,
     memory_plot,

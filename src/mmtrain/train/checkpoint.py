@@ -4,8 +4,16 @@ Layout: `ROOT/step_NNNNNNNN/` holding
 - `model.safetensors`  model weights (safetensors: no code runs on load),
 - `state.pt`           optimizer, scheduler, scaler, loader and RNG state, as tensors, numbers,
                        strings, lists and dicts only, so `torch.load(weights_only=True)` reads it,
-- `meta.json`          step, schema version, mmtrain version, the resolved config,
+- `meta.json`          step, schema version, mmtrain version, format, the resolved config,
 - `manifest.json`      size and sha256 of each file above, written last.
+
+That is the "full" format, written by rank 0 alone. The "sharded" format (`save_sharded_checkpoint`,
+for FSDP) replaces `model.safetensors` and the optimizer entry of `state.pt` by `dcp/`: every rank
+writes its own shards of the weights and the optimizer state there with
+`torch.distributed.checkpoint` (DCP), which records how they were split, so the checkpoint loads
+on any number of ranks or in one plain process (`read_sharded`, `load_weights`). The manifest
+lists every file, `dcp/*` included. DCP's `dcp/.metadata` is a pickle: like any pickle, load
+sharded checkpoints only from run folders you trust (the manifest detects damage, not forgery).
 
 A checkpoint is written as `step_NNNNNNNN.tmp/`, every file fsynced, then the folder is renamed
 and the parent fsynced. The newest folder whose manifest verifies is the checkpoint to resume
@@ -15,23 +23,29 @@ a warning, never deleted, so a user can inspect them.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
 import os
 import re
 import shutil
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from mmtrain import __version__
 from mmtrain.atomic import atomic_open, atomic_write_text, fsync_dir, sha256_file
 from mmtrain.structured import FieldError
+from mmtrain.train.parallel import agree_any
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +54,8 @@ MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
+DCP_DIR = "dcp"  # the sharded format's torch.distributed.checkpoint folder
+FORMATS = ("full", "sharded")
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
 
@@ -64,6 +80,12 @@ class Checkpoint:
     state: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def format(self) -> str:
+        """The layout: "full" (weights in `model`, optimizer in `state`) or "sharded" (both in
+        `dcp/`, read with `read_sharded`; `model` is empty). Older checkpoints are full."""
+        return self.meta.get("format", "full")
+
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
@@ -77,26 +99,116 @@ def save_checkpoint(
     meta: dict[str, Any] | None = None,
     keep: int | None = None,
 ) -> Path:
-    """Write checkpoint `step` under `root` atomically; keep only the newest `keep` valid ones."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    """Write checkpoint `step` under `root` atomically; keep only the newest `keep` valid ones.
+    The full format: one process (rank 0) writes it all."""
+    final, tmp = _folders(Path(root), step)
+    _fresh(tmp)
+    try:
+        _write_files(tmp, step, "full", model, state, meta)
+    except (OSError, SafetensorError) as err:
+        raise _write_failed(final, tmp, err) from err
+    _commit(final, tmp, keep)
+    return final
+
+
+def save_sharded_checkpoint(
+    root: str | Path,
+    step: int,
+    sharded: dict[str, Any],
+    state: dict[str, Any] | None = None,
+    meta: dict[str, Any] | None = None,
+    keep: int | None = None,
+) -> Path:
+    """Write checkpoint `step` in the sharded format: a collective, every rank calls it.
+
+    Every rank writes its part of `sharded` (`parallel.sharded_state_dict`: {"model": ...,
+    "optimizer": ...}, FSDP's DTensor shards or plain tensors) into `step_N.tmp/dcp/` with
+    `torch.distributed.checkpoint.save`, which fsyncs each file. The ranks then share the
+    hashing of those files, and rank 0 writes `state.pt`, `meta.json` and the manifest and
+    renames the folder, as `save_checkpoint` does. `root` must be one filesystem all ranks see.
+    Raises CheckpointError on every rank when any part fails (the folder stays `.tmp`).
+    """
+    final, tmp = _folders(Path(root), step)
+    lead = not _distributed() or dist.get_rank() == 0  # rank 0 makes and finishes the folder
+    error: BaseException | None = None
+    if lead:
+        try:
+            _fresh(tmp)
+            (tmp / DCP_DIR).mkdir()
+        except OSError as err:
+            error = err
+    _raise_on_every_rank(error, final, tmp, lead)  # a collective: the folder exists after it
+    try:
+        writer = dcp.FileSystemWriter(tmp / DCP_DIR, sync_files=True)
+        with _single_process_is_intended():
+            dcp.save(sharded, storage_writer=writer, no_dist=not _distributed())
+        hashed = _hash_shared(tmp, DCP_DIR)
+    except (OSError, dcp.CheckpointException) as err:  # DCP raises on every rank alike
+        raise _write_failed(final, tmp, err, remove=lead) from err
+    if lead:
+        try:
+            fsync_dir(tmp / DCP_DIR)
+            _write_files(tmp, step, "sharded", None, state, meta, hashed)
+            _commit(final, tmp, keep)
+        except OSError as err:
+            error = err
+    _raise_on_every_rank(error, final, tmp, lead)
+    return final
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+@contextlib.contextmanager
+def _single_process_is_intended() -> Iterator[None]:
+    """Silence DCP's warning that it runs without a process group: here that is the plan."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _folders(root: Path, step: int) -> tuple[Path, Path]:
+    """Checkpoint `step`'s final folder and the temporary one it is written as."""
     final = root / step_dir_name(step)
-    tmp = root / (final.name + ".tmp")
+    return final, root / (final.name + ".tmp")
+
+
+def _fresh(tmp: Path) -> None:
+    """Make `tmp` (and its parent) empty and ready to write into."""
+    tmp.parent.mkdir(parents=True, exist_ok=True)
     if tmp.exists():  # left by a run killed mid-write: never valid, safe to drop
         shutil.rmtree(tmp)
     tmp.mkdir()
-    try:
-        _write_files(tmp, step, model, state, meta)
-    except (OSError, SafetensorError) as err:
-        # A full disk or a quota: drop the half-written folder (it frees what the write took);
-        # the previous checkpoints were never touched.
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(
-            f"cannot write checkpoint {final}: {err}. The newest valid checkpoint in {root} is "
-            "unchanged; free disk space (or lower checkpoint.keep) and run the same command "
-            "again to resume from it"
-        ) from err
 
+
+def _write_failed(
+    final: Path, tmp: Path, err: BaseException, remove: bool = True
+) -> CheckpointError:
+    """The error for a failed write. A full disk or a quota: drop the half-written folder (it
+    frees what the write took); the previous checkpoints were never touched."""
+    if remove:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return CheckpointError(
+        f"cannot write checkpoint {final}: {err}. The newest valid checkpoint in {final.parent} "
+        "is unchanged; free disk space (or lower checkpoint.keep) and run the same command "
+        "again to resume from it"
+    )
+
+
+def _raise_on_every_rank(error: BaseException | None, final: Path, tmp: Path, lead: bool) -> None:
+    """Raise CheckpointError on every rank when `error` happened on any (a collective), so no
+    rank waits forever in the next collective for one that gave up."""
+    if not agree_any([error is not None])[0]:
+        return
+    if error is None:
+        error = OSError("rank 0 could not write its part; its log says why")
+    raise _write_failed(final, tmp, error, remove=lead)
+
+
+def _commit(final: Path, tmp: Path, keep: int | None) -> None:
+    """Rename the finished `tmp` to `final` (replacing an older copy), then prune to `keep`."""
+    root = final.parent
     if final.exists():  # the same step saved again (e.g. replayed after a rollback)
         # Renamed aside, not deleted first: the window without a `step_N` folder is one rename.
         aside = root / f".{final.name}.replaced"
@@ -109,34 +221,59 @@ def save_checkpoint(
     fsync_dir(root)
     if keep is not None:
         prune(root, keep)
-    return final
 
 
 def _write_files(
     tmp: Path,
     step: int,
-    model: dict[str, torch.Tensor],
+    layout: str,
+    model: dict[str, torch.Tensor] | None,
     state: dict[str, Any] | None,
     meta: dict[str, Any] | None,
+    hashed: dict[str, dict[str, Any]] | None = None,
 ) -> None:
-    """The checkpoint's files in `tmp`, each fsynced, the manifest last, then the folder."""
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in model.items()}
-    save_file(tensors, str(tmp / MODEL_FILE))
-    _fsync_file(tmp / MODEL_FILE)
+    """The checkpoint's files in `tmp`, each fsynced, the manifest last, then the folder.
+    `hashed`: manifest entries of files already in `tmp` (the sharded format's `dcp/*`)."""
+    names = [STATE_FILE, META_FILE]
+    if model is not None:
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in model.items()}
+        save_file(tensors, str(tmp / MODEL_FILE))
+        _fsync_file(tmp / MODEL_FILE)
+        names.insert(0, MODEL_FILE)
     buffer = io.BytesIO()
     torch.save(state or {}, buffer)
     with atomic_open(tmp / STATE_FILE) as f:
         f.write(buffer.getvalue())
     full_meta = {"step": step, "schema_version": SCHEMA_VERSION, "mmtrain_version": __version__}
     full_meta.update(meta or {})
+    full_meta["format"] = layout
     atomic_write_text(tmp / META_FILE, json.dumps(full_meta, indent=2, default=str))
-    files = {
-        name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
-        for name in (MODEL_FILE, STATE_FILE, META_FILE)
-    }
+    files = {name: _file_entry(tmp / name) for name in names}
+    files.update(hashed or {})
     manifest = {"schema_version": SCHEMA_VERSION, "step": step, "files": files}
     atomic_write_text(tmp / MANIFEST_FILE, json.dumps(manifest, indent=2))
     fsync_dir(tmp)
+
+
+def _file_entry(path: Path) -> dict[str, Any]:
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def _hash_shared(tmp: Path, folder: str) -> dict[str, dict[str, Any]]:
+    """Manifest entries of the files below `tmp / folder` ("dcp/__0_0.distcp": ...). Rank 0
+    lists them; rank r hashes every world_size-th one from the r-th (a collective), so the
+    read-back costs each rank its share rather than rank 0 the whole checkpoint."""
+    files = sorted(p for p in (tmp / folder).rglob("*") if p.is_file())
+    names = [p.relative_to(tmp).as_posix() for p in files]
+    if not _distributed():
+        return {name: _file_entry(tmp / name) for name in names}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    listing = [names]
+    dist.broadcast_object_list(listing, src=0)  # one list for all, whatever each rank sees
+    mine = {name: _file_entry(tmp / name) for name in listing[0][rank::world]}
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    return {name: entry for part in everyone for name, entry in part.items()}
 
 
 def verify_checkpoint(path: str | Path, hashes: bool = True) -> list[str]:
@@ -226,7 +363,9 @@ def latest_checkpoint(root: str | Path, at_most_step: int | None = None) -> Path
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> Checkpoint:
-    """Load a verified checkpoint folder; raises CheckpointError naming what is wrong."""
+    """Load a verified checkpoint folder; raises CheckpointError naming what is wrong.
+    A sharded checkpoint's weights and optimizer state stay on disk (`model` is empty): every
+    rank reads its own part into its model with `read_sharded`."""
     path = Path(path)
     problems = verify_checkpoint(path)
     version = _newer_schema(path) if problems else None
@@ -235,9 +374,51 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     if problems:
         raise CheckpointError(f"checkpoint {path} is not usable: {'; '.join(problems)}")
     meta = json.loads((path / META_FILE).read_text())
-    model = load_file(str(path / MODEL_FILE), device=str(map_location))
+    layout = meta.get("format", "full")
+    if layout not in FORMATS:
+        raise CheckpointError(
+            f"{path / META_FILE}: unknown checkpoint format {layout!r} (this mmtrain reads "
+            f"{', '.join(FORMATS)}); upgrade mmtrain to resume from it"
+        )
+    model = load_file(str(path / MODEL_FILE), device=str(map_location)) if layout == "full" else {}
     state = torch.load(path / STATE_FILE, map_location=map_location, weights_only=True)
     return Checkpoint(path=path, step=int(meta["step"]), model=model, state=state, meta=meta)
+
+
+def read_sharded(path: str | Path, sharded: dict[str, Any]) -> None:
+    """Fill `sharded` ({"model": ..., "optimizer": ...} as `parallel.sharded_state_dict` gives
+    for THIS run) in place from checkpoint `path`'s `dcp/`. DCP reads, for each tensor, the
+    part of the saved shards it covers: the checkpoint loads on any number of ranks, also in
+    one process without a process group (plain tensors get the whole of each)."""
+    path = Path(path)
+    try:
+        reader = dcp.FileSystemReader(path / DCP_DIR)
+        with _single_process_is_intended():
+            dcp.load(sharded, storage_reader=reader, no_dist=not _distributed())
+    except (OSError, RuntimeError, dcp.CheckpointException) as err:
+        raise CheckpointError(
+            f"cannot read the sharded checkpoint {path / DCP_DIR}: {err}. When its manifest "
+            "verifies, the model or optimizer differs from the run that wrote it (model spec, "
+            "frozen towers, optimizer settings): resume with the same config"
+        ) from err
+
+
+def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The full model weights of checkpoint folder `path` (verified), in either format, on the
+    CPU of this process alone, with or without a process group: for single-process tools
+    (evaluation, galleries, conversion) that want one state dict from a sharded checkpoint."""
+    ckpt = load_checkpoint(path)
+    if ckpt.format == "full":
+        return ckpt.model
+    reader = dcp.FileSystemReader(Path(path) / DCP_DIR)
+    weights = {
+        key.removeprefix("model."): torch.empty(item.size, dtype=item.properties.dtype)
+        for key, item in reader.read_metadata().state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(item, dcp.TensorStorageMetadata)
+    }
+    with _single_process_is_intended():
+        dcp.load({"model": weights}, storage_reader=reader, no_dist=True)
+    return weights
 
 
 def prune(root: str | Path, keep: int) -> None:

@@ -53,7 +53,15 @@ from mmtrain.models import MultimodalModel, create_model, save_model
 from mmtrain.spec import ModelSpec, load_spec
 from mmtrain.structured import FieldError
 from mmtrain.train import parallel
-from mmtrain.train.checkpoint import Checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
+from mmtrain.train.checkpoint import (
+    Checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    read_sharded,
+    save_checkpoint,
+    save_sharded_checkpoint,
+)
+from mmtrain.train.comm_timing import CommTimer, timed_collective
 from mmtrain.train.data import LABEL_KEY, TrainData
 from mmtrain.train.metrics import (
     LossSpikes,
@@ -140,7 +148,7 @@ def train(
 
     # -- model --------------------------------------------------------------------------------
     model = create_model(spec, seed=config.seed)
-    if ckpt is not None:
+    if ckpt is not None and ckpt.format == "full":  # sharded: loaded into the wrapped model below
         model.load_state_dict(ckpt.model)
     frozen = freeze_parameters(model, t)
     model.to(device)
@@ -199,11 +207,18 @@ def train(
         frozen,
     )  # fmt: skip
 
+    checkpoint_format = config.checkpoint.format_for(t.parallel, world)
+
     def save(at_step: int) -> None:
-        # Collectives under FSDP (every rank takes part, rank 0 receives the full tensors).
-        weights = _full_weights(model, rank)
+        # Every rank takes part. Full: FSDP gathers the weights and optimizer state to rank 0,
+        # which writes them. Sharded: each rank writes its own shards, in place (no gather).
+        if checkpoint_format == "sharded":
+            shards = parallel.sharded_state_dict(model, optimizer)
+            _check_finite_weights(shards["model"], sharded=True)
+        else:
+            weights = _full_weights(model, rank)
+            optimizer_state = parallel.optimizer_state_dict(model, optimizer)
         state = {
-            "optimizer": parallel.optimizer_state_dict(model, optimizer),
             "scheduler": scheduler.state_dict(),
             "scaler": precision.scaler.state_dict() if precision.scaler is not None else {},
             "loader": data.state_dict(),
@@ -218,13 +233,14 @@ def train(
         }
         if ema is not None:
             state["ema"] = ema.state_dict()
-        if rank == 0:
+        meta = {"config": config.to_dict(), "samples_seen": samples_seen, "world_size": world}
+        keep = config.checkpoint.keep
+        if checkpoint_format == "sharded":
+            save_sharded_checkpoint(out / CHECKPOINT_DIR, at_step, shards, state, meta, keep)
+        elif rank == 0:
             _check_finite_weights(weights)
-            meta = {"config": config.to_dict(), "samples_seen": samples_seen, "world_size": world}
-            save_checkpoint(
-                out / CHECKPOINT_DIR, at_step, weights, state, meta,
-                keep=config.checkpoint.keep,
-            )  # fmt: skip
+            state["optimizer"] = optimizer_state
+            save_checkpoint(out / CHECKPOINT_DIR, at_step, weights, state, meta, keep)
         parallel.barrier()
 
     # -- the loop -----------------------------------------------------------------------------
@@ -235,7 +251,9 @@ def train(
     injected: set[int] = set()  # fault injection: each listed step corrupted once
     corrupt = corrupt_before
     stop = _StopOnSignal()
-    with stop:
+    # Times DDP's/FSDP's collectives and the loss's gathers per step (no synchronisation added).
+    comm = CommTimer(device, world).attach(trained)
+    with stop, comm:
         while step < t.steps:
             # Progressive resolution: the input size of this step (a pure function of the step).
             step_spec = spec_at(spec, step, t.resolution_schedule, t.frames_schedule)
@@ -252,15 +270,17 @@ def train(
                 injected.add(step + 1)
                 _inject_nan(micro_batches[0])
             t1 = time.perf_counter()
+            comm.start_step()
 
             optimizer.zero_grad(set_to_none=True)
             loss, part_losses = forward_backward(
                 trained, model, loss_fn, micro_batches, precision, fusion_weight=t.fusion_weight
             )
             # One all-reduce: mean losses over ranks (each holds its share), summed corrupt counts.
-            losses, corrupt_now = _reduce_over_ranks(
-                [loss, *part_losses.values()], data.corrupt_samples()
-            )
+            with timed_collective():
+                losses, corrupt_now = _reduce_over_ranks(
+                    [loss, *part_losses.values()], data.corrupt_samples()
+                )
             corrupt = corrupt_before + corrupt_now
             _sync(device)
             t2 = time.perf_counter()
@@ -279,6 +299,7 @@ def train(
                 ema.update(model)
             _sync(device)
             t3 = time.perf_counter()
+            comm_times = comm.finish_step()  # reads CUDA events only after the sync above
 
             step += 1
             samples_seen += t.batch_size
@@ -314,6 +335,7 @@ def train(
                     flops_per_sample=flops_per_sample,
                     peak_flops=peak_flops,
                     world_size=world,
+                    comm=comm_times,
                 ),  # fmt: skip
                 **memory_gib(device),
             }
@@ -343,7 +365,8 @@ def train(
                 # Roll back: every rank reloads the newest valid checkpoint (weights, optimizer,
                 # schedule, scaler, data position, RNG) and trains on from there.
                 ckpt = _rollback_checkpoint(out, step, nonfinite_in_a_row, rollbacks, config)
-                parallel.load_full_model_state_dict(model, ckpt.model)
+                if ckpt.format == "full":  # a sharded one's weights load in _restore_state
+                    parallel.load_full_model_state_dict(model, ckpt.model)
                 counters = _restore_state(
                     ckpt, model, optimizer, scheduler, precision, data, ema, config, rank
                 )
@@ -539,9 +562,18 @@ def _restore_state(
     config: RunConfig,
     rank: int,
 ) -> dict[str, int]:
-    """Load everything but the weights from `ckpt`; returns its counters. The optimizer state
-    may have been saved under any strategy; under FSDP each rank keeps its shard of it."""
-    parallel.load_optimizer_state_dict(model, optimizer, ckpt.state["optimizer"])
+    """Load everything but a full checkpoint's weights from `ckpt`; returns its counters.
+
+    The optimizer state may have been saved under any strategy on any number of ranks; under
+    FSDP each rank keeps its shard of it. A sharded checkpoint holds the weights beside the
+    optimizer state: both load here, DCP reading for each rank what its shards cover.
+    """
+    if ckpt.format == "sharded":
+        shards = parallel.sharded_state_dict(model, optimizer)  # this run's layout
+        read_sharded(ckpt.path, shards)
+        parallel.load_sharded_state_dict(model, optimizer, shards)
+    else:
+        parallel.load_optimizer_state_dict(model, optimizer, ckpt.state["optimizer"])
     scheduler.load_state_dict(ckpt.state["scheduler"])
     if precision.scaler is not None and ckpt.state.get("scaler"):
         precision.scaler.load_state_dict(ckpt.state["scaler"])
@@ -740,10 +772,12 @@ def _model_with(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> Multimodal
     return model
 
 
-def _check_finite_weights(weights: dict[str, torch.Tensor]) -> None:
-    bad = [
-        name for name, p in weights.items() if p.is_floating_point() and not torch.isfinite(p).all()
-    ]
+def _check_finite_weights(weights: dict[str, torch.Tensor], sharded: bool = False) -> None:
+    """Refuse to checkpoint NaN or infinite weights. `sharded`: each rank checks its own
+    shards and all agree (a collective), so every rank raises alike."""
+    bad = parallel.nonfinite_names(weights)
+    if sharded and parallel.agree_any([bool(bad)])[0] and not bad:
+        bad = ["(in another rank's shards)"]
     if bad:
         raise FloatingPointError(f"refusing to save non-finite weights: {', '.join(bad[:5])}")
 

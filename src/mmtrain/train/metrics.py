@@ -2,9 +2,11 @@
 TensorBoard, and the throughput figures that say whether the accelerator is busy.
 
 Per step: loss and loss per pair, learning rate per group, logit scale, grad norm, samples/s,
-step time split into data wait / forward+backward / optimizer, the data-wait fraction, MFU
-(model FLOPs over the device's peak, when a peak is known), peak memory of the step (CUDA) or
-the process's RSS (CPU), skipped steps and corrupt samples.
+step time split into data wait / forward+backward / optimizer, the data-wait fraction,
+communication (on several ranks: `comm_s`, collectives in flight, overlapped or not, and
+`comm_exposed_s`, the part the step waited for; see `comm_timing`), MFU (model FLOPs over the
+device's peak, when a peak is known), peak memory of the step (CUDA) or the process's RSS
+(CPU), skipped steps and corrupt samples.
 
 Besides step rows, records with a `"kind"` (e.g. `{"kind": "plan", "step": 0, ...}`: the
 planner's memory prediction for this run, to set beside the measured peak) share the file.
@@ -249,11 +251,18 @@ def throughput(
     flops_per_sample: int,
     peak_flops: float | None,
     world_size: int,
+    comm: dict[str, float] | None = None,
 ) -> dict[str, float]:
     """samples/s, step time and its split, data-wait fraction and MFU for one optimizer step.
 
     `times` holds seconds for "data", "compute" (forward+backward) and "optimizer"; `samples`
     is the global batch. MFU = achieved model FLOP/s per device / the device's peak.
+
+    `comm` (`CommTimer.finish_step()`: `comm_s`, `comm_exposed_s`; empty on one rank) adds the
+    communication and its exposed share of the step. Communication is not a fourth slice of
+    the split: collectives run inside forward+backward (and overlap it), so `comm_s` and
+    `comm_exposed_s` are parts of `compute_s`, and
+    `data_wait_s + compute_s + optimizer_s == step_s` still holds.
     """
     step_s = sum(times.values())
     row = {
@@ -264,6 +273,10 @@ def throughput(
         "optimizer_s": times["optimizer"],
         "data_wait_fraction": times["data"] / step_s if step_s > 0 else 0.0,
     }
+    if comm:
+        row["comm_s"] = comm["comm_s"]
+        row["comm_exposed_s"] = comm["comm_exposed_s"]
+        row["comm_exposed_fraction"] = comm["comm_exposed_s"] / step_s if step_s > 0 else 0.0
     if peak_flops and step_s > 0:
         row["mfu"] = samples * flops_per_sample / step_s / world_size / peak_flops
     return row

@@ -11,6 +11,8 @@ order compile -> activation checkpointing -> DDP or FSDP2.
   `load_optimizer_state_dict`: full (unsharded) state on the CPU whatever the strategy, so a
   checkpoint written under FSDP keeps the single-process format (`model.safetensors`) and
   resumes on any number of ranks.
+- `sharded_state_dict`, `load_sharded_state_dict`: each rank's shards (no gather) for the sharded
+  checkpoint format (`torch.distributed.checkpoint`), which reshards them to any rank count.
 
 The same code runs in one process, under torchrun on CPUs (gloo) and on GPUs (nccl).
 """
@@ -173,7 +175,8 @@ def wrap_data_parallel(
     backward). Buffers are derived from the spec (mel filterbanks), identical on every rank, so
     they are not broadcast at each forward. "fsdp" is `apply_fsdp` with `precision`'s policy: it
     shards the model in place (and returns it), so the caller must save through
-    `full_model_state_dict` / `optimizer_state_dict` on every rank.
+    `full_model_state_dict` / `optimizer_state_dict` (gathered) or `sharded_state_dict` (the
+    sharded checkpoint format), on every rank.
     """
     if env.world_size == 1:
         return model
@@ -367,3 +370,47 @@ def _keyed_by_name(
         {**saved, "params": [order[i] for i in saved["params"]]} for saved in state["param_groups"]
     ]
     return {"state": {order[i]: s for i, s in state["state"].items()}, "param_groups": groups}
+
+
+# ----------------------------------------------------------------------------- sharded state
+def sharded_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """{"model": ..., "optimizer": ...} in the form `torch.distributed.checkpoint` saves and
+    loads: under FSDP each rank's DTensor shards, nothing gathered or copied (they alias the
+    live parameters and optimizer state); otherwise the full tensors. Keys are parameter
+    names, so DCP matches a checkpoint saved on N ranks to a model on M ranks or one process.
+
+    A collective under FSDP. An optimizer that has not stepped yet gets its state created
+    first (zeros, through one step with learning rate 0), so there is something to load into.
+    """
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(_plain(model), optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def load_sharded_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """Put `state` (from `sharded_state_dict`, filled by `checkpoint.read_sharded`) into the
+    model and the optimizer. A collective under FSDP."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    set_state_dict(
+        _plain(model),
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+    )
+
+
+def nonfinite_names(state: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors of `state` holding a NaN or an infinity. Of an FSDP
+    shard (DTensor) only this rank's part is looked at: no communication."""
+    from torch.distributed.tensor import DTensor
+
+    bad = []
+    for name, value in state.items():
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if local.is_floating_point() and not torch.isfinite(local).all():
+            bad.append(name)
+    return bad
