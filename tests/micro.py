@@ -71,3 +71,35 @@ def make_shards(folder: Path | str, samples: int = 48, corrupt: tuple[int, ...] 
                 {"__key__": f"s{i:05d}", "png": png, "txt": f"a {COLORS[c]} square".encode()}
             )
     return str(folder)
+
+
+# Two sources of different modalities (mixed by step): image-text and timeseries-text.
+MIXED_SPEC = {
+    "name": "mixed",
+    "embed_dim": 16,
+    "pairs": [["image", "text"], ["timeseries", "text"]],
+    "towers": {
+        "image": {"modality": "image", "stem": {"image_size": 8, "patch_size": 4},
+                  "width": 16, "layers": 1, "heads": 2},
+        "timeseries": {"modality": "timeseries", "stem": {"channels": 2, "length": 8, "patch": 4},
+                       "width": 16, "layers": 1, "heads": 2, "pooling": "mean"},
+        "text": {"modality": "text", "stem": {"vocab_size": 258, "context_length": 8},
+                 "width": 16, "layers": 1, "heads": 2},
+    },
+}  # fmt: skip
+
+
+def make_mixed_sources(root: Path) -> tuple[Path, Path]:
+    """20 image-text samples and 12 timeseries-text samples, in two shard folders."""
+    images, series = root / "images", root / "series"
+    with ShardWriter(images, max_samples=8) as writer:
+        for i in range(20):
+            png = io.BytesIO()
+            Image.new("RGB", (8, 8), (i * 10, 0, 0)).save(png, format="PNG")
+            writer.write({"__key__": f"img{i:02d}", "png": png.getvalue(), "txt": b"red"})
+    with ShardWriter(series, max_samples=8) as writer:
+        for i in range(12):
+            npy = io.BytesIO()
+            np.save(npy, np.random.default_rng(i).normal(size=(2, 8)).astype(np.float32))
+            writer.write({"__key__": f"ts{i:02d}", "npy": npy.getvalue(), "txt": b"walking"})
+    return images, series

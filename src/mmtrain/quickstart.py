@@ -29,6 +29,9 @@ first, and a machine too slow for all of them in the budget trains fewer (and sa
 
 With these defaults (450 steps, ~2 min of training on 2 lightly loaded cores) held-out
 image->text R@5 was 18.9% against 1.3% chance (387 emoji); 650 steps gave only 19.6%.
+
+`--modalities image,audio,timeseries` adds spoken captions and sensor time-series towers to the
+same model (`mmtrain.quickstart_modalities`); without it the run is exactly the one above.
 """
 
 from __future__ import annotations
@@ -76,6 +79,8 @@ class QuickstartConfig:
     evals: int = 2  # validations during training (the last one is at the final step)
     build_workers: int = 2
     seed: int = 0
+    # Towers besides text: ("image",) is the image-text quickstart; more in quickstart_modalities.
+    modalities: tuple[str, ...] = ("image",)
 
     def validate(self) -> None:
         if self.steps < 1:
@@ -89,6 +94,24 @@ class QuickstartConfig:
         for name in ("batch_size", "image_size", "patch_size", "context_length", "evals"):
             if getattr(self, name) < 1:
                 raise FieldError(name, f"must be at least 1, got {getattr(self, name)}")
+        from mmtrain.quickstart_modalities import parse_modalities
+
+        if tuple(self.modalities) != parse_modalities(",".join(self.modalities)):
+            raise FieldError("--modalities", "give some of image, audio, timeseries in that order")
+
+
+# With --modalities (more than images): batches of 32, as the sensor set has only 40
+# recordings (a larger batch would repeat them as each other's negatives); steps measured to
+# keep the whole run within about 5 minutes on 2 cores (README).
+MODALITIES_DEFAULTS: dict[str, Any] = {"batch_size": 32, "steps": 900}
+
+
+def make_config(modalities: tuple[str, ...] = ("image",), **given: Any) -> QuickstartConfig:
+    """A QuickstartConfig with the defaults of `modalities`, then the `given` fields that
+    are not None (the CLI's flags)."""
+    defaults = {} if tuple(modalities) == ("image",) else dict(MODALITIES_DEFAULTS)
+    chosen = {name: value for name, value in given.items() if value is not None}
+    return QuickstartConfig(modalities=tuple(modalities), **{**defaults, **chosen})
 
 
 @dataclass
@@ -131,6 +154,12 @@ class QuickstartResult:
     chance: dict[str, float]  # {"R@1": 1/n, "R@5": 5/n, ...} for the held-out pairs
     report_html: Path | None
     seconds: dict[str, float] = field(default_factory=dict)  # per stage
+    modalities: tuple[str, ...] = ("image",)
+    # With --modalities: chance per direction (the held-out sets differ in size), zero-shot
+    # accuracy per tower ({"timeseries": {"top1": ..}}) and held-out samples per modality.
+    chance_by_direction: dict[str, dict[str, float]] = field(default_factory=dict)
+    zeroshot: dict[str, dict[str, Any]] = field(default_factory=dict)
+    n_by_modality: dict[str, int] = field(default_factory=dict)
 
     @property
     def eval_json(self) -> Path:
@@ -157,14 +186,16 @@ def quickstart_spec(config: QuickstartConfig) -> ModelSpec:
     return spec
 
 
-def build_shards(src: Path, out: Path, workers: int) -> dict[str, Any]:
-    """`mmtrain data build SRC --out OUT --modalities image,text` through its Python API;
+def build_shards(
+    src: Path, out: Path, workers: int, modalities: str = "image,text"
+) -> dict[str, Any]:
+    """`mmtrain data build SRC --out OUT --modalities MODALITIES` through its Python API;
     returns the manifest. Nothing may be rejected: the source is ours."""
     from mmtrain.data.ingest import add_build_arguments, build, config_from_args
 
     parser = argparse.ArgumentParser(prog="mmtrain data build")
     add_build_arguments(parser)
-    argv = [str(src), "--out", str(out), "--modalities", "image,text"]
+    argv = [str(src), "--out", str(out), "--modalities", modalities]
     argv += ["--workers", str(workers), "--max-reject-rate", "0", "--no-progress"]
     source, build_config = config_from_args(parser.parse_args(argv))
     report = build(source, build_config)
@@ -173,8 +204,14 @@ def build_shards(src: Path, out: Path, workers: int) -> dict[str, Any]:
     return report.manifest
 
 
-def time_steps(spec: ModelSpec, batch_size: int, probe_batch: int = 32) -> float:
-    """Seconds per optimizer step of `spec` at `batch_size` on this CPU.
+def time_steps(
+    spec: ModelSpec,
+    batch_size: int,
+    probe_batch: int = 32,
+    towers: tuple[str, ...] = ("image", "text"),
+) -> float:
+    """Seconds per optimizer step of `spec` at `batch_size` on this CPU, for batches that hold
+    `towers` (and the loss of the pairs among them).
 
     Two steps (forward, loss, backward, AdamW) on random inputs of the right shapes are timed
     after a warm-up step, at `probe_batch` samples and scaled up linearly: a CPU's step time is
@@ -185,22 +222,20 @@ def time_steps(spec: ModelSpec, batch_size: int, probe_batch: int = 32) -> float
 
     from mmtrain.losses import ContrastiveLoss
     from mmtrain.models import create_model
+    from mmtrain.quickstart_modalities import random_batch
 
     probe = min(probe_batch, batch_size)
     generator = torch.Generator().manual_seed(0)
     model = create_model(spec, seed=0)
     loss_fn = ContrastiveLoss.from_spec(spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    image, text = spec.towers["image"].stem, spec.towers["text"].stem
-    batch = {
-        "image": torch.randn(probe, 3, image.image_size, image.image_size, generator=generator),
-        "text": torch.randint(1, 256, (probe, text.context_length), generator=generator),
-    }
+    batch = random_batch(spec, list(towers), probe, generator)
+    pairs = [pair for pair in spec.pairs if set(pair) <= set(towers)]
     times = []
     for _ in range(3):
         start = time.perf_counter()
         features = model(batch)
-        loss, _ = loss_fn(features, spec.pairs, model.logit_scale)
+        loss, _ = loss_fn(features, pairs, model.logit_scale)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -227,37 +262,40 @@ def run_config(config: QuickstartConfig, paths: Paths, steps: int) -> Any:
     """The `mmtrain train` config of the quickstart run (also saved as OUT/run/config.yaml)."""
     from mmtrain.config import config_from_dict
 
+    return config_from_dict(run_config_dict(config, paths, steps))
+
+
+def run_config_dict(config: QuickstartConfig, paths: Paths, steps: int) -> dict[str, Any]:
+    """`run_config` as the dict `config_from_dict` reads (the --modalities run edits it)."""
     warmup = min(steps, max(10, round(config.warmup_fraction * steps)))
     evals = min(config.evals, steps)
-    return config_from_dict(
-        {
-            "model": str(paths.spec),
-            "data": {
-                "train": str(paths.train_shards),
-                "val": str(paths.val_shards),
-                "tokenizer": "byte",
-                "workers": 0,  # decoding a 72-pixel PNG is cheap next to a step
-                "shuffle_window": 4096,
-            },
-            "train": {
-                "steps": steps,
-                "batch_size": config.batch_size,
-                "precision": "fp32",
-                "lr": config.lr,
-                "min_lr": config.lr / 100,
-                "weight_decay": config.weight_decay,
-                "warmup_steps": warmup,
-                "schedule": "cosine",
-                "grad_clip": 1.0,
-                "device": "cpu",
-            },
-            "eval": {"every_steps": math.ceil(steps / evals), "batch_size": 256},
-            "checkpoint": {"every_steps": None, "every_minutes": 5, "keep": 1},
-            "metrics": {"log_every": 10},
-            "seed": config.seed,
-            "out": str(paths.run),
-        }
-    )
+    return {
+        "model": str(paths.spec),
+        "data": {
+            "train": str(paths.train_shards),
+            "val": str(paths.val_shards),
+            "tokenizer": "byte",
+            "workers": 0,  # decoding a 72-pixel PNG is cheap next to a step
+            "shuffle_window": 4096,
+        },
+        "train": {
+            "steps": steps,
+            "batch_size": config.batch_size,
+            "precision": "fp32",
+            "lr": config.lr,
+            "min_lr": config.lr / 100,
+            "weight_decay": config.weight_decay,
+            "warmup_steps": warmup,
+            "schedule": "cosine",
+            "grad_clip": 1.0,
+            "device": "cpu",
+        },
+        "eval": {"every_steps": math.ceil(steps / evals), "batch_size": 256},
+        "checkpoint": {"every_steps": None, "every_minutes": 5, "keep": 1},
+        "metrics": {"log_every": 10},
+        "seed": config.seed,
+        "out": str(paths.run),
+    }
 
 
 def chance_levels(n: int, ks: tuple[int, ...] = (1, 5, 10)) -> dict[str, float]:
@@ -276,7 +314,8 @@ def check_out(out: Path) -> None:
         raise FieldError(
             "--out", f"{out} already holds a finished quickstart; give another --out or delete it"
         )
-    foreign = [p.name for p in out.iterdir() if p.name not in ("data", "model.yaml", "run")]
+    ours = ("data", "model.yaml", "run", "ATTRIBUTION.txt")
+    foreign = [p.name for p in out.iterdir() if p.name not in ours]
     if foreign:
         raise FieldError(
             "--out", f"{out} holds other files ({', '.join(sorted(foreign)[:3])}); use a new folder"
@@ -292,9 +331,14 @@ def run_quickstart(
     """Data, calibration, training with validation, report; see the module docstring.
 
     Raises `quickstart_data.MissingPackages` when the optional packages are not installed
-    (before writing anything) and FieldError for bad settings.
+    (before writing anything) and FieldError for bad settings. With `config.modalities`
+    other than ("image",) it runs `quickstart_modalities.run_modalities` instead.
     """
     config.validate()
+    if tuple(config.modalities) != ("image",):
+        from mmtrain.quickstart_modalities import run_modalities
+
+        return run_modalities(config, on_phase, on_step)
     check_packages()
     check_out(config.out)
     phase = on_phase or (lambda name, detail: None)
@@ -370,15 +414,18 @@ def run_quickstart(
 
 __all__ = [
     "BASE_MODEL",
+    "MODALITIES_DEFAULTS",
     "Paths",
     "QuickstartConfig",
     "QuickstartResult",
     "build_shards",
     "chance_levels",
     "check_out",
+    "make_config",
     "plan_steps",
     "quickstart_spec",
     "run_config",
+    "run_config_dict",
     "run_quickstart",
     "time_steps",
 ]

@@ -63,11 +63,12 @@ Split
 class MissingPackages(RuntimeError):
     """The optional packages of the quickstart are not installed."""
 
-    def __init__(self, missing: list[str]):
+    def __init__(self, missing: list[str], hint: str = INSTALL_HINT):
         self.missing = missing
+        self.hint = hint
         super().__init__(
             f"the quickstart needs {', '.join(missing)} (its offline data set); "
-            f"install them with: {INSTALL_HINT}"
+            f"install them with: {hint}"
         )
 
 

@@ -5,6 +5,13 @@ tensor per tower (decode + train transform, randomness from (seed, epoch, positi
 connects them to the run config, adds the labels a fusion head trains on, switches the input
 size when a progressive-resolution schedule says so, and hands the loop an endless stream of
 micro-batches.
+
+Sources that carry different modalities (image-text shards, audio-text shards, time-series-text
+shards for one four-tower model) are mixed by optimizer step instead of by sample: each step
+takes all its micro-batches from one source, chosen by a schedule that is a pure function of
+(seed, weights, step), and decodes only the towers that source has. Every sample of a batch then
+has the same towers, on every rank, and the loop aligns the pairs present in the batch.
+Sources with the same modalities are mixed by sample, as before.
 """
 
 from __future__ import annotations
@@ -19,13 +26,15 @@ import torch
 from mmtrain.config import RunConfig
 from mmtrain.data.loader import StreamingLoader
 from mmtrain.data.media import MediaError, decode_text
+from mmtrain.data.order import apportion, mixing_schedule
 from mmtrain.data.shards import ShardSet
 from mmtrain.data.tokenizer import Tokenizer, get_tokenizer
-from mmtrain.data.transforms import SampleDecoder
+from mmtrain.data.transforms import MODALITY_EXTENSIONS, SampleDecoder
 from mmtrain.spec import FusionSpec, ModelSpec
 from mmtrain.structured import FieldError
 
 LABEL_KEY = "label"  # batch key of the fusion head's targets (int64 classes or float32 values)
+MIX_BLOCK_STEPS = 1000  # steps over which a step-mixing schedule meets the weights exactly
 
 
 def read_label(
@@ -88,7 +97,8 @@ def _regression_target(value: Any, outputs: int) -> torch.Tensor:
 
 
 class TrainDecoder:
-    """SampleDecoder (one tensor per tower) plus the fusion head's target under "label"."""
+    """SampleDecoder (one tensor per tower, or per tower of `towers`) plus the fusion head's
+    target under "label"."""
 
     def __init__(
         self,
@@ -96,14 +106,16 @@ class TrainDecoder:
         tokenizer: Tokenizer | None,
         label_field: str = "label",
         class_names: Sequence[str] = (),
+        towers: Sequence[str] | None = None,
     ):
         self.towers = SampleDecoder(spec, train=True, tokenizer=tokenizer)
+        self.names = list(spec.towers) if towers is None else list(towers)
         self.fusion = spec.fusion
         self.label_field = label_field
         self.class_names = list(class_names)
 
     def __call__(self, sample: dict[str, Any], rng: np.random.Generator) -> dict[str, torch.Tensor]:
-        out = self.towers(sample, rng)
+        out = {name: self.towers.decode_tower(name, sample, rng) for name in self.names}
         if self.fusion is not None:
             out[LABEL_KEY] = read_label(sample, self.fusion, self.label_field, self.class_names)
         return out
@@ -129,21 +141,46 @@ class TrainData:
         self.label_field = config.data.label_field
         self.class_names = config.data.class_names
         self.spec = spec  # the spec whose sizes the current transforms produce
-        self.loader = StreamingLoader(
-            sources,
-            self._decoder(spec),
-            micro_batch,
+        options = dict(
             seed=config.seed,
             rank=rank,
             world_size=world_size,
-            weights=weights,
             shuffle_window=config.data.shuffle_window,
             num_workers=config.data.workers,
             persistent_workers=config.data.workers > 0,
             with_keys=True,
         )
-        self._stream: Iterator[dict[str, Any]] | None = None
+        towers = [source_towers(source, spec) for source in sources]
+        if len(set(towers)) <= 1:  # one source, or several with the same modalities
+            self.towers: list[tuple[str, ...] | None] = [None]  # None: every tower
+            self.loaders = [
+                StreamingLoader(
+                    sources, self._decoder(spec), micro_batch, weights=weights, **options
+                )
+            ]
+        else:
+            _check_pairs_covered(spec, towers)
+            self.towers = list(towers)
+            self.loaders = [
+                StreamingLoader(source, self._decoder(spec, names), micro_batch, **options)
+                for source, names in zip(sources, towers, strict=True)
+            ]
+        self.mix = StepMix(weights or [1.0], config.seed)
+        self.accumulation = config.accumulation_steps(world_size)
+        self._micro_batches = 0  # handed out since the start of training
+        self._streams: dict[int, Iterator[dict[str, Any]]] = {}
         self.last_keys: list[str] = []
+
+    def idle_towers(self) -> set[str]:
+        """Towers that some steps leave out (sources of different modalities, mixed by step)."""
+        if self.towers == [None]:
+            return set()
+        return set(self.spec.towers) - set.intersection(*(set(t) for t in self.towers))
+
+    @property
+    def loader(self) -> StreamingLoader:
+        """The loader of the first source (the only one unless sources differ in modalities)."""
+        return self.loaders[0]
 
     @staticmethod
     def _check_labels(config: RunConfig, spec: ModelSpec) -> None:
@@ -157,19 +194,27 @@ class TrainData:
                 f"{len(names)} names for the fusion head's {fusion.num_outputs} classes",
             )
 
-    def _decoder(self, spec: ModelSpec) -> TrainDecoder:
-        return TrainDecoder(spec, self.tokenizer, self.label_field, self.class_names)
+    def _decoder(self, spec: ModelSpec, towers: Sequence[str] | None = None) -> TrainDecoder:
+        return TrainDecoder(spec, self.tokenizer, self.label_field, self.class_names, towers)
 
-    def _batches(self) -> Iterator[dict[str, Any]]:
+    def _current_source(self) -> int:
+        if len(self.loaders) == 1:
+            return 0
+        return self.mix.source(self._micro_batches // self.accumulation)
+
+    def _batches(self, loader: StreamingLoader) -> Iterator[dict[str, Any]]:
         while True:  # each pass is the rest of one epoch (the loader moves on to the next)
-            yield from self.loader
+            yield from loader
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         """The next micro-batch {tower name: tensor, "label": targets (fusion models)}; its
-        sample keys go to `last_keys`."""
-        if self._stream is None:
-            self._stream = self._batches()
-        batch = next(self._stream)
+        sample keys go to `last_keys`. With sources of different modalities, the batch holds
+        the towers of this step's source only."""
+        index = self._current_source()
+        if index not in self._streams:
+            self._streams[index] = self._batches(self.loaders[index])
+        batch = next(self._streams[index])
+        self._micro_batches += 1
         self.last_keys = batch.pop("__key__", [])
         return batch
 
@@ -181,36 +226,104 @@ class TrainData:
         """
         if spec == self.spec:
             return
-        self._stop_stream()
-        self.loader.close()  # the next iteration starts workers with the new decoder
-        self.loader.decode = self._decoder(spec)
+        self._stop_streams()
+        for loader, towers in zip(self.loaders, self.towers, strict=True):
+            loader.close()  # the next iteration starts workers with the new decoder
+            loader.decode = self._decoder(spec, towers)
         self.spec = spec
 
     def corrupt_samples(self) -> int:
         """Corrupt samples this rank skipped since this object was made or last rewound."""
-        return sum(self.loader.corrupt_counts.values())
+        return sum(sum(loader.corrupt_counts.values()) for loader in self.loaders)
 
     def state_dict(self) -> dict[str, Any]:
         """Loader position (a collective under torch.distributed: call it on every rank)."""
-        return self.loader.state_dict()
+        if len(self.loaders) == 1:
+            return self.loaders[0].state_dict()
+        return {
+            "mix": "step",
+            "steps": self._micro_batches // self.accumulation,
+            "sources": [loader.state_dict() for loader in self.loaders],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`; also mid-run (a rollback): prefetched batches are dropped and
         the corrupt-sample count restarts at zero."""
-        self._stop_stream()
-        self.loader.load_state_dict(state)
-        self.loader.corrupt_counts.clear()
+        self._stop_streams()
+        mixed = state.get("mix") == "step"
+        if mixed != (len(self.loaders) > 1) or (
+            mixed and len(state["sources"]) != len(self.loaders)
+        ):
+            raise ValueError(
+                "the saved loader state is for other data.train sources (their number or "
+                "modalities changed), so the run cannot resume exactly"
+            )
+        states = state["sources"] if mixed else [state]
+        for loader, saved in zip(self.loaders, states, strict=True):
+            loader.load_state_dict(saved)
+            loader.corrupt_counts.clear()
+        self._micro_batches = int(state["steps"]) * self.accumulation if mixed else 0
 
-    def _stop_stream(self) -> None:
-        if self._stream is not None:
-            self._stream.close()  # ends the loader's iteration (and non-persistent workers)
-            self._stream = None
+    def _stop_streams(self) -> None:
+        for stream in self._streams.values():
+            stream.close()  # ends the loader's iteration (and non-persistent workers)
+        self._streams.clear()
 
     def close(self) -> None:
-        self._stop_stream()
-        self.loader.close()
-        for source in self.loader.plan.sources:
-            source.close()
+        self._stop_streams()
+        for loader in self.loaders:
+            loader.close()
+            for source in loader.plan.sources:
+                source.close()
+
+
+class StepMix:
+    """Which source each optimizer step reads: a pure function of (weights, seed, step).
+
+    Each block of MIX_BLOCK_STEPS steps gives source s its share of `weights` exactly
+    (largest remainder), spread evenly through the block with a random phase per block.
+    """
+
+    def __init__(self, weights: Sequence[float], seed: int):
+        self.counts = apportion(MIX_BLOCK_STEPS, weights)
+        self.seed = seed
+        self._block: tuple[int, np.ndarray] | None = None
+
+    def source(self, step: int) -> int:
+        block = step // MIX_BLOCK_STEPS
+        if self._block is None or self._block[0] != block:
+            self._block = (block, mixing_schedule(self.counts, self.seed, block))
+        return int(self._block[1][step % MIX_BLOCK_STEPS])
+
+
+def source_towers(source: ShardSet, spec: ModelSpec) -> tuple[str, ...]:
+    """The towers of `spec` whose modality the shards of `source` hold (by member extension);
+    every tower when they hold none of them, so the decoder names what is missing."""
+    exts = {ext.rsplit(".", 1)[-1] for shard in source.shards for ext in shard.exts}
+    names = tuple(
+        name
+        for name, tower in spec.towers.items()
+        if exts & set(MODALITY_EXTENSIONS[tower.modality])
+    )
+    return names or tuple(spec.towers)
+
+
+def _check_pairs_covered(spec: ModelSpec, towers: Sequence[tuple[str, ...]]) -> None:
+    """Each source must feed at least one pair, else its steps train nothing; a fusion head
+    (a loss on every step) needs its towers in every source."""
+    for i, names in enumerate(towers):
+        if spec.fusion is not None and not set(spec.fused_towers()) <= set(names):
+            raise FieldError(
+                f"data.train[{i}].path",
+                f"holds only {', '.join(names)}; the fusion head needs "
+                f"{', '.join(spec.fused_towers())} in every source",
+            )
+        if spec.fusion is None and not any(a in names and b in names for a, b in spec.pairs):
+            raise FieldError(
+                f"data.train[{i}].path",
+                f"holds only {', '.join(names)}: no pair of the model ({spec.pairs}) has both "
+                "towers in it; add the missing modality or drop the source",
+            )
 
 
 def _modalities(spec: ModelSpec) -> set[str]:

@@ -146,6 +146,9 @@ def train(
     if ckpt is None:
         _seed_everything(config.seed)
 
+    # -- data ---------------------------------------------------------------------------------
+    data = TrainData(config, spec, rank=rank, world_size=world, micro_batch=micro_batch)
+
     # -- model --------------------------------------------------------------------------------
     model = create_model(spec, seed=config.seed)
     if ckpt is not None and ckpt.format == "full":  # sharded: loaded into the wrapped model below
@@ -162,15 +165,17 @@ def train(
         for tower in model.towers.values():
             tower.compile()  # in place: parameter names (and checkpoints) stay the same
     # FSDP shards `model` in place (then `trained is model`): the optimizer comes after.
-    trained = parallel.wrap_data_parallel(model, env, t.parallel, t.precision)
+    # Sources of different modalities leave some towers out of a step (mixed by step): DDP
+    # must then look for parameters without gradients.
+    trained = parallel.wrap_data_parallel(
+        model, env, t.parallel, t.precision, unused_parameters=bool(data.idle_towers())
+    )
 
     optimizer = make_optimizer(model, t, device)
     scheduler = make_scheduler(optimizer, t)
     loss_fn = ContrastiveLoss.from_spec(spec) if spec.pairs else None
     ema = _Ema(model, t.ema) if t.ema else None
 
-    # -- data ---------------------------------------------------------------------------------
-    data = TrainData(config, spec, rank=rank, world_size=world, micro_batch=micro_batch)
     validation = _Validation(config, spec, out, rank, world) if config.data.val else None
 
     # -- restore everything else a resumed run needs ---------------------------------------------
@@ -456,7 +461,11 @@ def forward_backward(
     head ("fusion"), detached.
     """
     spec = model.spec
-    pairs = spec.pairs if loss_fn is not None else []
+    # Sources of different modalities are mixed by step (train/data.py): every micro-batch of
+    # a step holds the same towers, and the step aligns the pairs it holds both towers of.
+    present = micro_batches[0].keys()
+    pairs = [p for p in spec.pairs if p[0] in present and p[1] in present]
+    pairs = pairs if loss_fn is not None else []
     names = sorted({name for pair in pairs for name in pair})
     scale = getattr(model, "logit_scale", None)
     bias = getattr(model, "logit_bias", None)

@@ -166,7 +166,11 @@ def agree_any(flags: list[bool]) -> list[bool]:
 
 # ----------------------------------------------------------------------------- data parallel
 def wrap_data_parallel(
-    model: nn.Module, env: DistributedEnv, strategy: str = "auto", precision: str = "fp32"
+    model: nn.Module,
+    env: DistributedEnv,
+    strategy: str = "auto",
+    precision: str = "fp32",
+    unused_parameters: bool = False,
 ) -> nn.Module:
     """The module the training loop calls: the model itself on one rank, DDP or FSDP2 across
     ranks. Create the optimizer afterwards: FSDP replaces the parameters by their shards.
@@ -176,15 +180,38 @@ def wrap_data_parallel(
     they are not broadcast at each forward. "fsdp" is `apply_fsdp` with `precision`'s policy: it
     shards the model in place (and returns it), so the caller must save through
     `full_model_state_dict` / `optimizer_state_dict` (gathered) or `sharded_state_dict` (the
-    sharded checkpoint format), on every rank.
+    sharded checkpoint format), on every rank. `unused_parameters`: some steps leave parameters
+    without gradients (towers absent from a step); DDP then looks for them after each backward.
     """
     if env.world_size == 1:
         return model
     if strategy == "fsdp":
+        if unused_parameters:
+            raise FieldError(
+                "train.parallel",
+                "fsdp on several ranks cannot yet train towers that sit out some steps "
+                "(data.train sources of different modalities); use ddp",
+            )
         return apply_fsdp(model, precision)
     device_ids = [env.local_rank] if env.device.type == "cuda" else None
+    if unused_parameters:
+        # DDP's search for unused parameters walks the forward's graph; the logit scale and
+        # bias are used by the loss, outside the forward, and would be counted twice. They are
+        # left out of DDP and averaged over ranks by a hook, as under FSDP.
+        # (DDP matches ignored names both as "name" and as "module.name", "" for the root.)
+        scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, scalars + [f".{name}" for name in scalars if "." not in name]
+        )
+        for name in scalars:
+            param = model.get_parameter(name)
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(_average_gradient_over_ranks)
     return nn.parallel.DistributedDataParallel(
-        model, device_ids=device_ids, broadcast_buffers=False
+        model,
+        device_ids=device_ids,
+        broadcast_buffers=False,
+        find_unused_parameters=unused_parameters,
     )
 
 
