@@ -15,6 +15,7 @@ import yaml
 from PIL import Image
 
 import mmtrain
+from micro import MICRO_SPEC, MIXED_SPEC, make_mixed_sources, make_shards
 from mmtrain.config import config_from_dict
 from mmtrain.data.media import MediaError
 from mmtrain.data.shards import ShardWriter
@@ -26,7 +27,7 @@ from mmtrain.train.metrics import planned_memory
 from mmtrain.train.optim import lr_factor
 from mmtrain.train.resolution import allow_any_resolution, resize_grid, resize_time, spec_at
 from mmtrain.train.rng import capture_rng_state
-from test_train import MICRO_SPEC, make_config, make_shards
+from test_train import make_config
 
 WORDS = ("idle", "running", "overheating", "failing")
 
@@ -273,3 +274,34 @@ def test_progressive_resolution_schedule_trains_small_then_full(tmp_path, shards
     assert model.towers["image"].stem.pos_embed.shape[0] == 1 + 4  # spec size kept
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["train"]["resolution_schedule"] == [[0, 8], [2, 16]]
+
+
+def test_validation_sets_of_different_modalities_each_evaluate_their_own_pair(tmp_path):
+    """Training mixes image-text and timeseries-text sources; each validation set is
+    evaluated on the pair its shards hold, not refused for the tower it lacks."""
+    images, series = make_mixed_sources(tmp_path)
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(MIXED_SPEC))
+    config = config_from_dict(
+        {
+            "model": str(tmp_path / "spec.yaml"),
+            "data": {
+                "train": [str(images), str(series)],
+                "val": [str(images), str(series)],
+                "shuffle_window": 4,
+            },
+            "train": {"steps": 2, "batch_size": 4},
+            "eval": {"every_steps": 2},
+            "metrics": {"tensorboard": False},
+            "out": str(tmp_path / "run"),
+        }
+    )
+    train(config)
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    last = [row for row in rows if "val/0/n_samples" in row][-1]
+    assert last["val/0/retrieval/image->text/n_queries"] == 20
+    assert last["val/1/retrieval/timeseries->text/n_queries"] == 12
+    assert not any(
+        "val/0/retrieval/timeseries" in key or "val/1/retrieval/image" in key for key in last
+    )

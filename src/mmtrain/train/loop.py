@@ -48,6 +48,7 @@ from torch import nn
 from mmtrain import __version__
 from mmtrain.atomic import atomic_write_text
 from mmtrain.config import RunConfig, diff_configs, parse_yaml
+from mmtrain.data.shards import ShardSet
 from mmtrain.losses import ContrastiveLoss, logit_scale_value
 from mmtrain.models import MultimodalModel, create_model, save_model
 from mmtrain.spec import ModelSpec, load_spec
@@ -62,7 +63,7 @@ from mmtrain.train.checkpoint import (
     save_sharded_checkpoint,
 )
 from mmtrain.train.comm_timing import CommTimer, timed_collective
-from mmtrain.train.data import LABEL_KEY, TrainData
+from mmtrain.train.data import LABEL_KEY, TrainData, source_towers
 from mmtrain.train.metrics import (
     LossSpikes,
     MetricsWriter,
@@ -644,6 +645,22 @@ def _restore_rng_states(saved: Any, rank: int, seed: int, step: int) -> None:
 
 
 # ----------------------------------------------------------------------------- validation
+def _pairs_held_by(path: str, spec: ModelSpec) -> list[tuple[str, str]] | None:
+    """The pairs of `spec` whose towers the shards at `path` both hold (a validation set of
+    one modality pair, as when training mixes sources of different modalities); None when the
+    model has no pairs (a fusion head is evaluated instead)."""
+    if not spec.pairs:
+        return None
+    try:
+        towers = source_towers(ShardSet.open(path), spec)
+    except (FileNotFoundError, ValueError) as err:
+        raise FieldError("", f"{path!r}: {err}") from None
+    held = [(a, b) for a, b in spec.pairs if a in towers and b in towers]
+    if not held:
+        raise FieldError("", f"holds only {', '.join(towers)}: no pair of the model to evaluate")
+    return held
+
+
 class _Validation:
     """Periodic evaluation on `data.val` with the eval package's `Evaluator`, on every rank
     (each embeds its share); rows get `val/...` metrics, the run folder gets eval.json."""
@@ -661,6 +678,7 @@ class _Validation:
                     Evaluator(
                         spec,
                         path,
+                        pairs=_pairs_held_by(path, spec),
                         batch_size=config.eval.batch_size,
                         tokenizer=config.data.tokenizer,
                         label_field=config.data.label_field,
