@@ -18,7 +18,7 @@ from test_train import MICRO_SPEC, make_shards
 pytestmark = pytest.mark.slow
 
 
-def _config(folder, shards: str, **train):
+def _config(folder, shards: str, val: bool = False, **train):
     folder.mkdir(parents=True, exist_ok=True)
     spec = folder / "spec.yaml"
     spec.write_text(yaml.safe_dump(MICRO_SPEC))
@@ -27,7 +27,8 @@ def _config(folder, shards: str, **train):
     return config_from_dict(
         {
             "model": str(spec),
-            "data": {"train": shards, "shuffle_window": 8},
+            "data": {"train": shards, "shuffle_window": 8, **({"val": shards} if val else {})},
+            "eval": {"every_steps": 2 if val else None},
             "train": {**settings, **train},
             # The gathered single-process format (the default under FSDP is sharded, see
             # tests/test_checkpoint_sharded.py).
@@ -46,7 +47,12 @@ def _runs(rank: int, world_size: int, configs: dict) -> dict:
 
     losses = {}
     for name in ("ddp", "fsdp"):
-        losses[name] = [row["loss"] for row in train(configs[name]).history]
+        history = train(configs[name]).history
+        losses[name] = [row["loss"] for row in history]
+        losses[f"{name}_val"] = [
+            (row["step"], key, value) for row in history for key, value in row.items()
+            if key.startswith("val/retrieval/")
+        ]  # fmt: skip
     halted = train(configs["resumed"], halt_after_step=3)
     losses["halted"] = [row["loss"] for row in halted.history]
     resumed = train(configs["resumed"])
@@ -62,8 +68,8 @@ def _runs(rank: int, world_size: int, configs: dict) -> dict:
 def test_fsdp_follows_ddp_saves_full_weights_and_resumes_exactly(tmp_path):
     shards = make_shards(tmp_path / "shards", 32)
     configs = {
-        "ddp": _config(tmp_path / "ddp", shards, parallel="ddp"),
-        "fsdp": _config(tmp_path / "fsdp", shards, parallel="fsdp"),
+        "ddp": _config(tmp_path / "ddp", shards, val=True, parallel="ddp"),
+        "fsdp": _config(tmp_path / "fsdp", shards, val=True, parallel="fsdp"),
         "resumed": _config(tmp_path / "resumed", shards, parallel="fsdp"),
         "ema": _config(tmp_path / "ema", shards, parallel="fsdp", ema=0.99),
     }
@@ -73,6 +79,12 @@ def test_fsdp_follows_ddp_saves_full_weights_and_resumes_exactly(tmp_path):
     ddp, fsdp = torch.tensor(first["ddp"]), torch.tensor(first["fsdp"])
     assert len(fsdp) == 4 and fsdp[-1] < fsdp[0]  # it learns
     torch.testing.assert_close(fsdp, ddp, rtol=1e-4, atol=1e-5)
+    # Periodic validation runs under FSDP (every rank embeds its share) and ranks the held-out
+    # pairs as DDP's replica does.
+    assert {step for step, _, _ in first["fsdp_val"]} == {2, 4}
+    assert [(s, k) for s, k, _ in first["fsdp_val"]] == [(s, k) for s, k, _ in first["ddp_val"]]
+    for (_, key, got), (_, _, want) in zip(first["fsdp_val"], first["ddp_val"], strict=True):
+        assert got == pytest.approx(want, abs=1e-3) or key.endswith("rank"), key
 
     # The final weights were gathered from the shards into the single-process format.
     ddp_model = mmtrain.load_model(tmp_path / "ddp" / "run").state_dict()
