@@ -103,3 +103,29 @@ def make_mixed_sources(root: Path) -> tuple[Path, Path]:
             np.save(npy, np.random.default_rng(i).normal(size=(2, 8)).astype(np.float32))
             writer.write({"__key__": f"ts{i:02d}", "npy": npy.getvalue(), "txt": b"walking"})
     return images, series
+
+
+def micro_run(
+    folder: Path, shards: str, *, spec: dict[str, Any] = MICRO_SPEC, seed: int = 1, **sections
+) -> Any:
+    """A RunConfig training `spec` on `shards` into `folder/run`: 4 steps of 8, checkpoints at
+    every 2nd step (keep 2), no TensorBoard. `sections` update the config's sections, e.g.
+    train={"parallel": "fsdp"}, checkpoint={"format": "full"}."""
+    import yaml
+
+    from mmtrain.config import config_from_dict
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "spec.yaml").write_text(yaml.safe_dump(spec))
+    config: dict[str, Any] = {
+        "model": str(folder / "spec.yaml"),
+        "data": {"train": shards, "shuffle_window": 8},
+        "train": {"steps": 4, "batch_size": 8, "lr": 2e-3, "warmup_steps": 1},
+        "checkpoint": {"every_steps": 2, "keep": 2},
+        "metrics": {"tensorboard": False},
+        "seed": seed,
+        "out": str(folder / "run"),
+    }
+    for name, values in sections.items():
+        config[name] = {**config.get(name, {}), **values}
+    return config_from_dict(config)

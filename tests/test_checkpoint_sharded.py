@@ -11,12 +11,10 @@ import shutil
 
 import pytest
 import torch
-import yaml
 
 import mmtrain
 from dist_helpers import run_distributed
-from micro import MICRO_SPEC, make_shards
-from mmtrain.config import config_from_dict
+from micro import MICRO_SPEC, make_shards, micro_run
 from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
 from mmtrain.train import parallel
@@ -36,20 +34,11 @@ STEP2, STEP4 = "checkpoints/step_00000002", "checkpoints/step_00000004"
 
 def _config(folder, shards: str, fmt: str = "auto", **train):
     """4 steps of the micro CLIP, checkpoints at steps 2 and 4, FSDP unless told otherwise."""
-    folder.mkdir(parents=True, exist_ok=True)
-    spec = folder / "spec.yaml"
-    spec.write_text(yaml.safe_dump(MICRO_SPEC))
-    settings = {"steps": 4, "batch_size": 8, "micro_batch": 2, "lr": 2e-3, "warmup_steps": 1}
-    return config_from_dict(
-        {
-            "model": str(spec),
-            "data": {"train": shards, "shuffle_window": 8},
-            "train": {"parallel": "fsdp", **settings, **train},
-            "checkpoint": {"every_steps": 2, "keep": 2, "format": fmt},
-            "metrics": {"tensorboard": False},
-            "seed": 1,
-            "out": str(folder / "run"),
-        }
+    return micro_run(
+        folder,
+        shards,
+        train={"parallel": "fsdp", "micro_batch": 2, **train},
+        checkpoint={"format": fmt},
     )
 
 

@@ -14,8 +14,7 @@ import torch
 import yaml
 
 import mmtrain
-from micro import MICRO_SPEC, make_shards
-from mmtrain.config import config_from_dict
+from micro import MICRO_SPEC, make_shards, micro_run
 from mmtrain.losses import ContrastiveLoss
 from mmtrain.structured import FieldError
 from mmtrain.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
@@ -27,22 +26,8 @@ from mmtrain.train.precision import make_precision
 
 
 def make_config(tmp_path, shards: str, **train):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump(MICRO_SPEC))
-    settings = {"steps": 6, "batch_size": 8, "micro_batch": 4, "lr": 1e-3, "warmup_steps": 2}
-    settings.update(train)
-    return config_from_dict(
-        {
-            "model": str(spec),
-            "data": {"train": shards, "shuffle_window": 8},
-            "train": settings,
-            "checkpoint": {"every_steps": 2, "keep": 2},
-            "metrics": {"tensorboard": False},
-            "seed": 3,
-            "out": str(tmp_path / "run"),
-        }
-    )
+    settings = {"steps": 6, "micro_batch": 4, "lr": 1e-3, "warmup_steps": 2, **train}
+    return micro_run(tmp_path, shards, seed=3, train=settings)
 
 
 @pytest.fixture(scope="module")

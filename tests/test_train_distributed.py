@@ -7,33 +7,17 @@ import json
 
 import pytest
 import torch
-import yaml
 
 import mmtrain
 from dist_helpers import run_distributed
-from micro import MICRO_SPEC, MIXED_SPEC, make_mixed_sources, make_shards
-from mmtrain.config import config_from_dict
+from micro import MIXED_SPEC, make_mixed_sources, make_shards, micro_run
 from mmtrain.train.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.slow
 
 
 def _config(folder, shards: str, **train):
-    folder.mkdir(parents=True, exist_ok=True)
-    spec = folder / "spec.yaml"
-    spec.write_text(yaml.safe_dump(MICRO_SPEC))
-    settings = {"steps": 4, "batch_size": 8, "lr": 2e-3, "warmup_steps": 1, **train}
-    return config_from_dict(
-        {
-            "model": str(spec),
-            "data": {"train": shards, "shuffle_window": 8},
-            "train": settings,
-            "checkpoint": {"every_steps": 2, "keep": 2},
-            "metrics": {"tensorboard": False},
-            "seed": 1,
-            "out": str(folder / "run"),
-        }
-    )
+    return micro_run(folder, shards, train=train)
 
 
 def _train_rank(rank: int, world_size: int, config, halt_after_step=None) -> list[float]:
@@ -81,25 +65,14 @@ def test_sources_of_different_modalities_train_on_two_ranks_as_on_one(tmp_path):
     images, series = make_mixed_sources(tmp_path)
 
     def config(folder, **train):
-        spec = folder / "spec.yaml"
-        folder.mkdir(parents=True)
-        spec.write_text(yaml.safe_dump(MIXED_SPEC))
-        return config_from_dict(
-            {
-                "model": str(spec),
-                "data": {
-                    "train": [
-                        {"path": str(images), "weight": 1},
-                        {"path": str(series), "weight": 1},
-                    ],
-                    "shuffle_window": 4,
-                },
-                "train": {"steps": 6, "batch_size": 8, "lr": 2e-3, "warmup_steps": 1, **train},
-                "checkpoint": {"every_steps": None},
-                "metrics": {"tensorboard": False},
-                "seed": 2,
-                "out": str(folder / "run"),
-            }
+        return micro_run(
+            folder,
+            [{"path": str(images), "weight": 1}, {"path": str(series), "weight": 1}],
+            spec=MIXED_SPEC,
+            seed=2,
+            data={"shuffle_window": 4},
+            train={"steps": 6, **train},
+            checkpoint={"every_steps": None},
         )
 
     expected = _train_rank(0, 1, config(tmp_path / "one"))

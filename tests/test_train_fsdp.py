@@ -6,37 +6,27 @@ from __future__ import annotations
 
 import pytest
 import torch
-import yaml
 
 import mmtrain
 from dist_helpers import run_distributed
-from mmtrain.config import config_from_dict
+from micro import make_shards, micro_run
 from mmtrain.structured import FieldError
 from mmtrain.train.checkpoint import load_checkpoint
-from test_train import MICRO_SPEC, make_shards
 
 pytestmark = pytest.mark.slow
 
 
 def _config(folder, shards: str, val: bool = False, **train):
-    folder.mkdir(parents=True, exist_ok=True)
-    spec = folder / "spec.yaml"
-    spec.write_text(yaml.safe_dump(MICRO_SPEC))
     # 2 ranks x micro-batch 2 x 2 accumulation: FSDP's skipped reduction on the first one.
-    settings = {"steps": 4, "batch_size": 8, "micro_batch": 2, "lr": 2e-3, "warmup_steps": 1}
-    return config_from_dict(
-        {
-            "model": str(spec),
-            "data": {"train": shards, "shuffle_window": 8, **({"val": shards} if val else {})},
-            "eval": {"every_steps": 2 if val else None},
-            "train": {**settings, **train},
-            # The gathered single-process format (the default under FSDP is sharded, see
-            # tests/test_checkpoint_sharded.py).
-            "checkpoint": {"every_steps": 2, "keep": 2, "format": "full"},
-            "metrics": {"tensorboard": False},
-            "seed": 1,
-            "out": str(folder / "run"),
-        }
+    # Checkpoints in the gathered single-process format (the default under FSDP is sharded,
+    # see tests/test_checkpoint_sharded.py).
+    return micro_run(
+        folder,
+        shards,
+        data={"val": shards} if val else {},
+        eval={"every_steps": 2 if val else None},
+        train={"micro_batch": 2, **train},
+        checkpoint={"format": "full"},
     )
 
 

@@ -114,6 +114,19 @@ def make_config(modalities: tuple[str, ...] = ("image",), **given: Any) -> Quick
     return QuickstartConfig(modalities=tuple(modalities), **{**defaults, **chosen})
 
 
+class PhaseClock:
+    """Seconds per phase, each measured from the end of the one before: `lap("data")`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._clock = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = now - self._clock
+        self._clock = now
+
+
 @dataclass
 class Paths:
     """Where the quickstart writes, under `out`."""
@@ -343,14 +356,8 @@ def run_quickstart(
     check_out(config.out)
     phase = on_phase or (lambda name, detail: None)
     paths = Paths(config.out)
-    seconds: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        seconds[name] = now - clock
-        clock = now
+    lap = PhaseClock()
+    seconds = lap.seconds
 
     phase("data", f"{config.limit or 'all'} emoji, {config.val_fraction:.0%} held out")
     # Raw files and shards are cheap to remake; an interrupted run starts them afresh.

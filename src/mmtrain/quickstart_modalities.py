@@ -346,6 +346,7 @@ def run_modalities(config: Any, on_phase: Any = None, on_step: Any = None) -> An
 
     from mmtrain.quickstart import (
         Paths,
+        PhaseClock,
         QuickstartResult,
         build_shards,
         chance_levels,
@@ -364,14 +365,8 @@ def run_modalities(config: Any, on_phase: Any = None, on_step: Any = None) -> An
     check_out(config.out)
     phase = on_phase or (lambda name, detail: None)
     paths = Paths(config.out)
-    seconds: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        seconds[name] = now - clock
-        clock = now
+    lap = PhaseClock()
+    seconds = lap.seconds
 
     phase("data", f"{', '.join(modalities)} with text; held-out sets for evaluation")
     shutil.rmtree(paths.out / "data", ignore_errors=True)

@@ -126,9 +126,10 @@ ROWS = [
     Row(
         "Faults",
         "One of 2 gloo ranks killed (SIGKILL)",
-        "the survivor's next collective fails "
-        "(gloo: connection reset by peer) and it exits non-zero instead of hanging; restarting "
-        "both ranks resumes",
+        "the survivor's next collective fails (gloo: connection reset by peer); it prints that "
+        "another rank stopped and that restarting every rank resumes from the newest valid "
+        "checkpoint, and exits 1 at once instead of hanging in teardown; restarting both "
+        "ranks resumes",
         (
             "tests/faults/test_distributed.py::test_a_killed_rank_stops_the_"
             "survivor_clearly_and_a_restart_resumes",

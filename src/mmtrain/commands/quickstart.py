@@ -137,15 +137,8 @@ def summary(result: Any) -> str:
             f"({metrics['R@5'] / result.chance['R@5']:.0f}x chance at R@5)"
         )
     paths = result.paths
-    lines += [
-        "",
-        f"report      {result.report_html}",
-        f"eval.json   {result.eval_json}",
-        f"run folder  {paths.run}  (config.yaml, metrics.jsonl, tensorboard/, model.safetensors)",
-        f"data        {paths.train_shards}, {paths.val_shards}  (licence: "
-        f"{paths.out / 'ATTRIBUTION.txt'})",
-    ]
-    return "\n".join(lines)
+    data = f"{paths.train_shards}, {paths.val_shards}  (licence: {paths.out / 'ATTRIBUTION.txt'})"
+    return "\n".join(lines + _where(result, data))
 
 
 def _pct(value: float) -> str:
@@ -180,11 +173,17 @@ def modalities_summary(result: Any) -> str:
             f"classes (chance {_pct(chance) if chance is not None else '-'})"
         )
     paths = result.paths
-    lines += [
+    data = f"{paths.out / 'data'}  (licences: {paths.out / 'ATTRIBUTION.txt'})"
+    return "\n".join(lines + _where(result, data))
+
+
+def _where(result: Any, data: str) -> list[str]:
+    """The closing lines: where the report, the metrics, the run and the data are."""
+    return [
         "",
         f"report      {result.report_html}",
         f"eval.json   {result.eval_json}",
-        f"run folder  {paths.run}  (config.yaml, metrics.jsonl, tensorboard/, model.safetensors)",
-        f"data        {paths.out / 'data'}  (licences: {paths.out / 'ATTRIBUTION.txt'})",
+        f"run folder  {result.paths.run}  (config.yaml, metrics.jsonl, tensorboard/, "
+        "model.safetensors)",
+        f"data        {data}",
     ]
-    return "\n".join(lines)
