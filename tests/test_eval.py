@@ -333,3 +333,29 @@ def test_cli_missing_model_exits_2(tmp_path, capsys):
 def test_numpy_median_convention():
     ranks = torch.tensor([5, 1, 8, 2])
     assert rank_metrics(ranks)["median_rank"] == float(np.median(ranks.numpy() + 1))
+
+
+def test_cli_evaluates_a_checkpoint_and_a_run_still_training(tmp_path, capsys):
+    from micro import make_shards, micro_run
+    from mmtrain.train.checkpoint import verify_checkpoint
+    from mmtrain.train.loop import train
+
+    shards = make_shards(tmp_path / "shards", 16)
+    run = tmp_path / "run"
+    train(micro_run(tmp_path, shards), halt_after_step=3)  # "killed": no final weights yet
+    step2 = run / "checkpoints" / "step_00000002"
+    assert not (run / "model.safetensors").exists() and verify_checkpoint(step2) == []
+
+    assert main(["eval", str(run), "--data", shards, "--json"]) == 0  # its newest checkpoint
+    report = json.loads((run / "eval-step_00000002.json").read_text())
+    assert report["model"] == str(step2)
+    assert report["retrieval"]["image->text"]["n_queries"] == 16
+    capsys.readouterr()
+
+    out = tmp_path / "direct.json"
+    assert main(["eval", str(step2), "--data", shards, "--json", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["retrieval"] == report["retrieval"]
+    assert verify_checkpoint(step2) == []  # nothing was written into the checkpoint
+
+    assert main(["eval", str(tmp_path / "shards"), "--data", shards]) == 2  # not a model
+    assert "no valid checkpoint" in capsys.readouterr().err

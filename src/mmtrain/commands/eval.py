@@ -1,7 +1,8 @@
 """`mmtrain eval RUN_DIR|WEIGHTS_DIR --data PATTERN`: retrieval, CLIP score, zero-shot, probe.
 
-Loads the model folder (model.safetensors + spec.yaml), streams the data in eval mode, and
-writes `eval.json` (into the model folder unless `--out` says otherwise) and a table. Under
+Loads a model folder (model.safetensors + spec.yaml) or a training checkpoint (full or sharded),
+streams the data in eval mode, and writes `eval.json` (into the model folder, or
+RUN_DIR/eval-step_N.json for a checkpoint, unless `--out` says otherwise) and a table. Under
 torchrun every rank embeds and scores its share; rank 0 writes and prints.
 """
 
@@ -32,7 +33,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument(
-        "model", metavar="RUN_DIR|WEIGHTS_DIR", help="folder with model.safetensors and spec.yaml"
+        "model",
+        metavar="RUN_DIR|WEIGHTS_DIR|CHECKPOINT",
+        help="a model folder (model.safetensors + spec.yaml), a run (its final weights, else its "
+        "newest valid checkpoint) or a checkpoint folder RUN_DIR/checkpoints/step_N",
     )
     p.add_argument("--data", required=True, help="shard folder, .tar, glob or brace pattern")
     p.add_argument(
@@ -80,7 +84,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=0, help="decode processes per rank (default 0)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when available)")
     p.add_argument(
-        "--out", metavar="FILE", help=f"where to write the report (default: MODEL_DIR/{EVAL_FILE})"
+        "--out",
+        metavar="FILE",
+        help=f"where to write the report (default: MODEL_DIR/{EVAL_FILE}, RUN_DIR/eval-step_N.json)",
     )
     p.set_defaults(func=run)
 
@@ -102,13 +108,13 @@ def run(args: argparse.Namespace) -> int:
     if args.workers < 0:
         raise UsageError(f"--workers must be 0 or more, got {args.workers}")
     device = _init_distributed(args.device, torch)
-    model = mmtrain.load_model(model_dir, device=device)
+    model, run_dir, source = _load_model(model_dir, device)
     spec = model.spec
     try:
         pairs = parse_pairs(args.pairs, spec) if args.pairs else [tuple(p) for p in spec.pairs]
     except ValueError as err:
         raise UsageError(f"--pairs: {getattr(err, 'message', err)}") from None
-    tokenizer = args.tokenizer or _run_tokenizer(model_dir)
+    tokenizer = args.tokenizer or _run_tokenizer(run_dir)
     zeroshot = None
     if args.zeroshot or args.zeroshot_classes:
         names = (
@@ -139,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     evaluator.close()
     report = {
         "schema_version": SCHEMA_VERSION,
-        "model": str(model_dir),
+        "model": str(source),
         "model_name": spec.name,
         "data": args.data,
         "world_size": distributed.world_size(),
@@ -147,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         **report,
     }
     if distributed.rank() == 0:
-        out = Path(args.out) if args.out else model_dir / EVAL_FILE
+        out = Path(args.out) if args.out else _default_out(run_dir, source)
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out, json.dumps(report, indent=2) + "\n")
         print(json.dumps(report, indent=2) if args.json else format_report(report, out))
@@ -186,6 +192,51 @@ def _init_distributed(device_arg: str | None, torch: Any) -> Any:
     if cuda:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _load_model(folder: Path, device: Any) -> tuple[Any, Path, Path]:
+    """The model to evaluate, the run folder it came from and the folder its weights came
+    from (`folder` itself, or a checkpoint of it). `folder` is a model folder
+    (model.safetensors + spec.yaml: a finished run, `mmtrain convert`'s output), a checkpoint
+    (RUN_DIR/checkpoints/step_N, full or sharded under FSDP), or a run still training (its
+    newest valid checkpoint)."""
+    import mmtrain
+    from mmtrain.models.build import SPEC_FILE, WEIGHTS_FILE
+    from mmtrain.spec import ModelSpec
+    from mmtrain.train.checkpoint import (
+        MANIFEST_FILE,
+        latest_checkpoint,
+        load_weights,
+        verify_checkpoint,
+    )
+
+    if (folder / WEIGHTS_FILE).is_file() and (folder / SPEC_FILE).is_file():
+        return mmtrain.load_model(folder, device=device), folder, folder
+    checkpoint = folder
+    if not (folder / MANIFEST_FILE).is_file():
+        checkpoint = latest_checkpoint(folder / "checkpoints")
+        if checkpoint is None:
+            raise UsageError(
+                f"{folder}: no {WEIGHTS_FILE} + {SPEC_FILE} and no valid checkpoint in "
+                f"{folder / 'checkpoints'}: give a finished run, a model folder or a checkpoint"
+            )
+    elif problems := verify_checkpoint(checkpoint):
+        raise UsageError(f"{checkpoint}: not a valid checkpoint: {problems[0]}")
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    if "spec" not in meta:
+        raise UsageError(
+            f"{checkpoint}: written by an mmtrain that did not store the model's spec in "
+            "meta.json; evaluate the run's final model folder instead"
+        )
+    model = mmtrain.create_model(ModelSpec.from_dict(meta["spec"]))
+    model.load_state_dict(load_weights(checkpoint))
+    return model.to(device), checkpoint.parent.parent, checkpoint
+
+
+def _default_out(run_dir: Path, source: Path) -> Path:
+    """RUN_DIR/eval.json for a model folder; RUN_DIR/eval-step_N.json for a checkpoint (whose
+    folder stays exactly as its manifest lists it)."""
+    return run_dir / (EVAL_FILE if source == run_dir else f"eval-{source.name}.json")
 
 
 def _run_tokenizer(model_dir: Path) -> str:

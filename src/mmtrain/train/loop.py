@@ -239,7 +239,12 @@ def train(
         }
         if ema is not None:
             state["ema"] = ema.state_dict()
-        meta = {"config": config.to_dict(), "samples_seen": samples_seen, "world_size": world}
+        meta = {
+            "config": config.to_dict(),
+            "spec": spec.to_dict(),  # self-describing: `mmtrain eval` needs no run folder
+            "samples_seen": samples_seen,
+            "world_size": world,
+        }
         keep = config.checkpoint.keep
         if checkpoint_format == "sharded":
             save_sharded_checkpoint(out / CHECKPOINT_DIR, at_step, shards, state, meta, keep)
