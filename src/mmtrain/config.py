@@ -133,6 +133,9 @@ class MetricsConfig:
     log_every: int = 10  # one console/summary line every N steps (metrics.jsonl gets every step)
     tensorboard: bool = True
     peak_tflops: float | None = None  # per device, for MFU; default: the detected GPU's peak
+    # Time each step's collectives (comm_s, comm_exposed_s) through a DDP comm hook, FSDP2's
+    # custom comms on CPU, and the loss's gathers; false leaves DDP and FSDP untouched.
+    comm_timing: bool = True
 
 
 @dataclass

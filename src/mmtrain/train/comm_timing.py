@@ -161,11 +161,16 @@ class CommTimer:
         self.in_step = False
         if self.world_size == 1:
             return {}
-        spans = [
-            (s, self._seconds(s.start), self._seconds(s.end))
-            for s in self._spans
-            if s.end is not None
-        ]
+        try:
+            spans = [
+                (s, self._seconds(s.start), self._seconds(s.end))
+                for s in self._spans
+                if s.end is not None
+            ]
+        except RuntimeError:  # events unreadable (e.g. on another device): no figure, no crash
+            log.warning("communication time could not be read this step", exc_info=True)
+            self._spans = []
+            return {}
         self._spans = []
         in_flight = [(start, end) for _, start, end in spans]
         tails = [start for s, start, _ in spans if s.exposure == EXPOSED_AFTER_LAST_LAUNCH]
@@ -203,8 +208,12 @@ class CommTimer:
         and passes on the work's (first) tensor, as DDP expects of a hook's future."""
 
         def done(fut: torch.futures.Future) -> torch.Tensor:
-            span.end = self.stamp()  # on a GPU: on a stream that waits for the collective
-            return fut.value()[0]
+            result = fut.value()[0]  # raises the collective's own error, if any
+            try:
+                span.end = self.stamp()  # on a GPU: on a stream that waits for the collective
+            except RuntimeError:  # a metric must never fail the gradient reduction
+                log.debug("could not time a collective", exc_info=True)
+            return result
 
         return future.then(done)
 

@@ -263,7 +263,9 @@ def train(
     corrupt = corrupt_before
     stop = _StopOnSignal()
     # Times DDP's/FSDP's collectives and the loss's gathers per step (no synchronisation added).
-    comm = CommTimer(device, world).attach(trained)
+    comm = CommTimer(device, world if config.metrics.comm_timing else 1)
+    if config.metrics.comm_timing:
+        comm.attach(trained)
     with stop, comm:
         while step < t.steps:
             # Progressive resolution: the input size of this step (a pure function of the step).
