@@ -16,8 +16,9 @@ import pytest
 import soundfile
 from PIL import Image, ImageFilter
 
+from mmtrain.commands.data import run_build
 from mmtrain.data import ingest
-from mmtrain.data.ingest import add_build_arguments, run_build
+from mmtrain.data.build_args import add_build_arguments
 from mmtrain.data.shards import read_manifest, read_shard
 from mmtrain.structured import FieldError
 

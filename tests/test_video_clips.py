@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmtrain.data.ingest import add_build_arguments, run_build
+from mmtrain.commands.data import run_build
+from mmtrain.data.build_args import add_build_arguments
 from mmtrain.data.media import decode_video
 from mmtrain.data.shards import read_manifest, read_shard
 from mmtrain.data.video_clips import (

@@ -204,7 +204,8 @@ def build_shards(
 ) -> dict[str, Any]:
     """`mmtrain data build SRC --out OUT --modalities MODALITIES` through its Python API;
     returns the manifest. Nothing may be rejected: the source is ours."""
-    from mmtrain.data.ingest import add_build_arguments, build, config_from_args
+    from mmtrain.data.build_args import add_build_arguments, config_from_args
+    from mmtrain.data.ingest import build
 
     parser = argparse.ArgumentParser(prog="mmtrain data build")
     add_build_arguments(parser)

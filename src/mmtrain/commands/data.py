@@ -1,7 +1,8 @@
 """`mmtrain data build|inspect|order`: make WebDataset shards, look at them and at their order.
 
 - `build SRC --out DIR [...]`: ingest files, a table or shards into filtered shards with a
-  manifest (options and work in `mmtrain.data.ingest`).
+  manifest (options in `mmtrain.data.build_args`, the work in `mmtrain.data.ingest`); prints a
+  summary and exits 2 when the reject rate is too high.
 - `inspect DIR|PATTERN [--verify] [--json] [--contact-sheet FILE.png]`: shards, samples, sample
   counts per extension and modality, the manifest's filter statistics and command, sizes and
   sha256 checked against the manifest, refused (unsafe) members and damaged shards; `--verify`
@@ -16,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from mmtrain.cli import UsageError
-from mmtrain.data.ingest import add_build_arguments, run_build
+from mmtrain.data import ingest
+from mmtrain.data.build_args import add_build_arguments, config_from_args
 from mmtrain.data.inspect import contact_sheet, inspect_shards, open_shards
 from mmtrain.data.loader import planned_samples
 from mmtrain.data.shards import ShardSet
@@ -81,6 +84,49 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _spec(shards: list[str]) -> str | list[str]:
     return shards[0] if len(shards) == 1 else shards
+
+
+def run_build(args: argparse.Namespace) -> int:
+    """`mmtrain data build`: build, print a summary; exit 2 when the reject rate is too high."""
+    source, config = config_from_args(args)
+    show = args.progress and sys.stderr.isatty()
+    if show:
+        from rich.progress import Progress as Bar
+
+        with Bar(transient=True) as bar:
+            tasks: dict[str, Any] = {}
+
+            def update(phase: str, done: int, total: int | None) -> None:
+                if phase not in tasks:
+                    tasks[phase] = bar.add_task(phase, total=total)
+                bar.update(tasks[phase], completed=done)
+
+            report = ingest.build(source, config, update)
+    else:
+        report = ingest.build(source, config)
+    counts = report.manifest["counts"]
+    if report.already_complete:
+        print(f"already built: {len(report.shards)} shard(s) verified against their sha256")
+    elif report.resumed_at_shard is not None:
+        print(f"resumed: {report.resumed_at_shard} finished shard(s) verified and kept")
+    print(
+        f"{counts['samples']} samples in {len(report.shards)} shard(s) from "
+        f"{counts['source_items']} source items; {counts['rejected']} rejected, "
+        f"{counts['filtered']} filtered"
+    )
+    removed = report.manifest["filters"]["removed"]
+    if removed:
+        print("filtered: " + ", ".join(f"{k} {v}" for k, v in removed.items()))
+    if not report.ok:
+        print(
+            f"mmtrain data build: error: reject rate {report.reject_rate:.1%} is above "
+            f"--max-reject-rate {config.max_reject_rate:.1%}; see {config.out_dir / ingest.REJECTS_NAME} "
+            "(no manifest written)",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"wrote {config.out_dir / 'manifest.json'}")
+    return 0
 
 
 def run_order(args: argparse.Namespace) -> int:
