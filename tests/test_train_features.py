@@ -20,6 +20,7 @@ from mmtrain.config import config_from_dict
 from mmtrain.data.media import MediaError
 from mmtrain.data.shards import ShardWriter
 from mmtrain.spec import FusionSpec, ModelSpec, load_spec
+from mmtrain.structured import FieldError
 from mmtrain.train.checkpoint import latest_checkpoint, load_checkpoint
 from mmtrain.train.data import read_label
 from mmtrain.train.loop import _restore_rng_states, train
@@ -305,3 +306,20 @@ def test_validation_sets_of_different_modalities_each_evaluate_their_own_pair(tm
     assert not any(
         "val/0/retrieval/timeseries" in key or "val/1/retrieval/image" in key for key in last
     )
+
+
+def test_a_validation_set_holding_no_pair_of_the_model_is_refused_naming_it(tmp_path):
+    images, series = make_mixed_sources(tmp_path)
+    only_images = {**MIXED_SPEC, "pairs": [["image", "text"]]}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(only_images))
+    config = config_from_dict(
+        {
+            "model": str(tmp_path / "spec.yaml"),
+            "data": {"train": str(images), "val": str(series)},
+            "train": {"steps": 1, "batch_size": 4},
+            "metrics": {"tensorboard": False},
+            "out": str(tmp_path / "run"),
+        }
+    )
+    with pytest.raises(FieldError, match=r"data\.val\[0\]\.path.*holds only text, timeseries: no pair"):
+        train(config)

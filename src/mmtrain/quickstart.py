@@ -236,14 +236,14 @@ def time_steps(
 
     from mmtrain.losses import ContrastiveLoss
     from mmtrain.models import create_model
-    from mmtrain.quickstart_modalities import random_batch
+    from mmtrain.plan.measure import random_batch
 
     probe = min(probe_batch, batch_size)
     generator = torch.Generator().manual_seed(0)
     model = create_model(spec, seed=0)
     loss_fn = ContrastiveLoss.from_spec(spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batch = random_batch(spec, list(towers), probe, generator)
+    batch = {n: x for n, x in random_batch(spec, probe, generator).items() if n in towers}
     pairs = [pair for pair in spec.pairs if set(pair) <= set(towers)]
     times = []
     for _ in range(3):
@@ -317,6 +317,17 @@ def chance_levels(n: int, ks: tuple[int, ...] = (1, 5, 10)) -> dict[str, float]:
     return {f"R@{k}": min(k, n) / n for k in ks}
 
 
+def begin(config: QuickstartConfig, on_phase: Any) -> tuple[Any, Paths, PhaseClock]:
+    """What every quickstart does first, once its packages are there: check the output folder
+    and empty its data/ and run/ (cheap to remake: an interrupted run starts them afresh).
+    Returns the phase callback (a no-op when none), the paths and a started phase clock."""
+    check_out(config.out)
+    paths = Paths(config.out)
+    shutil.rmtree(paths.out / "data", ignore_errors=True)
+    shutil.rmtree(paths.run, ignore_errors=True)
+    return on_phase or (lambda name, detail: None), paths, PhaseClock()
+
+
 def check_out(out: Path) -> None:
     """Refuse an output folder that already holds something other than an unfinished
     quickstart: the quickstart never overwrites a user's files."""
@@ -354,16 +365,10 @@ def run_quickstart(
 
         return run_modalities(config, on_phase, on_step)
     check_packages()
-    check_out(config.out)
-    phase = on_phase or (lambda name, detail: None)
-    paths = Paths(config.out)
-    lap = PhaseClock()
+    phase, paths, lap = begin(config, on_phase)
     seconds = lap.seconds
 
     phase("data", f"{config.limit or 'all'} emoji, {config.val_fraction:.0%} held out")
-    # Raw files and shards are cheap to remake; an interrupted run starts them afresh.
-    shutil.rmtree(paths.out / "data", ignore_errors=True)
-    shutil.rmtree(paths.run, ignore_errors=True)
     split = write_raw(list_emoji(config.limit), paths.raw, config.val_fraction)
     if split.val < 2 or split.train < config.batch_size:
         raise FieldError(

@@ -306,29 +306,6 @@ def only_towers(spec: ModelSpec, names: tuple[str, ...]) -> ModelSpec:
     return ModelSpec.from_dict(data)
 
 
-# ----------------------------------------------------------------------------- timing
-def random_batch(spec: ModelSpec, towers: list[str], n: int, generator: Any) -> dict[str, Any]:
-    """Random inputs of the right shape for `towers` of `spec` (for timing steps)."""
-    import torch
-
-    batch = {}
-    for name in towers:
-        stem = spec.towers[name].stem
-        modality = spec.towers[name].modality
-        if modality == "image":
-            shape = (n, 3, stem.image_size, stem.image_size)
-            batch[name] = torch.randn(*shape, generator=generator)
-        elif modality == "audio":
-            batch[name] = 0.1 * torch.randn(n, stem.samples(), generator=generator)
-        elif modality == "timeseries":
-            batch[name] = torch.randn(n, stem.channels, stem.length, generator=generator)
-        elif modality == "text":
-            batch[name] = torch.randint(1, 256, (n, stem.context_length), generator=generator)
-        else:
-            raise ValueError(f"no random input for modality {modality!r}")
-    return batch
-
-
 # ----------------------------------------------------------------------------- the whole run
 def data_dir(out: Path, modality: str) -> Path:
     """OUT/data/MODALITY: raw/ files, then train/ and val/ shards."""
@@ -345,12 +322,10 @@ def run_modalities(config: Any, on_phase: Any = None, on_step: Any = None) -> An
     import shutil
 
     from mmtrain.quickstart import (
-        Paths,
-        PhaseClock,
         QuickstartResult,
+        begin,
         build_shards,
         chance_levels,
-        check_out,
         plan_steps,
         quickstart_spec,
         run_config_dict,
@@ -362,15 +337,10 @@ def run_modalities(config: Any, on_phase: Any = None, on_step: Any = None) -> An
     modalities = tuple(config.modalities)
     config.validate()
     check_modality_packages(modalities)
-    check_out(config.out)
-    phase = on_phase or (lambda name, detail: None)
-    paths = Paths(config.out)
-    lap = PhaseClock()
+    phase, paths, lap = begin(config, on_phase)
     seconds = lap.seconds
 
     phase("data", f"{', '.join(modalities)} with text; held-out sets for evaluation")
-    shutil.rmtree(paths.out / "data", ignore_errors=True)
-    shutil.rmtree(paths.run, ignore_errors=True)
     spec = modalities_spec(quickstart_spec(config), modalities)
     emoji = list_emoji(config.limit) if {"image", "audio"} & set(modalities) else []
     held_out: list[HeldOut] = []
@@ -478,7 +448,6 @@ __all__ = [
     "modalities_spec",
     "parse_modalities",
     "run_modalities",
-    "random_batch",
     "step_weights",
     "write_motions",
     "write_spoken",

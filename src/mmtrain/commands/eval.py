@@ -205,31 +205,33 @@ def _load_model(folder: Path, device: Any) -> tuple[Any, Path, Path]:
     from mmtrain.spec import ModelSpec
     from mmtrain.train.checkpoint import (
         MANIFEST_FILE,
+        CheckpointError,
         latest_checkpoint,
         load_weights,
-        verify_checkpoint,
+        read_meta,
     )
 
     if (folder / WEIGHTS_FILE).is_file() and (folder / SPEC_FILE).is_file():
         return mmtrain.load_model(folder, device=device), folder, folder
-    checkpoint = folder
+    checkpoint, verified = folder, False
     if not (folder / MANIFEST_FILE).is_file():
-        checkpoint = latest_checkpoint(folder / "checkpoints")
+        checkpoint, verified = latest_checkpoint(folder / "checkpoints"), True
         if checkpoint is None:
             raise UsageError(
                 f"{folder}: no {WEIGHTS_FILE} + {SPEC_FILE} and no valid checkpoint in "
                 f"{folder / 'checkpoints'}: give a finished run, a model folder or a checkpoint"
             )
-    elif problems := verify_checkpoint(checkpoint):
-        raise UsageError(f"{checkpoint}: not a valid checkpoint: {problems[0]}")
-    meta = json.loads((checkpoint / "meta.json").read_text())
-    if "spec" not in meta:
-        raise UsageError(
-            f"{checkpoint}: written by an mmtrain that did not store the model's spec in "
-            "meta.json; evaluate the run's final model folder instead"
-        )
-    model = mmtrain.create_model(ModelSpec.from_dict(meta["spec"]))
-    model.load_state_dict(load_weights(checkpoint))
+    try:
+        meta = read_meta(checkpoint, verify=not verified)
+        if "spec" not in meta:
+            raise UsageError(
+                f"{checkpoint / 'meta.json'}: no model spec (written by an older mmtrain); "
+                "evaluate the run's final model folder instead"
+            )
+        model = mmtrain.create_model(ModelSpec.from_dict(meta["spec"]))
+        model.load_state_dict(load_weights(checkpoint, verify=False))  # verified above
+    except CheckpointError as err:
+        raise UsageError(str(err)) from None
     return model.to(device), checkpoint.parent.parent, checkpoint
 
 

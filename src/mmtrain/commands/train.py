@@ -37,13 +37,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
-    from mmtrain.train.loop import train  # torch is imported only when training
+    from mmtrain import distributed  # torch is imported only when training
+    from mmtrain.train.loop import train
 
     progress = _Progress(config.train.steps, config.metrics.log_every)
     try:
         result = train(config, on_step=progress)
     except Exception as err:
-        if isinstance(err, FieldError) or not _several_ranks():
+        if isinstance(err, FieldError) or distributed.world_size() == 1:
             raise
         _exit_rank(err, config.out)
     progress.close()
@@ -68,20 +69,14 @@ def run(args: argparse.Namespace) -> int:
 _PEER_WORDS = ("connection reset", "connection closed", "broken pipe", "timed out", "peer")
 
 
-def _several_ranks() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def _exit_rank(err: Exception, out: str) -> None:
     """Print why this rank stops and what to do, then exit at once. A normal exit would tear
     down the process group, which can wait forever for a peer that is gone; the job's other
     ranks see this one leave and stop the same way, so the whole job ends instead of hanging."""
-    import torch.distributed as dist
+    from mmtrain import distributed
 
     traceback.print_exc()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = distributed.rank(), distributed.world_size()
     first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
     peer = any(words in first_line.lower() for words in _PEER_WORDS)
     cause = "another rank of this job stopped or was killed (its log says why)" if peer else ""

@@ -125,7 +125,8 @@ def _model_and_towers(run: RunData) -> tuple[Any, str, str]:
         checkpoint = latest_checkpoint(run.run_dir / CHECKPOINT_DIR)  # the newest that verifies
         if checkpoint is not None:
             model = create_model(spec)
-            model.load_state_dict(load_weights(checkpoint))  # full or sharded (FSDP)
+            # full or sharded (FSDP); latest_checkpoint has just verified it
+            model.load_state_dict(load_weights(checkpoint, verify=False))
             return model, *pair
     except (OSError, FieldError, RuntimeError, SafetensorError) as err:
         raise GallerySkipped(f"the model weights could not be loaded: {err}") from None

@@ -42,7 +42,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from mmtrain import __version__
+from mmtrain import __version__, distributed
 from mmtrain.atomic import atomic_open, atomic_write_text, fsync_dir, sha256_file
 from mmtrain.structured import FieldError
 from mmtrain.train.parallel import agree_any
@@ -157,7 +157,7 @@ def save_sharded_checkpoint(
 
 
 def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return distributed.world_size() > 1
 
 
 @contextlib.contextmanager
@@ -263,14 +263,17 @@ def _hash_shared(tmp: Path, folder: str) -> dict[str, dict[str, Any]]:
     """Manifest entries of the files below `tmp / folder` ("dcp/__0_0.distcp": ...). Rank 0
     lists them; rank r hashes every world_size-th one from the r-th (a collective), so the
     read-back costs each rank its share rather than rank 0 the whole checkpoint."""
-    files = sorted(p for p in (tmp / folder).rglob("*") if p.is_file())
-    names = [p.relative_to(tmp).as_posix() for p in files]
+
+    def listing() -> list[str]:
+        files = sorted(p for p in (tmp / folder).rglob("*") if p.is_file())
+        return [p.relative_to(tmp).as_posix() for p in files]
+
     if not _distributed():
-        return {name: _file_entry(tmp / name) for name in names}
+        return {name: _file_entry(tmp / name) for name in listing()}
     rank, world = dist.get_rank(), dist.get_world_size()
-    listing = [names]
-    dist.broadcast_object_list(listing, src=0)  # one list for all, whatever each rank sees
-    mine = {name: _file_entry(tmp / name) for name in listing[0][rank::world]}
+    names = [listing() if rank == 0 else None]
+    dist.broadcast_object_list(names, src=0)  # one list for all, whatever each rank sees
+    mine = {name: _file_entry(tmp / name) for name in names[0][rank::world]}
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
     return {name: entry for part in everyone for name, entry in part.items()}
@@ -362,12 +365,26 @@ def latest_checkpoint(root: str | Path, at_most_step: int | None = None) -> Path
     return None
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> Checkpoint:
-    """Load a verified checkpoint folder; raises CheckpointError naming what is wrong.
+def load_checkpoint(
+    path: str | Path, map_location: str | torch.device = "cpu", verify: bool = True
+) -> Checkpoint:
+    """Load a checkpoint folder; raises CheckpointError naming what is wrong. `verify=False`
+    skips re-hashing a folder `latest_checkpoint` has just verified.
     A sharded checkpoint's weights and optimizer state stay on disk (`model` is empty): every
     rank reads its own part into its model with `read_sharded`."""
     path = Path(path)
-    problems = verify_checkpoint(path)
+    meta = read_meta(path, verify)
+    layout = meta.get("format", "full")
+    model = load_file(str(path / MODEL_FILE), device=str(map_location)) if layout == "full" else {}
+    state = torch.load(path / STATE_FILE, map_location=map_location, weights_only=True)
+    return Checkpoint(path=path, step=int(meta["step"]), model=model, state=state, meta=meta)
+
+
+def read_meta(path: str | Path, verify: bool = True) -> dict[str, Any]:
+    """`meta.json` of a usable checkpoint folder (its manifest verified unless `verify=False`,
+    its format one this mmtrain reads); raises CheckpointError naming what is wrong."""
+    path = Path(path)
+    problems = verify_checkpoint(path, hashes=verify)
     version = _newer_schema(path) if problems else None
     if version is not None:
         raise NewerCheckpointError(path, problems[0])
@@ -380,9 +397,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
             f"{path / META_FILE}: unknown checkpoint format {layout!r} (this mmtrain reads "
             f"{', '.join(FORMATS)}); upgrade mmtrain to resume from it"
         )
-    model = load_file(str(path / MODEL_FILE), device=str(map_location)) if layout == "full" else {}
-    state = torch.load(path / STATE_FILE, map_location=map_location, weights_only=True)
-    return Checkpoint(path=path, step=int(meta["step"]), model=model, state=state, meta=meta)
+    return meta
 
 
 def read_sharded(path: str | Path, sharded: dict[str, Any]) -> None:
@@ -403,14 +418,15 @@ def read_sharded(path: str | Path, sharded: dict[str, Any]) -> None:
         ) from err
 
 
-def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """The full model weights of checkpoint folder `path` (verified), in either format, on the
-    CPU of this process alone, with or without a process group: for single-process tools
-    (evaluation, galleries, conversion) that want one state dict from a sharded checkpoint."""
-    ckpt = load_checkpoint(path)
-    if ckpt.format == "full":
-        return ckpt.model
-    reader = dcp.FileSystemReader(Path(path) / DCP_DIR)
+def load_weights(path: str | Path, verify: bool = True) -> dict[str, torch.Tensor]:
+    """The full model weights of checkpoint folder `path`, in either format, on the CPU of this
+    process alone, with or without a process group: for single-process tools (evaluation,
+    galleries, conversion) that want one state dict, also from a sharded checkpoint. Reads the
+    weights only (never the optimizer state)."""
+    path = Path(path)
+    if read_meta(path, verify).get("format", "full") == "full":
+        return load_file(str(path / MODEL_FILE), device="cpu")
+    reader = dcp.FileSystemReader(path / DCP_DIR)
     weights = {
         key.removeprefix("model."): torch.empty(item.size, dtype=item.properties.dtype)
         for key, item in reader.read_metadata().state_dict_metadata.items()

@@ -143,7 +143,8 @@ def train(
 
     # -- resume point: the newest checkpoint whose manifest verifies ------------------------------
     ckpt_path = latest_checkpoint(out / CHECKPOINT_DIR)
-    ckpt = load_checkpoint(ckpt_path) if ckpt_path is not None else None
+    # latest_checkpoint has just verified it: loading does not hash the files again.
+    ckpt = load_checkpoint(ckpt_path, verify=False) if ckpt_path is not None else None
     if ckpt is None:
         _seed_everything(config.seed)
 
@@ -627,7 +628,7 @@ def _rollback_checkpoint(
         f" with learning rates x{config.guards.rollback_lr_factor}"
         if config.guards.rollback_lr_factor != 1.0 else "",
     )  # fmt: skip
-    return load_checkpoint(path)
+    return load_checkpoint(path, verify=False)  # verified by latest_checkpoint
 
 
 def _gather_rng_states() -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,10 +203,7 @@ def wrap_data_parallel(
         nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             model, scalars + [f".{name}" for name in scalars if "." not in name]
         )
-        for name in scalars:
-            param = model.get_parameter(name)
-            if param.requires_grad:
-                param.register_post_accumulate_grad_hook(_average_gradient_over_ranks)
+        _average_gradients_by_hook(model.get_parameter(name) for name in scalars)
     return nn.parallel.DistributedDataParallel(
         model,
         device_ids=device_ids,
@@ -251,9 +248,7 @@ def apply_fsdp(
         for block in tower.blocks:
             fully_shard(block, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     scalars = {p for p in model.parameters() if p.dim() == 0}
-    for param in scalars:
-        if param.requires_grad:
-            param.register_post_accumulate_grad_hook(_average_gradient_over_ranks)
+    _average_gradients_by_hook(scalars)
     fully_shard(
         model,
         mp_policy=policy,
@@ -261,6 +256,14 @@ def apply_fsdp(
         ignored_params=scalars or None,
     )
     return model
+
+
+def _average_gradients_by_hook(params: Iterable[nn.Parameter]) -> None:
+    """Average the gradients of `params` over ranks as each is accumulated: for parameters
+    that DDP or FSDP leave out (the 0-d logit scale and bias)."""
+    for param in params:
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(_average_gradient_over_ranks)
 
 
 def _average_gradient_over_ranks(param: torch.Tensor) -> None:
