@@ -257,6 +257,29 @@ def time_steps(
     return min(times[1:]) * batch_size / probe
 
 
+def fit_steps(
+    config: QuickstartConfig, phase: Phase, lap: PhaseClock, step_seconds: Callable[[], float]
+) -> tuple[int, float | None]:
+    """(steps, seconds per step): `config.steps`, or fewer when `config.fit_budget` and the
+    step time that `step_seconds()` measures says they do not fit `config.minutes`."""
+    if not config.fit_budget:
+        return config.steps, None
+    phase(
+        "calibrate",
+        f"{config.steps} steps of {config.batch_size}, at most {config.minutes:g} min",
+    )
+    started = time.perf_counter()
+    seconds = step_seconds()
+    steps = plan_steps(config, seconds, time.perf_counter() - started)
+    lap("calibrate")
+    if steps < config.steps:
+        log.warning(
+            "%.2f s per step: only %d of %d steps fit %g min; the model learns less",
+            seconds, steps, config.steps, config.minutes,
+        )  # fmt: skip
+    return steps, seconds
+
+
 def plan_steps(config: QuickstartConfig, step_seconds: float, spent_s: float = 0.0) -> int:
     """`config.steps`, or fewer when they do not fit what is left of `config.minutes` after
     `spent_s` (the timing itself) at `step_seconds` each; never fewer than MIN_STEPS."""
@@ -383,19 +406,7 @@ def run_quickstart(
     spec.save(paths.spec)
     lap("data")
 
-    step_seconds = None
-    steps = config.steps
-    if config.fit_budget:
-        phase("calibrate", f"{steps} steps of {config.batch_size}, at most {config.minutes:g} min")
-        started = time.perf_counter()
-        step_seconds = time_steps(spec, config.batch_size)
-        steps = plan_steps(config, step_seconds, time.perf_counter() - started)
-        lap("calibrate")
-        if steps < config.steps:
-            log.warning(
-                "%.2f s per step: only %d of %d steps fit %g min; the model learns less",
-                step_seconds, steps, config.steps, config.minutes,
-            )  # fmt: skip
+    steps, step_seconds = fit_steps(config, phase, lap, lambda: time_steps(spec, config.batch_size))
 
     phase("train", f"{steps} steps of {config.batch_size} pairs")
     from mmtrain.train.loop import train

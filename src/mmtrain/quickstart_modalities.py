@@ -29,8 +29,6 @@ than the set would repeat samples as each other's negatives), audio as 32 mel ba
 from __future__ import annotations
 
 import json
-import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,8 +46,6 @@ from mmtrain.quickstart_data import (
 )
 from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
-
-log = logging.getLogger(__name__)
 
 MODALITIES = ("image", "audio", "timeseries")  # text is always there: everything binds to it
 DEFAULT_MODALITIES = ("image",)  # the plain image-text quickstart
@@ -326,7 +322,7 @@ def run_modalities(config: Any, on_phase: Any = None, on_step: Any = None) -> An
         begin,
         build_shards,
         chance_levels,
-        plan_steps,
+        fit_steps,
         quickstart_spec,
         run_config_dict,
         time_steps,
@@ -373,22 +369,15 @@ def run_modalities(config: Any, on_phase: Any = None, on_step: Any = None) -> An
     lap("data")
 
     weights = step_weights(modalities)
-    step_seconds = None
-    steps = config.steps
-    if config.fit_budget:
-        phase("calibrate", f"{steps} steps of {config.batch_size}, at most {config.minutes:g} min")
-        started = time.perf_counter()
-        step_seconds = sum(
+    steps, step_seconds = fit_steps(
+        config,
+        phase,
+        lap,
+        lambda: sum(  # each source's steps hold its own towers
             share * time_steps(spec, config.batch_size, towers=(modality, "text"))
             for modality, share in weights.items()
-        )
-        steps = plan_steps(config, step_seconds, time.perf_counter() - started)
-        lap("calibrate")
-        if steps < config.steps:
-            log.warning(
-                "%.2f s per step: only %d of %d steps fit %g min; the model learns less",
-                step_seconds, steps, config.steps, config.minutes,
-            )  # fmt: skip
+        ),
+    )
 
     shares = ", ".join(f"{m}-text {share:.0%}" for m, share in weights.items())
     phase("train", f"{steps} steps of {config.batch_size} pairs ({shares} of the steps)")
