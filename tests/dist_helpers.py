@@ -8,7 +8,9 @@ and its return value travels back through `torch.save`, so tensors, dicts and li
 
 Robust by construction: every collective has a timeout, the parent waits with a deadline and
 kills what is left, and the first rank that fails is reported with its own traceback (the other
-ranks, now stuck in a collective, are terminated rather than awaited).
+ranks, now stuck in a collective, are terminated rather than awaited). A rank that finished
+destroys its group and ends without Python's finalization (mmtrain.distributed's
+`leave_process_group` and `end_rank_process` say why: an abort under load otherwise).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
-import sys
 import tempfile
 import time
 import traceback
@@ -27,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+import mmtrain.distributed
 
 
 class DistributedTestError(RuntimeError):
@@ -57,14 +60,15 @@ def _worker(
         tmp = out / f"result_{rank}.pt.tmp"
         torch.save(result, tmp)
         os.replace(tmp, out / f"result_{rank}.pt")
-        dist.destroy_process_group()
+        del result
+        mmtrain.distributed.leave_process_group()
     except BaseException:
         # Report at once, then leave without tearing anything down: destroying a group whose
         # peers are mid-collective can block for seconds, and the parent stops the other ranks.
         (out / f"error_{rank}.txt").write_text(traceback.format_exc())
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        mmtrain.distributed.end_rank_process(1)
+    # As a torchrun rank of `mmtrain` does: no Python finalization while gloo threads may live.
+    mmtrain.distributed.end_rank_process(0)
 
 
 def _stop(processes: list[Any]) -> None:

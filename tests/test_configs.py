@@ -10,7 +10,14 @@ from mmtrain.config import load_config
 from mmtrain.spec import load_spec
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
-EXPECTED = {"tiny-clip", "clip-vit-b-16", "siglip-vit-b-16", "audio-text", "video-text"}
+EXPECTED = {
+    "tiny-clip",
+    "clip-vit-b-16",
+    "siglip-vit-b-16",
+    "audio-text",
+    "video-text",
+    "finetune-clip",
+}
 MULTI_GPU = {"siglip-vit-b-16": 8, "video-text": 8}  # their comments launch 8 ranks
 
 

@@ -21,7 +21,16 @@ from mmtrain.train.loop import forward_backward, optimizer_step
 from mmtrain.train.precision import make_precision
 
 MICRO = micro_spec("micro", embed_dim=16, context_length=8, text_pooling=None)
-FP32 = make_precision("fp32", torch.device("cpu"))
+# Runs that differ only in the order of float sums (FSDP's reduce-scatter vs DDP's all-reduce,
+# compiled vs eager kernels) compare in float64, where rounding is ~1e-16 per operation: a few
+# steps of a micro model stay below ~1e-12, so EXACT holds on any CPU yet fails for any real
+# difference. float32 rounding depends on the CPU's vector width and summation order.
+FP64 = make_precision("fp64", torch.device("cpu"))
+EXACT = {"rtol": 1e-9, "atol": 1e-12}
+
+
+def _float64(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
 
 
 def _model(seed: int = 0):
@@ -103,12 +112,12 @@ def _step(trained, model, optimizer, step: int, rank: int, world: int) -> tuple[
     micro-batches (contrastive-correct accumulation, whose first micro-batch skips the gradient
     reduction). Returns the global loss and the gradient norm."""
     spec = model.spec
-    full = random_batch(spec, 8, torch.Generator().manual_seed(100 + step))
+    full = _float64(random_batch(spec, 8, torch.Generator().manual_seed(100 + step)))
     mine = {k: v.chunk(world)[rank] for k, v in full.items()}
     micro = [{k: v.chunk(2)[j] for k, v in mine.items()} for j in range(2)]
     optimizer.zero_grad(set_to_none=True)
-    loss, _ = forward_backward(trained, model, ContrastiveLoss.from_spec(spec), micro, FP32)
-    norm, stepped = optimizer_step(model, optimizer, FP32, grad_clip=1.0)
+    loss, _ = forward_backward(trained, model, ContrastiveLoss.from_spec(spec), micro, FP64)
+    norm, stepped = optimizer_step(model, optimizer, FP64, grad_clip=1.0)
     assert stepped
     if world > 1:
         torch.distributed.all_reduce(loss)
@@ -116,12 +125,12 @@ def _step(trained, model, optimizer, step: int, rank: int, world: int) -> tuple[
 
 
 def _parallel_model(strategy: str, rank: int, world: int, weights=None):
-    model = _model()
+    model = _model().double()
     if weights is not None:
         model.load_state_dict(weights)
     parallel.apply_activation_checkpointing(model, "full", ["image"])  # before FSDP, as in train
     if strategy == "fsdp":
-        trained = parallel.apply_fsdp(model, "fp32")
+        trained = parallel.apply_fsdp(model, "fp64")
     else:
         env = parallel.DistributedEnv(torch.device("cpu"), rank, world, rank, False)
         trained = parallel.wrap_data_parallel(model, env, "ddp")
@@ -158,20 +167,27 @@ def _train_and_resume(rank: int, world: int, strategy: str) -> dict:
 def test_fsdp_follows_ddp_gathers_full_checkpoints_and_resumes_on_other_rank_counts():
     ddp = run_distributed(_train_and_resume, 2, ("ddp",), timeout_s=300)[0]
     fsdp, fsdp1 = run_distributed(_train_and_resume, 2, ("fsdp",), timeout_s=300)
-    torch.testing.assert_close(torch.tensor(fsdp["steps"]), torch.tensor(ddp["steps"]))
+    f64 = torch.float64
+    torch.testing.assert_close(
+        torch.tensor(fsdp["steps"], dtype=f64), torch.tensor(ddp["steps"], dtype=f64), **EXACT
+    )
     assert fsdp1["saved"] == {"weights": {}, "optimizer": {}}  # gathered on rank 0 only
     weights = fsdp["saved"]["weights"]
     assert list(weights) == list(_model().state_dict())  # the single-process names
-    torch.testing.assert_close(weights, ddp["saved"]["weights"])
+    torch.testing.assert_close(weights, ddp["saved"]["weights"], **EXACT)
 
     # Resumed into a freshly sharded model: the next step is the uninterrupted run's.
-    torch.testing.assert_close(torch.tensor(fsdp["resumed"]), torch.tensor(fsdp["next"]))
+    torch.testing.assert_close(
+        torch.tensor(fsdp["resumed"], dtype=f64), torch.tensor(fsdp["next"], dtype=f64), **EXACT
+    )
     # Resumed in ONE process (no process group, plain model): the same next step and weights.
     model, trained, optimizer = _parallel_model("none", 0, 1, weights)
     parallel.load_optimizer_state_dict(model, optimizer, fsdp["saved"]["optimizer"])
     one = _step(trained, model, optimizer, STEPS, 0, 1)
-    torch.testing.assert_close(torch.tensor(one), torch.tensor(fsdp["next"]))
-    torch.testing.assert_close(model.state_dict(), fsdp["final"])
+    torch.testing.assert_close(
+        torch.tensor(one, dtype=f64), torch.tensor(fsdp["next"], dtype=f64), **EXACT
+    )
+    torch.testing.assert_close(model.state_dict(), fsdp["final"], **EXACT)
 
 
 # ----------------------------------------------------------------------------- torch.compile
@@ -179,16 +195,16 @@ def test_fsdp_follows_ddp_gathers_full_checkpoints_and_resumes_on_other_rank_cou
 def test_compiled_towers_train_like_eager():
     """`train.compile`: each tower compiled in place (names unchanged), one training step equal
     to eager's. Inductor needs a C++ compiler on the CPU; CPU training is slower compiled."""
-    batch = _batch()
-    eager = _model()
-    compiled = parallel.apply_activation_checkpointing(_model(), "full", ["image"])
+    batch = _float64(_batch())
+    eager = _model().double()
+    compiled = parallel.apply_activation_checkpointing(_model().double(), "full", ["image"])
     for tower in compiled.towers.values():
         tower.compile()
     results = []
     for model in (eager, compiled):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        loss, _ = forward_backward(model, model, ContrastiveLoss("clip"), [batch], FP32)
-        optimizer_step(model, optimizer, FP32, grad_clip=1.0)
+        loss, _ = forward_backward(model, model, ContrastiveLoss("clip"), [batch], FP64)
+        optimizer_step(model, optimizer, FP64, grad_clip=1.0)
         results.append((loss, model.state_dict()))
-    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(results[1][0], results[0][0], **EXACT)
+    torch.testing.assert_close(results[1][1], results[0][1], **EXACT)

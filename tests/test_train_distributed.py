@@ -1,5 +1,13 @@
 """`train` on 2 real CPU processes (gloo, DDP): 2 ranks x B follow the loss of 1 rank x 2B, and
-their checkpoint resumes on a different number of ranks to the same weights."""
+their checkpoint resumes on a different number of ranks to the same weights.
+
+The runs compare in float64 (`train.precision: fp64`): 2 ranks and 1 rank sum the same numbers in
+another order, which float32 rounds differently on different CPUs (a difference AdamW then
+carries through every step). In float64 each operation rounds at ~1e-16 relative; a value here
+goes through ~1e4 such operations per step and a few steps, so differences stay below ~1e-11,
+and EXACT = 1e-9 keeps two orders of margin on any machine while still failing for any real
+difference (a wrong normalisation or a lost micro-batch changes the loss at 1e-2).
+"""
 
 from __future__ import annotations
 
@@ -16,8 +24,11 @@ from mmtrain.train.checkpoint import load_checkpoint
 pytestmark = pytest.mark.slow
 
 
+EXACT = {"rtol": 1e-9, "atol": 1e-12}
+
+
 def _config(folder, shards: str, **train):
-    return micro_run(folder, shards, train=train)
+    return micro_run(folder, shards, train={"precision": "fp64", **train})
 
 
 def _train_rank(rank: int, world_size: int, config, halt_after_step=None) -> list[float]:
@@ -38,7 +49,9 @@ def test_two_ranks_follow_one_rank_and_resume_on_one(tmp_path):
     losses = run_distributed(_train_rank, world_size=2, args=(double, 3), timeout_s=240)
     assert losses[0] == losses[1]  # every rank logs the global loss
     torch.testing.assert_close(
-        torch.tensor(losses[0]), torch.tensor(expected[:3]), rtol=1e-4, atol=1e-5
+        torch.tensor(losses[0], dtype=torch.float64),
+        torch.tensor(expected[:3], dtype=torch.float64),
+        **EXACT,
     )
 
     # Each rank's RNG states are saved, as a list by rank; ONE process resumes from entry 0.
@@ -47,13 +60,16 @@ def test_two_ranks_follow_one_rank_and_resume_on_one(tmp_path):
 
     resumed = _train_rank(0, 1, _config(tmp_path / "two", shards, micro_batch=8))
     torch.testing.assert_close(
-        torch.tensor(resumed), torch.tensor(expected[2:]), rtol=1e-4, atol=1e-5
+        torch.tensor(resumed, dtype=torch.float64),
+        torch.tensor(expected[2:], dtype=torch.float64),
+        **EXACT,
     )
 
     one = mmtrain.load_model(tmp_path / "one" / "run").state_dict()
     two = mmtrain.load_model(tmp_path / "two" / "run").state_dict()
     for name, value in one.items():
-        torch.testing.assert_close(two[name], value, rtol=1e-3, atol=1e-5, msg=name)
+        assert value.dtype == torch.float64, name
+        torch.testing.assert_close(two[name], value, **EXACT, msg=name)
     rows = (tmp_path / "two" / "run" / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(r)["step"] for r in rows if "kind" not in json.loads(r)]
     assert steps == [1, 2, 3, 4]  # rank 0 alone writes
@@ -71,7 +87,7 @@ def test_sources_of_different_modalities_train_on_two_ranks_as_on_one(tmp_path):
             spec=MIXED_SPEC,
             seed=2,
             data={"shuffle_window": 4},
-            train={"steps": 6, **train},
+            train={"steps": 6, "precision": "fp64", **train},
             checkpoint={"every_steps": None},
         )
 
@@ -79,7 +95,8 @@ def test_sources_of_different_modalities_train_on_two_ranks_as_on_one(tmp_path):
     losses = run_distributed(
         _train_rank, world_size=2, args=(config(tmp_path / "two", micro_batch=4),), timeout_s=240
     )
-    # Float sums in another order (bucketed all-reduce vs one batch) drift by ~1e-4 in 6 steps.
     torch.testing.assert_close(
-        torch.tensor(losses[0]), torch.tensor(expected), rtol=5e-4, atol=1e-5
+        torch.tensor(losses[0], dtype=torch.float64),
+        torch.tensor(expected, dtype=torch.float64),
+        **EXACT,
     )

@@ -321,5 +321,7 @@ def test_a_validation_set_holding_no_pair_of_the_model_is_refused_naming_it(tmp_
             "out": str(tmp_path / "run"),
         }
     )
-    with pytest.raises(FieldError, match=r"data\.val\[0\]\.path.*holds only text, timeseries: no pair"):
+    with pytest.raises(
+        FieldError, match=r"data\.val\[0\]\.path.*holds only text, timeseries: no pair"
+    ):
         train(config)

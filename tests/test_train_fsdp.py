@@ -14,18 +14,21 @@ from mmtrain.structured import FieldError
 from mmtrain.train.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.slow
+EXACT = {"rtol": 1e-9, "atol": 1e-12}
 
 
 def _config(folder, shards: str, val: bool = False, **train):
     # 2 ranks x micro-batch 2 x 2 accumulation: FSDP's skipped reduction on the first one.
     # Checkpoints in the gathered single-process format (the default under FSDP is sharded,
-    # see tests/test_checkpoint_sharded.py).
+    # see tests/test_checkpoint_sharded.py). float64 (fp64): FSDP's reduce-scatter and DDP's
+    # all-reduce sum in different orders; float64 rounding (~1e-16 per operation, ~1e-12 after
+    # 4 steps of a micro model) keeps EXACT true on any CPU, float32's does not.
     return micro_run(
         folder,
         shards,
         data={"val": shards} if val else {},
         eval={"every_steps": 2 if val else None},
-        train={"micro_batch": 2, **train},
+        train={"micro_batch": 2, "precision": "fp64", **train},
         checkpoint={"format": "full"},
     )
 
@@ -66,22 +69,23 @@ def test_fsdp_follows_ddp_saves_full_weights_and_resumes_exactly(tmp_path):
     first, second = run_distributed(_runs, world_size=2, args=(configs,), timeout_s=300)
     assert first == second  # every rank logs the global loss
 
-    ddp, fsdp = torch.tensor(first["ddp"]), torch.tensor(first["fsdp"])
+    ddp = torch.tensor(first["ddp"], dtype=torch.float64)
+    fsdp = torch.tensor(first["fsdp"], dtype=torch.float64)
     assert len(fsdp) == 4 and fsdp[-1] < fsdp[0]  # it learns
-    torch.testing.assert_close(fsdp, ddp, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fsdp, ddp, **EXACT)
     # Periodic validation runs under FSDP (every rank embeds its share) and ranks the held-out
     # pairs as DDP's replica does.
     assert {step for step, _, _ in first["fsdp_val"]} == {2, 4}
     assert [(s, k) for s, k, _ in first["fsdp_val"]] == [(s, k) for s, k, _ in first["ddp_val"]]
     for (_, key, got), (_, _, want) in zip(first["fsdp_val"], first["ddp_val"], strict=True):
-        assert got == pytest.approx(want, abs=1e-3) or key.endswith("rank"), key
+        assert got == pytest.approx(want, rel=1e-9) or key.endswith("rank"), key
 
     # The final weights were gathered from the shards into the single-process format.
     ddp_model = mmtrain.load_model(tmp_path / "ddp" / "run").state_dict()
     fsdp_model = mmtrain.load_model(tmp_path / "fsdp" / "run").state_dict()
     assert list(fsdp_model) == list(ddp_model)
     for name, value in ddp_model.items():
-        torch.testing.assert_close(fsdp_model[name], value, rtol=1e-3, atol=1e-5, msg=name)
+        torch.testing.assert_close(fsdp_model[name], value, **EXACT, msg=name)
     # So were the checkpoint's: full weights and a name-keyed, unsharded optimizer state.
     saved = load_checkpoint(tmp_path / "fsdp" / "run" / "checkpoints" / "step_00000004")
     assert set(saved.model) == set(ddp_model)  # stored sorted by name

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import pkgutil
 import sys
 
@@ -54,9 +55,16 @@ def main(argv: list[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
     except (UsageError, FieldError, FileNotFoundError) as err:
         print(f"mmtrain {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:
         return 130
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # A rank of a torchrun job: leave without Python's finalization, which can abort while
+        # gloo's threads still release collectives (mmtrain.distributed.end_rank_process).
+        from mmtrain.distributed import end_rank_process
+
+        end_rank_process(code)
+    return code

@@ -23,7 +23,7 @@ import yaml
 
 from mmtrain.structured import FieldError, check_choice, from_dict, to_dict
 
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp64")  # fp64: a reference mode for tests
 SCHEDULES = ("cosine", "constant")
 PARALLELS = ("auto", "ddp", "fsdp")
 DEVICES = ("auto", "cpu", "cuda")
@@ -53,13 +53,43 @@ class DataConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters on a tower's block linears (`train.towers.NAME.lora`, train/lora.py).
+
+    The tower's own weights are frozen; each targeted linear y = W x + b learns W + (alpha/rank)
+    B A, with A [rank, in] and B [out, rank] (B starts at zero: step 0 is the base model).
+    Targets: "attn" = `attn.qkv` and `attn.out`, "mlp" = `mlp.fc1` and `mlp.fc2` of every block
+    (both by default, as `mmtrain plan --lora` assumes).
+    """
+
+    rank: int = 16
+    alpha: float | None = None  # scale = alpha / rank; default: alpha = rank (scale 1)
+    dropout: float = 0.0  # on the adapter's input (torch's RNG, saved in checkpoints)
+    targets: list[str] = field(default_factory=lambda: ["attn", "mlp"])
+
+    def scale(self) -> float:
+        return (self.alpha if self.alpha is not None else self.rank) / self.rank
+
+
+@dataclass
 class TowerTrainConfig:
-    """Per-tower training overrides (keys of `train.towers` are tower names of the model)."""
+    """Per-tower training overrides (keys of `train.towers` are tower names of the model).
+
+    At most one of `freeze`, `freeze_blocks`, `unlocked_blocks` and `lora` decides what of the
+    tower trains (docs/TRAINING.md, "Fine-tuning"); `lr_layer_decay` then scales the learning
+    rate of what trains by depth.
+    """
 
     lr: float | None = None  # absolute learning rate of this tower (default: train.lr)
     weight_decay: float | None = None  # default: train.weight_decay
     freeze: bool = False  # no gradient for the whole tower
     freeze_blocks: int = 0  # freeze the stem and the first N transformer blocks
+    # LiT-style: freeze all but the last N blocks; norm_final, pooling and projection train.
+    unlocked_blocks: int | None = None
+    # BEiT/timm layer-wise decay: block i of L gets lr x decay^(L-i), the stem decay^(L+1),
+    # norm_final / pooling / projection the tower's lr. null: one lr for the whole tower.
+    lr_layer_decay: float | None = None
+    lora: LoraConfig | None = None
     activation_checkpointing: bool = False  # recompute each block's activations in backward
 
 
@@ -149,6 +179,14 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     seed: int = 0
     out: str = "runs/run"
+    # Start from a baseline (mmtrain.train.init): a model or run folder, an OpenCLIP checkpoint or
+    # a Hugging Face folder, or {tower: PATH} per tower. Read once before step 0; a resume
+    # restores its checkpoint and ignores this.
+    init: str | dict[str, str] | None = None
+    init_strict: bool = True  # false: load what fits, leave the rest at random init (logged)
+    # sha256 of every weights file `init` read, {file: hex}, recorded by the run in its resolved
+    # config; a file listed here before the run starts must still have this hash.
+    init_sha256: dict[str, str] = field(default_factory=dict)
 
     # -- derived
     def micro_batch_for(self, world_size: int) -> int:
@@ -189,7 +227,7 @@ class RunConfig:
                 _at_least(f"train.towers.{name}.lr", tower.lr, 0.0)
             if tower.weight_decay is not None:
                 _at_least(f"train.towers.{name}.weight_decay", tower.weight_decay, 0.0)
-            _at_least(f"train.towers.{name}.freeze_blocks", tower.freeze_blocks, 0)
+            _check_tower_tuning(f"train.towers.{name}", tower, t.ema)
         if t.micro_batch is not None:
             _at_least("train.micro_batch", t.micro_batch, 1)
         _at_least("train.fusion_weight", t.fusion_weight, 0.0)
@@ -242,6 +280,7 @@ class RunConfig:
             )
         if not self.out:
             raise FieldError("out", "give the run folder, e.g. out=runs/tiny")
+        _check_init(self.init, self.init_sha256)
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
@@ -253,6 +292,63 @@ class RunConfig:
 def _at_least(path: str, value: float, low: float) -> None:
     if value < low:
         raise FieldError(path, f"must be at least {low}, got {value}")
+
+
+LORA_TARGETS = ("attn", "mlp")
+
+
+def _check_tower_tuning(path: str, tower: TowerTrainConfig, ema: float | None) -> None:
+    """What of a tower trains: one way at a time, numbers in range. Counts of blocks are
+    checked against the model when the optimizer is built (train/optim.py)."""
+    _at_least(f"{path}.freeze_blocks", tower.freeze_blocks, 0)
+    if tower.unlocked_blocks is not None:
+        _at_least(f"{path}.unlocked_blocks", tower.unlocked_blocks, 0)
+    chosen = [
+        key
+        for key, on in (
+            ("freeze", tower.freeze),
+            ("freeze_blocks", tower.freeze_blocks > 0),
+            ("unlocked_blocks", tower.unlocked_blocks is not None),
+            ("lora", tower.lora is not None),
+        )
+        if on
+    ]
+    if len(chosen) > 1:
+        raise FieldError(
+            f"{path}.{chosen[1]}",
+            f"cannot be combined with {path}.{chosen[0]}: set one of freeze, freeze_blocks, "
+            "unlocked_blocks, lora",
+        )
+    decay = tower.lr_layer_decay
+    if decay is not None and not 0.0 < decay <= 1.0:
+        raise FieldError(f"{path}.lr_layer_decay", f"must be in (0, 1] or null, got {decay}")
+    if tower.lora is None:
+        return
+    lora = tower.lora
+    _at_least(f"{path}.lora.rank", lora.rank, 1)
+    if lora.alpha is not None and lora.alpha <= 0:
+        raise FieldError(f"{path}.lora.alpha", f"must be positive or null, got {lora.alpha}")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise FieldError(f"{path}.lora.dropout", f"must be in [0, 1), got {lora.dropout}")
+    if not lora.targets:
+        raise FieldError(f"{path}.lora.targets", f"name at least one of {', '.join(LORA_TARGETS)}")
+    for i, target in enumerate(lora.targets):
+        check_choice(f"{path}.lora.targets[{i}]", target, LORA_TARGETS)
+    if ema is not None:
+        # The average would be of the frozen base too, and EMA copies hold no adapters.
+        raise FieldError("train.ema", f"is not supported with {path}.lora; set it to null")
+
+
+def _check_init(init: str | dict[str, str] | None, sha256: dict[str, str]) -> None:
+    """Non-empty paths; tower names are checked against the model in mmtrain.train.init."""
+    if init == "" or init == {}:
+        raise FieldError("init", "give a path, {tower: path}, or leave it out (null)")
+    for tower, path in init.items() if isinstance(init, dict) else []:
+        if not path:
+            raise FieldError(f"init.{tower}", "give the path of the weights for this tower")
+    for file, digest in sha256.items():
+        if not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise FieldError(f"init_sha256.{file}", f"not a sha256 hex digest: {digest!r}")
 
 
 def _check_schedule(path: str, schedule: list[tuple[int, int]]) -> None:
@@ -350,6 +446,19 @@ def _resolve_relative(data: dict[str, Any], base: Path) -> None:
     if isinstance(model, str) and model.endswith((".yaml", ".yml", ".json")):
         if not Path(model).is_absolute() and (base / model).exists():
             data["model"] = str(base / model)
+    # `init` paths, like the model spec, are looked up next to the config first.
+    init = data.get("init")
+    if isinstance(init, str):
+        data["init"] = _next_to(init, base)
+    elif isinstance(init, dict):
+        data["init"] = {k: _next_to(v, base) if isinstance(v, str) else v for k, v in init.items()}
+
+
+def _next_to(path: str, base: Path) -> str:
+    """`base/path` when `path` is relative and exists there, else `path` as written."""
+    if path and not Path(path).is_absolute() and (base / path).exists():
+        return str(base / path)
+    return path
 
 
 # ----------------------------------------------------------------------------- overrides
@@ -368,6 +477,8 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     if not key or any(not p for p in parts):
         raise FieldError(key, f"override {item!r} has an empty key part")
     value: Any = text if _is_string_field(parts) else parse_yaml(text, f"override {key}")
+    if value is text and _admits_mapping(parts):  # `init=PATH`, `init={image: A}`, `init=null`
+        value = _mapping_or_text(text)
     node = data
     for i, part in enumerate(parts[:-1]):
         child = node.get(part)
@@ -382,21 +493,45 @@ def apply_override(data: dict[str, Any], item: str) -> None:
 
 def _is_string_field(parts: list[str]) -> bool:
     """True when the dotted path names a field typed `str` (or `str | None`) in RunConfig."""
+    tp = _field_type(parts)
+    args = typing.get_args(tp)
+    return tp is str or (
+        bool(args) and str in args and list not in [typing.get_origin(a) for a in args]
+    )
+
+
+def _field_type(parts: list[str]) -> Any:
+    """The type hint of the dotted path in RunConfig, or None when there is no such field."""
     tp: Any = RunConfig
     for part in parts:
         if dataclasses.is_dataclass(tp):
             hints = typing.get_type_hints(tp)
             if part not in hints:
-                return False
+                return None
             tp = hints[part]
         elif typing.get_origin(tp) is dict:
             tp = typing.get_args(tp)[1]
+        elif mapping := [a for a in typing.get_args(tp) if typing.get_origin(a) is dict]:
+            tp = typing.get_args(mapping[0])[1]  # `init.image=PATH` in `str | dict[str, str]`
         else:
-            return False
-    args = typing.get_args(tp)
-    return tp is str or (
-        bool(args) and str in args and list not in [typing.get_origin(a) for a in args]
-    )
+            return None
+    return tp
+
+
+def _admits_mapping(parts: list[str]) -> bool:
+    """True for a `str | dict` field such as `init` (a path, or paths by tower), and for a
+    `dict[str, str]` (which the string test above also takes)."""
+    tp = _field_type(parts)
+    return any(typing.get_origin(a) is dict for a in (tp, *typing.get_args(tp)))
+
+
+def _mapping_or_text(text: str) -> Any:
+    """`{...}` or null read as YAML; anything else (a path) kept as written."""
+    try:
+        value = parse_yaml(text)
+    except FieldError:
+        return text
+    return value if value is None or isinstance(value, dict) else text
 
 
 def diff_configs(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
@@ -419,6 +554,7 @@ __all__ = [
     "DataSource",
     "EvalConfig",
     "GuardConfig",
+    "LoraConfig",
     "MetricsConfig",
     "RunConfig",
     "TowerTrainConfig",

@@ -12,6 +12,10 @@ the step's `comm_s` / `comm_exposed_s` (mmtrain.train.comm_timing); elsewhere th
 
 from __future__ import annotations
 
+import gc
+import logging
+import os
+import sys
 from typing import Any
 
 import torch
@@ -21,7 +25,15 @@ from mmtrain.train.comm_timing import timed_collective
 
 _MAX_DIMS = 8
 
-__all__ = ["is_initialized", "rank", "world_size", "all_gather", "all_gather_with_grad"]
+__all__ = [
+    "is_initialized",
+    "rank",
+    "world_size",
+    "all_gather",
+    "all_gather_with_grad",
+    "leave_process_group",
+    "end_rank_process",
+]
 
 
 def is_initialized() -> bool:
@@ -37,6 +49,40 @@ def rank(group: Any = None) -> int:
 def world_size(group: Any = None) -> int:
     """Number of ranks in `group` (default group when None); 1 when not distributed."""
     return dist.get_world_size(group) if is_initialized() else 1
+
+
+def leave_process_group() -> None:
+    """Destroy the default process group now, so that gloo's worker threads end while the
+    interpreter is fully alive. Call it last in a rank, with every collective finished.
+
+    Why (a torch behaviour, seen as "terminate called without an active exception", exit code
+    -6, on loaded machines): a gloo worker thread releases each finished collective after the
+    caller has seen it complete, and dropping the last reference to a tensor made in Python
+    takes the GIL. If the process is finalizing by then (it exits without destroying the group,
+    or a reference cycle such as DDP's reducer keeps the group alive past
+    `destroy_process_group`), Python ends that thread with pthread_exit, whose unwinding through
+    a noexcept destructor calls std::terminate (gdb on the core: ProcessGroupGloo::runLoop ->
+    ~AsyncWork -> decref_pyobject -> take_gil -> PyThread_exit_thread). `gc.collect()` first
+    frees such cycles, so that destroying the group shuts it down and joins its threads.
+    """
+    gc.collect()
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+def end_rank_process(code: int) -> None:
+    """End this rank's process now with `code`, skipping Python's finalization.
+
+    Destroying the group is not always enough: after DDP, its C++ reducer keeps the gloo
+    backend (and its worker threads) alive through reference cycles Python cannot collect, so
+    the race described in `leave_process_group` stays open until the process ends. Everything a
+    rank writes is closed (or atomically renamed) before this is called; stdout, stderr and the
+    logging handlers are flushed here.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _check_same_shape(tensor: torch.Tensor, group: Any) -> None:

@@ -161,11 +161,19 @@ class TimeSeriesStem:
 
 @dataclass(frozen=True)
 class TextStem:
-    """Token ids (0 = padding) with learned positions; causal mask for CLIP-style text towers."""
+    """Token ids (0 = padding) with learned positions; causal mask for CLIP-style text towers.
+
+    `eot_token` is where "eot" pooling reads: None, the last non-padding token (mmtrain's and
+    OpenCLIP's tokenizers pad with 0 after the end-of-text token); an id, the first position
+    holding it (Hugging Face CLIP, whose tokenizer may pad with the end-of-text id itself);
+    "argmax", the position of the largest id (OpenAI's rule, where end-of-text is the last id;
+    HF CLIP configs with the legacy `eos_token_id` 2).
+    """
 
     vocab_size: int = 49408
     context_length: int = 77
     causal: bool = True
+    eot_token: int | str | None = None
 
     def patches(self) -> int:
         return self.context_length
@@ -175,6 +183,13 @@ class TextStem:
 
     def validate(self, path: str) -> None:
         _positive(path, self, "vocab_size", "context_length")
+        eot = self.eot_token
+        if isinstance(eot, str) and eot != "argmax":
+            raise FieldError(f"{path}.eot_token", f"a token id, argmax or null, got {eot!r}")
+        if isinstance(eot, int) and not 0 <= eot < self.vocab_size:
+            raise FieldError(
+                f"{path}.eot_token", f"{eot} is not an id of the {self.vocab_size}-token vocabulary"
+            )
 
 
 StemSpec = ImageStem | VideoStem | AudioStem | TimeSeriesStem | TextStem
@@ -205,6 +220,7 @@ class TowerSpec:
     pooling: str = "cls"
     output_proj: bool = True  # linear map width -> embed_dim (else width must equal embed_dim)
     proj_bias: bool = False
+    pre_norm: bool | None = None  # norm before the blocks; None: patch towers yes, text no
 
     # -- derived sizes
     def mlp_hidden(self) -> int:
@@ -217,8 +233,9 @@ class TowerSpec:
         return self.pooling == "cls" and self.modality != "text"
 
     def has_pre_norm(self) -> bool:
-        """Patch-based towers normalise the token sequence before the blocks (OpenCLIP's ln_pre)."""
-        return self.modality != "text"
+        """Patch-based towers normalise the token sequence before the blocks (OpenCLIP's ln_pre)
+        unless `pre_norm` says otherwise (SigLIP's vision tower has none)."""
+        return self.modality != "text" if self.pre_norm is None else self.pre_norm
 
     def tokens(self) -> int:
         """Sequence length the transformer sees per sample (patches plus a class token)."""
@@ -417,7 +434,8 @@ class ModelSpec:
                     )
             if pair[0] == pair[1]:
                 raise FieldError(f"pairs[{i}]", f"a pair needs two different towers, got {pair}")
-        if not self.pairs and self.fusion is None:
+        # One tower alone is an encoder (e.g. a vision backbone to start a tower from).
+        if not self.pairs and self.fusion is None and len(self.towers) > 1:
             raise FieldError(
                 "pairs", "give the tower pairs to align (e.g. [[image, text]]) or a fusion head"
             )

@@ -26,9 +26,30 @@ pytestmark = pytest.mark.slow
 
 KILLS = int(os.environ.get("MMTRAIN_FAULT_KILLS", "20"))
 SEED = 7
-# The run must outlast the kills: a life makes at most 3 steps of progress before its kill.
-STEPS = 3 * KILLS + 2
+# The run must outlast the kills. Every kill moment is bounded by what the run folder shows,
+# not by a time: a life is killed before the checkpoint after its target appears, and its
+# target is at most 2 steps past the newest checkpoint, so a life makes at most 3 steps of
+# progress on any machine, fast or slow; 4 per life leaves one step of margin.
+STEPS = 4 * KILLS + 2
 MOMENTS = ("starting", "in a step", "in a checkpoint write")
+
+
+# Inside a checkpoint write the child's fsyncs take this long, so that a poller on a busy
+# machine sees the `step_N.tmp` folder before it is renamed (unslowed, it lives a few ms).
+WRITE_FSYNC_S = 0.1
+
+
+class SlowFsync:
+    """Child setup: every `os.fsync` sleeps WRITE_FSYNC_S first (weights are unaffected)."""
+
+    def __call__(self) -> None:
+        original = os.fsync
+
+        def slow(fd):
+            time.sleep(WRITE_FSYNC_S)
+            return original(fd)
+
+        os.fsync = slow
 
 
 def _checkpoints(run):
@@ -52,27 +73,63 @@ def _saved_step(run) -> int:
     return int(path.name.split("_")[1]) if path is not None else 0
 
 
-def _kill_at(moment: str, child, run, rng, step_s: float) -> None:
-    """Wait for `moment` of the child's next step (after the newest valid checkpoint), then
-    SIGKILL it. The waits are short polls of the run folder, as an outside observer sees it."""
+def _newest(run) -> int:
+    """The newest completed checkpoint's step as the folder shows it (0: none), without
+    verifying it: cheap enough to poll every few milliseconds."""
+    steps = [int(n.split("_")[1]) for n in _checkpoints(run) if not n.endswith(".tmp")]
+    return max(steps, default=0)
+
+
+def _writing(run, at_least: int) -> bool:
+    return any(
+        n.endswith(".tmp") and int(n.split("_")[1].split(".")[0]) >= at_least
+        for n in _checkpoints(run)
+    )
+
+
+def _wait_at_most(seconds: float, until, child) -> None:
+    """Sleep `seconds`, cut short as soon as `until()` holds (or the child has exited)."""
+    deadline = time.monotonic() + seconds
+    wait_for(lambda: until() or time.monotonic() >= deadline, child, seconds + 120, 0.002)
+
+
+def _kill_at(moment: str, child, run, rng, timing: dict[str, float]) -> None:
+    """Wait for `moment` of the child's life, then SIGKILL it.
+
+    The waits are polls of the run folder, as an outside observer sees it, and each ends at the
+    latest when the run has checkpointed one step past its target: a life makes at most ~3
+    steps of progress however fast the machine is or however late a poll comes on a busy one
+    (a poll that misses a moment kills one step later instead of never). Random delays are
+    drawn in units of the uninterrupted run's measured start-up and step times."""
     done = _saved_step(run)
-    target = f"step_{done + int(rng.integers(1, 3)):08d}"
+    target = done + int(rng.integers(1, 3))
     if moment == "starting":
-        time.sleep(float(rng.uniform(0.0, 1.0)))
+        # Somewhere in start-up or resume, at the latest as its first new checkpoint appears.
+        delay = float(rng.uniform(0.0, timing["startup_s"]))
+        _wait_at_most(delay, lambda: _newest(run) > done, child)
     elif moment == "in a step":
-        wait_for(lambda: target in _checkpoints(run), child, 120, 0.005)
-        time.sleep(float(rng.uniform(0.0, step_s)))
+        wait_for(lambda: _newest(run) >= target, child, 300, 0.002)
+        delay = float(rng.uniform(0.0, timing["step_s"]))
+        _wait_at_most(delay, lambda: _newest(run) > target, child)
     else:
-        wait_for(lambda: target + ".tmp" in _checkpoints(run), child, 120, 0.0005)
+        wait_for(lambda: _writing(run, target) or _newest(run) > target, child, 300, 0.0005)
     child.signal(signal.SIGKILL)
+
+
+def _timed_straight_run(config, run, log) -> dict[str, float]:
+    """Run to the end uninterrupted; its start-up time (until the first checkpoint appears) and
+    its time per step after that, as seen from outside."""
+    started = time.monotonic()
+    child = start(config, log=log)
+    wait_for(lambda: _newest(run) >= 1, child, 300, 0.002)
+    first = time.monotonic()
+    assert child.wait(300) == 0, child.output()
+    return {"startup_s": first - started, "step_s": (time.monotonic() - first) / (STEPS - 1)}
 
 
 def test_sigkill_at_random_moments_then_resume_is_bitwise_identical(tmp_path, record_property):
     config = tiny_run(tmp_path / "a", steps=STEPS)
-    started = time.monotonic()
-    straight = start(config, log=tmp_path / "straight.log")
-    assert straight.wait(300) == 0, straight.output()
-    step_s = (time.monotonic() - started) / STEPS  # generous: includes start-up
+    timing = _timed_straight_run(config, tmp_path / "a" / "run", tmp_path / "straight.log")
     expected = (tmp_path / "a" / "run" / "model.safetensors").read_bytes()
 
     config = tiny_run(tmp_path / "b", steps=STEPS, shards=tmp_path / "a" / "shards")
@@ -84,11 +141,14 @@ def test_sigkill_at_random_moments_then_resume_is_bitwise_identical(tmp_path, re
     for i in range(KILLS):
         moment = MOMENTS[int(rng.choice(len(MOMENTS), p=[0.15, 0.45, 0.4]))]
         before = _tmp_folders(run)
-        child = start(config, log=tmp_path / f"life{i:02d}.log")
-        _kill_at(moment, child, run, rng, step_s)
+        slowed = SlowFsync() if moment == "in a checkpoint write" else None
+        child = start(config, log=tmp_path / f"life{i:02d}.log", setup=slowed)
+        _kill_at(moment, child, run, rng, timing)
         code = child.wait(60)
-        if code == 0:
-            break  # it finished before the moment came: nothing left to kill
+        assert code != 0, (
+            f"life {i} finished the run before its kill ({kills} kills so far, checkpoints "
+            f"{_checkpoints(run)}, timing {timing}): a life made more progress than planned"
+        )
         assert code == -signal.SIGKILL, child.output()
         kills += 1
         landed[moment] += 1

@@ -1,10 +1,15 @@
-"""`mmtrain convert`: OpenCLIP checkpoints <-> mmtrain model folders.
+"""`mmtrain convert`: OpenCLIP checkpoints and Hugging Face folders <-> mmtrain model folders.
 
     mmtrain convert --from openclip FILE.pt|FILE.safetensors --model NAME|spec.yaml --out DIR
     mmtrain convert --to openclip DIR [--model NAME|spec.yaml] --out FILE.safetensors|FILE.pt
+    mmtrain convert --from hf HF_DIR --out DIR
+    mmtrain convert --to hf DIR --out HF_DIR
 
 DIR holds model.safetensors + spec.yaml (what `mmtrain.load_model(DIR)` reads). The OpenCLIP file
-written by `--to` is a bare state dict that OpenCLIP's `CLIP` loads with `strict=True`.
+written by `--to` is a bare state dict that OpenCLIP's `CLIP` loads with `strict=True`. HF_DIR is a
+transformers folder (config.json + model.safetensors, or shards with model.safetensors.index.json)
+of CLIPModel, SiglipModel, CLIPVisionModel, CLIPVisionModelWithProjection or SiglipVisionModel;
+its config.json gives the model's shape, so --model is not used with hf.
 """
 
 from __future__ import annotations
@@ -19,13 +24,13 @@ from mmtrain.spec import ModelSpec, load_spec
 # its parser at start-up, and `mmtrain spec` should not pay for importing torch.
 
 ORDER = 70
-FORMATS = ("openclip",)
+FORMATS = ("openclip", "hf")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert",
-        help="convert weights between OpenCLIP checkpoints and mmtrain model folders",
+        help="convert weights between OpenCLIP / Hugging Face and mmtrain model folders",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -43,23 +48,57 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="read an mmtrain model folder, write this format",
     )
     p.add_argument(
-        "source", help="--from: the OpenCLIP checkpoint file; --to: the mmtrain model folder"
+        "source",
+        help="--from: the OpenCLIP checkpoint file or HF folder; --to: the mmtrain model folder",
     )
     p.add_argument(
         "--model",
-        help="preset name (e.g. ViT-B-32) or spec YAML/JSON; required with --from, "
-        "with --to it checks that the folder holds a model of this shape",
+        help="openclip only: preset name (e.g. ViT-B-32) or spec YAML/JSON; required with "
+        "--from, with --to it checks that the folder holds a model of this shape",
     )
     p.add_argument(
-        "--out", required=True, help="--from: the output folder; --to: FILE.safetensors or FILE.pt"
+        "--out",
+        required=True,
+        help="--from: the output folder; --to openclip: FILE.safetensors or FILE.pt; "
+        "--to hf: the output folder",
     )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    source, out = Path(args.source), Path(args.out)
+    if "hf" in (args.from_format, args.to_format):
+        if args.model is not None:
+            raise UsageError("--model is for openclip; with hf, config.json gives the model")
+        return _from_hf(source, out) if args.from_format else _to_hf(source, out)
     if args.from_format:
-        return _from_openclip(Path(args.source), args.model, Path(args.out))
-    return _to_openclip(Path(args.source), args.model, Path(args.out))
+        return _from_openclip(source, args.model, out)
+    return _to_openclip(source, args.model, out)
+
+
+def _from_hf(source: Path, out: Path) -> int:
+    from mmtrain.models.build import save_model
+    from mmtrain.models.hf_clip import load_hf
+
+    model = load_hf(source)  # HFFolderError (a FieldError) names the file and field: exit 2
+    save_model(model, out)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"wrote {out} ({model.spec.name}, {params:,} parameters from {source})")
+    return 0
+
+
+def _to_hf(source: Path, out: Path) -> int:
+    from mmtrain.models.build import load_model
+    from mmtrain.models.hf_clip import NoHFCounterpart, hf_layout, write_hf_folder
+
+    model = load_model(source)
+    try:
+        arch = hf_layout(model.spec).arch.name
+    except NoHFCounterpart as err:
+        raise UsageError(f"{source}: {err}") from None
+    write_hf_folder(model, out)
+    print(f"wrote {out} ({arch} for transformers, from {source})")
+    return 0
 
 
 def _from_openclip(source: Path, model_arg: str | None, out: Path) -> int:

@@ -83,7 +83,27 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="TOWER",
         help="LoRA-adapt a tower (repeatable)",
     )
+    p.add_argument(
+        "--freeze-blocks",
+        action="append",
+        default=[],
+        metavar="TOWER=N",
+        help="freeze a tower's stem and first N blocks, as train.towers.TOWER.freeze_blocks",
+    )
+    p.add_argument(
+        "--unlocked-blocks",
+        action="append",
+        default=[],
+        metavar="TOWER=N",
+        help="freeze all but a tower's last N blocks (LiT), as train.towers.TOWER.unlocked_blocks",
+    )
     p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument(
+        "--lora-targets",
+        default="attn,mlp",
+        help="linears LoRA adapts in every block: attn (qkv, out), mlp (fc1, fc2) or both "
+        "(default attn,mlp: what train.towers.NAME.lora adapts by default)",
+    )
     p.add_argument("--image-size", type=int, default=None)
     p.add_argument("--frames", type=int, default=None)
     p.add_argument(
@@ -159,7 +179,39 @@ def _model(args: argparse.Namespace):
         context=None if args.inference else args.context,
     )
     modes = {name: "frozen" for name in args.freeze} | {name: "lora" for name in args.lora}
-    return model.with_modes(modes, args.lora_rank) if modes else model
+    if args.lora_rank < 1:
+        raise UsageError(f"--lora-rank must be at least 1, got {args.lora_rank}")
+    if modes:
+        model = model.with_modes(modes, args.lora_rank, _lora_targets(args))
+    freeze_blocks, unlocked = _tower_counts(args)
+    frozen = {name: n for name, n in freeze_blocks.items() if n > 0}  # 0: nothing, as in train
+    for name, n in unlocked.items():
+        layers = model.stack(name).layers
+        if n > layers:
+            raise UsageError(f"--unlocked-blocks {name}={n}: the tower has {layers} blocks")
+        frozen[name] = layers - n
+    return model.with_frozen_blocks(frozen) if frozen else model
+
+
+def _lora_targets(args: argparse.Namespace) -> tuple[str, ...]:
+    return tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+
+
+def _tower_counts(args: argparse.Namespace) -> tuple[dict[str, int], dict[str, int]]:
+    """`--freeze-blocks` and `--unlocked-blocks` as {tower: N}; UsageError when malformed."""
+    parsed = []
+    for flag, items in (
+        ("--freeze-blocks", args.freeze_blocks),
+        ("--unlocked-blocks", args.unlocked_blocks),
+    ):
+        counts = {}
+        for item in items:
+            name, _, n = item.partition("=")
+            if not name or not n.isdigit():
+                raise UsageError(f"{flag} takes TOWER=N (e.g. image=2), got {item!r}")
+            counts[name] = int(n)
+        parsed.append(counts)
+    return parsed[0], parsed[1]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -191,6 +243,11 @@ def run(args: argparse.Namespace) -> int:
             frames=args.frames,
             context=args.context,
             freeze=args.freeze,
+            lora=args.lora,
+            lora_rank=args.lora_rank,
+            lora_targets=_lora_targets(args),
+            freeze_blocks=_tower_counts(args)[0],
+            unlocked_blocks=_tower_counts(args)[1],
         )
         result["measured"] = measured.to_dict()
     if args.json:
@@ -280,6 +337,11 @@ def _print_plan(plan: Plan, measured: dict | None) -> None:
     if measured:
         console.print(
             f"measured: activations {measured['activations_error']:+.1%}, model states {measured['model_state_error']:+.2%} against the prediction"
+        )
+        console.print(
+            f"trainable parameters: planned {measured['predicted_trainable_params']:,}, "
+            f"with a gradient {measured['trainable_params']:,}, "
+            f"with optimizer state {measured['optimizer_state_params']:,}"
         )
 
 

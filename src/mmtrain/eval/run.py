@@ -60,6 +60,7 @@ from mmtrain.eval.retrieval import DEFAULT_CHUNK_ELEMENTS, DEFAULT_KS, retrieval
 from mmtrain.eval.zeroshot import DEFAULT_TEMPLATES, class_embeddings, zeroshot_metrics
 from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
+from mmtrain.train.precision import at_least_fp32
 
 logger = logging.getLogger(__name__)
 
@@ -261,6 +262,17 @@ def _model_device(model: nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
+def _model_float_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype float inputs are given in: the parameters' (float64 for an `fp64` run)."""
+    param = next(model.parameters(), None)
+    return param.dtype if param is not None and param.is_floating_point() else torch.float32
+
+
+def _as_input(value: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    value = value.to(device, non_blocking=True)
+    return value.to(dtype) if value.is_floating_point() else value
+
+
 @torch.no_grad()
 def embed(
     model: nn.Module,
@@ -272,6 +284,7 @@ def embed(
     of `towers`, the keys, labels and fusion outputs. Local to this rank; no collectives
     besides those the model's forward makes."""
     device = torch.device(device) if device is not None else _model_device(model)
+    dtype = _model_float_dtype(model)
     spec = spec_of(model)
     features: dict[str, list[torch.Tensor]] = {t: [] for t in towers}
     keys: list[str] = []
@@ -279,12 +292,12 @@ def embed(
     fusion: list[torch.Tensor] = []
     has_keys = True
     for batch in batches:
-        inputs = {t: batch[t].to(device, non_blocking=True) for t in towers}
+        inputs = {t: _as_input(batch[t], device, dtype) for t in towers}
         out = model(inputs)
         for t in towers:
-            features[t].append(out[t].float())
+            features[t].append(at_least_fp32(out[t]))
         if "fusion" in out:
-            fusion.append(out["fusion"].float())
+            fusion.append(at_least_fp32(out["fusion"]))
         if LABEL_KEY in batch:
             labels.append(torch.as_tensor(batch[LABEL_KEY]).long().to(device))
         if KEY_KEY in batch:

@@ -1,4 +1,4 @@
-"""Tower: one encoder = stem -> norm_pre (patch modalities) -> blocks -> norm_final -> pool -> proj.
+"""Tower: one encoder = stem -> norm_pre (optional) -> blocks -> norm_final -> pool -> proj.
 
 `blocks` is a plain `nn.ModuleList` of `Block`, so activation checkpointing and FSDP can wrap
 each block from outside (train/parallel.py) without the model knowing.
@@ -70,8 +70,9 @@ class Tower(nn.Module):
     def pool_and_project(self, tokens: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Token sequence (from `forward_tokens(x)`) -> embedding [B, embed_dim].
 
-        `x` is the tower's input, needed to find text padding: "eot" takes the last non-padding
-        token, "mean" averages non-padding tokens, "cls" position 0, "last" the final position.
+        `x` is the tower's input, needed to find text padding: "eot" takes the end-of-text token
+        (by default the last non-padding one, see `TextStem.eot_token`), "mean" averages
+        non-padding tokens, "cls" position 0, "last" the final position.
         """
         pooling = self.spec.pooling
         mask = self.token_mask(x)
@@ -80,9 +81,8 @@ class Tower(nn.Module):
         elif pooling == "last":
             pooled = tokens[:, -1]
         elif pooling == "eot":
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
-            last = torch.where(mask, positions, -1).amax(dim=1)
-            pooled = tokens[torch.arange(tokens.shape[0], device=tokens.device), last]
+            rows = torch.arange(tokens.shape[0], device=tokens.device)
+            pooled = tokens[rows, self._eot_positions(x, mask)]
         elif pooling == "mean":
             if mask is None:
                 pooled = tokens.mean(dim=1)
@@ -94,6 +94,17 @@ class Tower(nn.Module):
         else:
             raise ValueError(f"unknown pooling {pooling!r}")
         return pooled if self.proj is None else self.proj(pooled)
+
+    def _eot_positions(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[B] position of each row's end-of-text token, by the stem's `eot_token` rule."""
+        eot = self.spec.stem.eot_token
+        if eot == "argmax":
+            return ids.argmax(dim=1)
+        if eot is not None:
+            # argmax returns the first maximum: the first position holding `eot`, 0 if none
+            return (ids == eot).int().argmax(dim=1)
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return torch.where(mask, positions, -1).amax(dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.pool_and_project(self.forward_tokens(x), x)

@@ -87,7 +87,40 @@ def layer_terms(stack: Stack, micro_batch: int, o: ActivationOptions) -> dict[st
         terms["attention_mask"] = sb * FP32
     if o.dropout:
         terms["dropout_masks"] = 2 * sb * h / rep
+    if stack.mode == "lora":
+        _lora_terms(terms, stack, sb, o)
     return terms
+
+
+def _lora_first_layer_unsaved(stack: Stack, micro_batch: int, o: ActivationOptions) -> float:
+    """What the first layer of a LoRA stack keeps less than the others: its input comes from a
+    frozen stem without gradient, so its first norm keeps nothing; without attention adapters
+    the whole attention sub-block and the second norm run without gradient too."""
+    terms = layer_terms(stack, micro_batch, o)
+    one_norm = terms["norm_inputs"] / 2 + terms["norm_stats"] / 2
+    if "attn" in stack.lora_targets:
+        return one_norm
+    attention = ("qkv", "attention_output", "attention_lse", "attention_softmax", "attention_mask")
+    return 2 * one_norm + sum(terms.get(k, 0.0) for k in attention)
+
+
+def _lora_terms(terms: dict[str, float], stack: Stack, sb: int, o: ActivationOptions) -> None:
+    """A LoRA layer (train/lora.py) keeps what a trained one does, less the inputs of frozen
+    linears that have no adapter (a frozen weight's backward needs only the weight), plus each
+    adapter's rank-r intermediate A x, which B's matmul saves. An adapted linear's input is
+    kept all the same: A's weight gradient reads it. (The attention output stays: the
+    attention kernel keeps it for its own backward, and the output projection reads a view.)"""
+    adapted = 0
+    if "attn" not in stack.lora_targets:
+        terms["qkv_input"] = 0.0
+    else:
+        adapted += 2
+    if "mlp" not in stack.lora_targets:
+        terms["mlp_input"] = 0.0
+        terms["mlp_hidden"] -= sb * stack.mlp_hidden * o.act_bytes / o.tp  # fc2's input
+    else:
+        adapted += 2
+    terms["lora_intermediate"] = adapted * sb * stack.lora_rank * o.act_bytes / o.tp
 
 
 _SELECTIVE_DROPS = (
@@ -134,8 +167,16 @@ def stack_activations(
     if stack.mode == "frozen":
         return StackActivations(0, 0, 0, working)
     in_flight = min(1.0, pp_microbatches / pp) if pp > 1 else 1.0
-    layers = stack.layers * layer_bytes(stack, micro_batch, o) * in_flight
-    stem = micro_batch * (stack.stem_elements * o.act_bytes + stack.stem_int64 * 8)
+    trained = stack.layers * stack.trained_layer_share()  # frozen front blocks keep nothing
+    layers = trained * layer_bytes(stack, micro_batch, o) * in_flight
+    floats, ints = stack.stem_elements, stack.stem_int64
+    if stack.mode == "lora" or stack.frozen_blocks is not None:  # a frozen stem
+        floats, ints = floats - stack.stem_input_elements, ints - stack.stem_input_int64
+    stem = micro_batch * (floats * o.act_bytes + ints * 8)
+    if stack.mode == "lora":
+        stem -= micro_batch * stack.proj_input_elements * o.act_bytes  # a frozen projection
+        if o.ac == "none":
+            layers -= _lora_first_layer_unsaved(stack, micro_batch, o) * in_flight
     # LM head: fp32 logits and their log-softmax, b x s x V each (vram.asmirnov.xyz's b.s.V.4.2).
     logits = micro_batch * stack.tokens * stack.vocab * 2 * FP32 / o.tp if stack.vocab else 0
     recompute = working if o.ac != "none" else 0

@@ -50,11 +50,13 @@ def flops_per_sample(model: PlanModel, ac: str) -> tuple[float, float]:
     model_flops = hardware = 0.0
     for s in model.stacks:
         factor = {"train": 3, "lora": 2, "frozen": 1}[s.mode]
+        if s.mode == "train":  # frozen front blocks (partial freezing) run forward only
+            factor = 1 + 2 * s.trained_layer_share()
         model_flops += factor * s.forward_flops
         hardware += factor * s.forward_flops
         if s.mode != "frozen":
             if ac == "full":
-                hardware += s.forward_flops
+                hardware += s.forward_flops * s.trained_layer_share()
             elif ac == "selective":
                 hardware += _attention_block_forward(s)
     model_flops += 3 * model.head_flops

@@ -5,6 +5,11 @@ micro-batch and checkpointing mode, and count what it holds, to set beside the p
   (`torch.autograd.graph.saved_tensors_hooks`), deduplicated by storage, parameters excluded.
   With non-reentrant checkpointing the hooks see exactly the checkpointed blocks' inputs.
 - Model states: parameters, gradients and optimizer states after one AdamW step, by storage.
+- What trains: frozen towers (`--freeze`) and LoRA towers (`--lora`, `--lora-rank`,
+  `--lora-targets`) are set up by the trainer's own code (train/optim.py's freezing,
+  train/lora.py's adapters, the trainer's AdamW parameter groups); the parameters that got a
+  gradient and those holding optimizer state are counted, to set beside the planner's
+  trainable-parameter count, which must equal both.
 
 Imports torch (lazily, from the CLI): the rest of the planner stays torch-free.
 """
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mmtrain.config import LoraConfig, TowerTrainConfig, TrainConfig
 from mmtrain.plan.estimate import Plan
 from mmtrain.spec import ModelSpec, load_spec, with_input_sizes
 
@@ -28,6 +34,9 @@ class Measured:
     predicted_model_state_bytes: int
     micro_batch: int
     ac: str
+    trainable_params: int = 0  # parameters that got a gradient in the step
+    optimizer_state_params: int = 0  # parameters whose AdamW state the step created
+    predicted_trainable_params: int = 0
 
     @property
     def activations_error(self) -> float:
@@ -47,6 +56,9 @@ class Measured:
             "model_state_error": round(self.model_state_error, 6),
             "micro_batch": self.micro_batch,
             "ac": self.ac,
+            "trainable_params": self.trainable_params,
+            "optimizer_state_params": self.optimizer_state_params,
+            "predicted_trainable_params": self.predicted_trainable_params,
             "device": "cpu",
             "dtype": "float32",
         }
@@ -108,16 +120,26 @@ def measure_training_step(
     frames: int | None = None,
     context: int | None = None,
     freeze: list[str] | None = None,
+    lora: list[str] | None = None,
+    lora_rank: int = 16,
+    lora_targets: tuple[str, ...] = ("attn", "mlp"),
+    freeze_blocks: dict[str, int] | None = None,
+    unlocked_blocks: dict[str, int] | None = None,
     seed: int = 0,
 ) -> Measured:
-    """One training step of the real module at the plan's micro-batch and checkpointing mode."""
+    """One training step of the real module at the plan's micro-batch and checkpointing mode,
+    with `freeze` towers frozen and `lora` towers LoRA-adapted as the trainer does it."""
     from mmtrain.models.build import create_model
     from mmtrain.train.parallel import apply_activation_checkpointing
 
     spec = spec_with_overrides(model_name, image_size, frames, context)
     model = create_model(spec, seed=seed)
-    for name in freeze or []:
-        model.towers[name].requires_grad_(False)
+    towers = _towers(freeze or [], lora or [], lora_rank, lora_targets)
+    for name, n in (freeze_blocks or {}).items():
+        towers[name] = TowerTrainConfig(freeze_blocks=n)
+    for name, n in (unlocked_blocks or {}).items():
+        towers[name] = TowerTrainConfig(unlocked_blocks=n)
+    optimizer = _trainer_set_up(model, towers, seed)
     apply_activation_checkpointing(model, plan.config.ac)
     generator = torch.Generator().manual_seed(seed)
     batch = random_batch(spec, plan.config.micro_batch, generator)
@@ -134,9 +156,9 @@ def measure_training_step(
         out = model(batch)
         loss = _loss(spec, model, out, generator)
     activations = sum(saved.values())
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     loss.backward()
     optimizer.step()
+    with_grad = [p for p in model.parameters() if p.grad is not None]
     states = [p for p in model.parameters()] + [p.grad for p in model.parameters()]
     states += [
         v
@@ -151,7 +173,32 @@ def measure_training_step(
         predicted_model_state_bytes=int(plan.memory.model_state_bytes),
         micro_batch=plan.config.micro_batch,
         ac=plan.config.ac,
+        trainable_params=sum(p.numel() for p in with_grad),
+        optimizer_state_params=sum(p.numel() for p in optimizer.state if optimizer.state[p]),
+        predicted_trainable_params=plan.model.trainable_params(),
     )
+
+
+def _towers(
+    freeze: list[str], lora: list[str], lora_rank: int, lora_targets: tuple[str, ...]
+) -> dict[str, TowerTrainConfig]:
+    """The `train.towers` section the planner's --freeze / --lora flags stand for."""
+    towers = {name: TowerTrainConfig(freeze=True) for name in freeze}
+    for name in lora:
+        adapters = LoraConfig(rank=lora_rank, targets=list(lora_targets))
+        towers[name] = TowerTrainConfig(lora=adapters)
+    return towers
+
+
+def _trainer_set_up(model, towers: dict[str, TowerTrainConfig], seed: int) -> torch.optim.Optimizer:
+    """Freeze and adapt `model` and build its AdamW through the trainer's own functions."""
+    from mmtrain.train.lora import apply_lora
+    from mmtrain.train.optim import freeze_parameters, make_optimizer
+
+    config = TrainConfig(steps=1, batch_size=1, lr=1e-4, towers=towers)
+    apply_lora(model, config, seed=seed)
+    freeze_parameters(model, config)
+    return make_optimizer(model, config, torch.device("cpu"))
 
 
 def _loss(spec: ModelSpec, model, out: dict, generator: torch.Generator) -> torch.Tensor:

@@ -22,6 +22,7 @@ from mmtrain.spec import (
 from mmtrain.structured import FieldError, check_choice
 
 MODES = ("train", "frozen", "lora")
+LORA_TARGETS = ("attn", "mlp")  # as train/lora.py's TARGET_LAYERS (plan imports no torch)
 
 
 @dataclass(frozen=True)
@@ -51,11 +52,20 @@ class Stack:
     vocab: int = 0  # LM-head logits per token (decoders that predict tokens)
     mode: str = "train"
     lora_rank: int = 16
+    lora_targets: tuple[str, ...] = ("attn", "mlp")  # train/lora.py's TARGET_LAYERS groups
     stem_elements: int = 0
     stem_int64: int = 0
     padded: bool = False  # sequences carry padding (text): readers of its tokens need a mask
     keeps_final_tokens: bool = False  # pooling/projection saves the final norm's output
     unused_params: int = 0  # weights no loss reaches (no gradient, no optimizer state)
+    # Partial freezing (train.towers.NAME.freeze_blocks / unlocked_blocks): None trains the whole
+    # stack; N >= 0 freezes the stem (with norm_pre) and the first N blocks.
+    frozen_blocks: int | None = None
+    stem_params: int = 0  # stem and norm_pre: what partial freezing freezes besides blocks
+    layer_params: int = 0  # one block, norms and biases included (exact, unlike block_params)
+    stem_input_elements: int = 0  # of stem_elements: what a frozen stem no longer keeps
+    stem_input_int64: int = 0
+    proj_input_elements: int = 0  # of stem_elements: what a frozen projection does not keep
     source: str = ""
 
     def block_params(self) -> int:
@@ -68,19 +78,44 @@ class Stack:
         return attn + mlp
 
     def lora_params(self) -> int:
-        """Adapter parameters at rank r on q/k/v, output, fc1 and fc2 of every block."""
+        """Adapter parameters at rank r of every block: r x (in + out) per adapted linear, on
+        the fused q/k/v projection and the attention output ("attn"), fc1 and fc2 ("mlp"; a
+        gated fc1 yields gate and value, 2f). The same layers and shapes as train/lora.py's
+        default targets, so `mmtrain plan --lora` counts what a LoRA run trains."""
         w, f, r = self.width, self.mlp_hidden, self.lora_rank
-        return self.layers * r * (4 * w + 2 * w + (w + f) + (f + w))
+        inner = self.heads * self.head_dim
+        per_block = 0
+        if "attn" in self.lora_targets:
+            qkv_out = inner + 2 * self.kv_heads * self.head_dim
+            per_block += (w + qkv_out) + (inner + w)
+        if "mlp" in self.lora_targets:
+            per_block += (w + (2 if self.gated else 1) * f) + (f + w)
+        return self.layers * r * per_block
+
+    def front_frozen_params(self) -> int:
+        """Parameters partial freezing freezes: the stem and the first `frozen_blocks` blocks."""
+        if self.frozen_blocks is None:
+            return 0
+        return self.stem_params + self.frozen_blocks * self.layer_params
 
     def trainable_params(self) -> int:
         """Parameters that get gradients and optimizer states."""
         if self.mode == "train":
-            return self.params - self.unused_params
+            return self.params - self.frozen_params()
         return 0 if self.mode == "frozen" else self.lora_params()
 
     def frozen_params(self) -> int:
-        """Parameters held as weights only: a frozen or LoRA base stack, or unused ones."""
-        return self.unused_params if self.mode == "train" else self.params
+        """Parameters held as weights only: a frozen or LoRA base stack, unused ones, or the
+        front of a partially frozen stack."""
+        if self.mode != "train":
+            return self.params
+        return min(self.params, self.unused_params + self.front_frozen_params())
+
+    def trained_layer_share(self) -> float:
+        """Share of the blocks that train (partial freezing leaves the first ones out)."""
+        if self.frozen_blocks is None or not self.layers:
+            return 1.0
+        return (self.layers - self.frozen_blocks) / self.layers
 
     def kv_bytes_per_token(self, bytes_per_element: float) -> float:
         """KV cache: K and V for every layer, `kv_heads x head_dim` each (grouped-query aware)."""
@@ -138,13 +173,66 @@ class PlanModel:
         names = [s.name for s in self.stacks]
         raise FieldError("tower", f"no tower named {name!r}; towers: {', '.join(names)}")
 
-    def with_modes(self, modes: dict[str, str], lora_rank: int = 16) -> PlanModel:
+    def with_modes(
+        self,
+        modes: dict[str, str],
+        lora_rank: int = 16,
+        lora_targets: tuple[str, ...] = ("attn", "mlp"),
+    ) -> PlanModel:
         """A copy with some stacks frozen or LoRA-adapted (`{"image": "frozen"}`)."""
         stacks = {s.name: s for s in self.stacks}
+        for i, target in enumerate(lora_targets):
+            check_choice(f"lora_targets[{i}]", target, LORA_TARGETS)
         for name, mode in modes.items():
             check_choice(f"towers.{name}.mode", mode, MODES)
-            stacks[self.stack(name).name] = replace(stacks[name], mode=mode, lora_rank=lora_rank)
+            stacks[self.stack(name).name] = replace(
+                stacks[name], mode=mode, lora_rank=lora_rank, lora_targets=tuple(lora_targets)
+            )
         return replace(self, stacks=tuple(stacks[s.name] for s in self.stacks))
+
+    def with_frozen_blocks(self, frozen: dict[str, int]) -> PlanModel:
+        """A copy with the stem and the first N blocks of some stacks frozen (`{"image": 2}`),
+        as `train.towers.NAME.freeze_blocks: N` does (`unlocked_blocks: K` is N = L - K)."""
+        stacks = {s.name: s for s in self.stacks}
+        for name, n in frozen.items():
+            stack = self.stack(name)
+            if not 0 <= n <= stack.layers:
+                raise FieldError(
+                    f"towers.{name}.frozen_blocks",
+                    f"must be between 0 and the tower's {stack.layers} blocks, got {n}",
+                )
+            stacks[name] = replace(stack, frozen_blocks=n)
+        return replace(self, stacks=tuple(stacks[s.name] for s in self.stacks))
+
+
+def _stem_input_saved(tower: TowerSpec) -> tuple[int, int]:
+    """(float, int64 elements) of `_stem_saved` that a frozen stem does not keep: its input,
+    and norm_pre's input and statistics (no gradient flows back to them)."""
+    s, t, w = tower.stem, tower.tokens(), tower.width
+    if isinstance(s, TextStem):
+        return 0, s.context_length
+    if isinstance(s, ImageStem):
+        floats = s.channels * s.image_size**2
+    elif isinstance(s, VideoStem):
+        floats = s.channels * s.frames * s.image_size**2
+    elif isinstance(s, TimeSeriesStem):
+        floats = s.channels * s.length
+    else:  # audio
+        floats = s.n_mels * s.mel_frames()
+    if tower.has_pre_norm():
+        floats += t * w + (2 if tower.norm == "layernorm" else 1) * t
+    return floats, 0
+
+
+def _proj_input(tower: TowerSpec) -> int:
+    """Elements per sample of `_stem_saved` kept only as the projection's input (a frozen
+    projection's backward does not read them): the pooled token, or the final norm's output it
+    is a view of (cls, last). Map pooling keeps its own inputs; no projection, nothing."""
+    if not tower.output_proj:
+        return 0
+    if tower.pooling in ("cls", "last"):
+        return tower.tokens() * tower.width
+    return tower.width if tower.pooling in ("eot", "mean") else 0
 
 
 def _stem_saved(tower: TowerSpec) -> tuple[int, int]:
@@ -216,6 +304,7 @@ def from_spec(spec: ModelSpec) -> PlanModel:
     stacks = []
     for name, tower in spec.towers.items():
         floats, ints = _stem_saved(tower)
+        input_floats, input_ints = _stem_input_saved(tower)
         text = isinstance(tower.stem, TextStem)
         stacks.append(
             Stack(
@@ -239,6 +328,12 @@ def from_spec(spec: ModelSpec) -> PlanModel:
                 padded=text,
                 keeps_final_tokens=tower.pooling in ("cls", "last", "map"),
                 unused_params=_unused_params(spec, name),
+                stem_params=tower.stem_params()
+                + (tower.norm_params() if tower.has_pre_norm() else 0),
+                layer_params=tower.block_params(),
+                stem_input_elements=input_floats,
+                stem_input_int64=input_ints,
+                proj_input_elements=_proj_input(tower),
             )
         )
     return PlanModel(

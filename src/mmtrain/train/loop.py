@@ -1,13 +1,16 @@
 """The training loop: `train(config)` reads top to bottom.
 
     set up ranks and device -> find the newest valid checkpoint -> build the model from its spec
-    -> freeze / precision / resolution / compile / activation checkpointing / DDP or FSDP2
+    (a fresh run with `init`: a baseline's weights, train/init.py)
+    -> LoRA adapters / freeze / precision / resolution / compile / activation checkpointing
+    -> DDP or FSDP2
     -> optimizer and schedule -> data -> restore state when resuming -> log the memory plan
     -> loop over steps:
          input size for this step -> next K micro-batches -> contrastive-correct forward/backward
          (+ the fusion head's loss) -> skip non-finite steps -> clip -> optimizer step -> validate
          when due -> metrics -> roll back after K non-finite steps in a row -> checkpoint
-    -> final checkpoint, OUT/model.safetensors + OUT/spec.yaml, OUT/eval.json
+    -> final checkpoint, OUT/model.safetensors + OUT/spec.yaml (LoRA: adapters merged, and
+       alone in OUT/lora.safetensors), OUT/eval.json
 
 Everything a resumed run needs is in the checkpoint (weights, optimizer, schedule, scaler, the
 loader's position, each rank's RNG states, counters), so running the same command again
@@ -25,7 +28,6 @@ global states, so the data stream and the weights do not depend on the choice.
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import logging
 import math
@@ -64,6 +66,16 @@ from mmtrain.train.checkpoint import (
 )
 from mmtrain.train.comm_timing import CommTimer, timed_collective
 from mmtrain.train.data import LABEL_KEY, TrainData, source_towers
+from mmtrain.train.init import start_from_init
+from mmtrain.train.lora import (
+    LORA_FILE,
+    adapter_weights,
+    apply_lora,
+    lora_scales,
+    lora_towers,
+    merge_lora_state,
+    write_lora_file,
+)
 from mmtrain.train.metrics import (
     LossSpikes,
     MetricsWriter,
@@ -80,7 +92,7 @@ from mmtrain.train.optim import (
     make_scheduler,
     scale_learning_rates,
 )
-from mmtrain.train.precision import Precision, convert_to_fp8, make_precision
+from mmtrain.train.precision import Precision, at_least_fp32, convert_to_fp8, make_precision
 from mmtrain.train.resolution import allow_any_resolution, check_schedules, spec_at
 from mmtrain.train.rng import capture_rng_state, restore_rng_state
 
@@ -152,7 +164,12 @@ def train(
     data = TrainData(config, spec, rank=rank, world_size=world, micro_batch=micro_batch)
 
     # -- model --------------------------------------------------------------------------------
-    model = create_model(spec, seed=config.seed)
+    model = create_model(spec, seed=config.seed, dtype=precision.param_dtype)
+    # `init`: a baseline's weights, loaded once before step 0 (a resume restores its checkpoint).
+    config = start_from_init(model, config, ckpt.meta if ckpt is not None else None)
+    # LoRA adapters join before a checkpoint loads (it holds them) and before any wrapper.
+    apply_lora(model, lora_towers(t), seed=config.seed)
+    lora_scale = lora_scales(model)  # per adapted linear, to merge the final weights
     if ckpt is not None and ckpt.format == "full":  # sharded: loaded into the wrapped model below
         model.load_state_dict(ckpt.model)
     frozen = freeze_parameters(model, t)
@@ -200,11 +217,12 @@ def train(
         out, enabled=rank == 0, tensorboard=config.metrics.tensorboard, resume_step=step
     )
     # The planner's prediction for this run, to set beside the measured peak of each step.
-    metrics.record(
-        "plan",
-        step,
-        planned_memory(spec, config, world_size=world, recompute=recompute, device=device),
-    )
+    if t.precision != "fp64":  # the planner knows the training precisions, not the reference
+        metrics.record(
+            "plan",
+            step,
+            planned_memory(spec, config, world_size=world, recompute=recompute, device=device),
+        )
     peak_flops = (config.metrics.peak_tflops or 0) * 1e12 or detect_peak_flops(device, t.precision)
     result = TrainResult(out=out, step=step, samples_seen=samples_seen, resumed_from=resumed_from)
     log.info(
@@ -278,7 +296,7 @@ def train(
             t0 = time.perf_counter()
             micro_batches, step_keys = [], []
             for _ in range(accumulation):
-                micro_batches.append(_to_device(data.next_batch(), device))
+                micro_batches.append(_to_device(data.next_batch(), device, precision.param_dtype))
                 step_keys += data.last_keys
             if step + 1 in config.guards.inject_nan_steps and step + 1 not in injected:
                 injected.add(step + 1)
@@ -418,6 +436,9 @@ def train(
         weights = _full_weights(model, rank)  # a collective under FSDP
         if rank == 0:
             _check_finite_weights(weights)
+            if lora_scale:  # OUT/lora.safetensors: the adapters alone; the model: them merged
+                write_lora_file(adapter_weights(weights), lora_towers(t), out / LORA_FILE)
+                weights = merge_lora_state(weights, lora_scale)
             save_model(_model_with(model.spec, weights), out)
             if ema is not None:
                 save_model(ema.model(model), out / "ema")
@@ -435,8 +456,8 @@ def train(
     # Free the DDP wrapper while the process group is still alive. Its C++ reducer frees
     # without releasing the GIL; were it to hold the group's last reference, the group's
     # destructor would join a gloo thread that waits for the GIL: a deadlock seen under load.
+    # (shutdown collects garbage first; the CLI then ends a rank without finalization.)
     del trained
-    gc.collect()
     parallel.shutdown(env)
     return result
 
@@ -504,14 +525,14 @@ def forward_backward(
                 )
                 loss = loss + contrastive
             if spec.fusion is not None:
-                head = fusion_loss(out["fusion"].float(), batch[LABEL_KEY], spec.fusion.task)
+                head = fusion_loss(at_least_fp32(out["fusion"]), batch[LABEL_KEY], spec.fusion.task)
                 loss = loss + fusion_weight * head / k
                 head_total = head_total + head.detach().cpu() / k
             if trained is not model:
                 # Embeddings no loss reads (a fused tower's projection): a zero term keeps their
                 # parameters in the graph, so DDP's reducer gets a (zero) gradient for each.
                 for name in sorted(out.keys() - set(names) - {"fusion"}):
-                    loss = loss + 0.0 * out[name].float().sum()
+                    loss = loss + 0.0 * at_least_fp32(out[name]).sum()
             if precision.scaler is not None:
                 precision.scaler.scale(loss).backward()
             else:
@@ -534,7 +555,7 @@ def fusion_loss(output: torch.Tensor, labels: torch.Tensor, task: str) -> torch.
 
 def _features(out: dict[str, torch.Tensor], names: Sequence[str]) -> dict[str, torch.Tensor]:
     # The loss runs in fp32 whatever the autocast dtype: logits of a large batch need the range.
-    return {name: out[name].float() for name in names}
+    return {name: at_least_fp32(out[name]) for name in names}
 
 
 def optimizer_step(
@@ -754,10 +775,19 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    if device.type == "cpu":
-        return batch
-    return {name: value.to(device, non_blocking=True) for name, value in batch.items()}
+def _to_device(
+    batch: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """The batch on `device`, float inputs in `dtype` (the weights' dtype; labels keep theirs)."""
+
+    def move(name: str, value: torch.Tensor) -> torch.Tensor:
+        if device.type != "cpu":
+            value = value.to(device, non_blocking=True)
+        if name != LABEL_KEY and value.is_floating_point() and value.dtype != dtype:
+            value = value.to(dtype)
+        return value
+
+    return {name: move(name, value) for name, value in batch.items()}
 
 
 def _inject_nan(batch: dict[str, torch.Tensor]) -> None:

@@ -94,6 +94,22 @@ def _current_rss_bytes() -> int | None:
         return None  # not Linux
 
 
+def _planned_model(plan_model: Any, spec: ModelSpec, config: RunConfig) -> Any:
+    """The planner's model with each tower trained as `train.towers` says: frozen, LoRA (its
+    rank and targets), or frozen up to a block (`freeze_blocks`, `unlocked_blocks`)."""
+    for name, tower in config.train.towers.items():
+        if tower.freeze:
+            plan_model = plan_model.with_modes({name: "frozen"})
+        elif tower.lora is not None:
+            lora = tower.lora
+            plan_model = plan_model.with_modes({name: "lora"}, lora.rank, tuple(lora.targets))
+        elif tower.freeze_blocks or tower.unlocked_blocks is not None:
+            layers = spec.towers[name].layers
+            blocks = tower.freeze_blocks or layers - (tower.unlocked_blocks or 0)
+            plan_model = plan_model.with_frozen_blocks({name: blocks})
+    return plan_model
+
+
 def planned_memory(
     spec: ModelSpec,
     config: RunConfig,
@@ -115,8 +131,7 @@ def planned_memory(
     from mmtrain.plan.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, comm_buffers, model_states
     from mmtrain.plan.model import from_spec
 
-    frozen = {name: "frozen" for name, t in config.train.towers.items() if t.freeze}
-    plan_model = from_spec(spec).with_modes(frozen)
+    plan_model = _planned_model(from_spec(spec), spec, config)
     micro = config.micro_batch_for(world_size)
     precision = config.train.precision
     sharded = config.train.parallel == "fsdp" and world_size > 1

@@ -5,8 +5,14 @@
 - No weight decay on 1-D parameters (norm weights, biases), embeddings (token tables, position
   and class embeddings, learned queries) and the logit scale/bias: decaying them pulls
   temperatures and positions towards zero for no regularisation benefit.
-- Frozen parameters (`freeze`, `freeze_blocks`) get `requires_grad=False` and stay out of the
-  optimizer entirely (no state, no decay).
+- Frozen parameters (`freeze`, `freeze_blocks`, `unlocked_blocks`, the base of a `lora`
+  tower) get `requires_grad=False` and stay out of the optimizer entirely (no state, no decay).
+  A frozen block is frozen whole: its norms too.
+- `lr_layer_decay` (BEiT, Bao et al. 2021; timm's `param_groups_layer_decay`): within a tower
+  of L blocks, the stem (and norm_pre) is layer 0, block i is layer i + 1, and norm_final,
+  pooling and projection are layer L + 1; layer l gets the tower's lr x decay^(L + 1 - l). So
+  the output layers keep the tower's lr, the last block gets lr x decay, the first block
+  lr x decay^L and the stem lr x decay^(L + 1). Adapters of a LoRA tower follow their block.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from mmtrain.config import TrainConfig
+from mmtrain.config import TowerTrainConfig, TrainConfig
 from mmtrain.structured import FieldError, closest
+from mmtrain.train.lora import is_adapter
 
 # Parameters registered directly on a module (not inside Linear/Conv) that are embeddings.
 EMBEDDING_NAMES = frozenset(
@@ -37,65 +44,105 @@ GROUP_OTHER = "head"  # logit scale/bias, fusion head: everything outside the to
 
 
 def freeze_parameters(model: nn.Module, config: TrainConfig) -> int:
-    """Apply `train.towers.NAME.freeze` / `freeze_blocks`; return the number of frozen parameters."""
+    """Apply `train.towers.NAME.freeze` / `freeze_blocks` / `unlocked_blocks` / `lora` (the
+    tower's own weights; apply_lora has added the adapters already); return the number of
+    frozen parameters in the model."""
     towers = model.towers
-    frozen = 0
     for name, tower_config in config.towers.items():
         if name not in towers:
             raise FieldError(
                 f"train.towers.{name}",
                 f"the model has no tower {name!r}{closest(name, towers)}; towers: {', '.join(towers)}",
             )
-        tower = towers[name]
-        if tower_config.freeze:
-            modules = [tower]
-        elif tower_config.freeze_blocks:
-            if tower_config.freeze_blocks > len(tower.blocks):
-                raise FieldError(
-                    f"train.towers.{name}.freeze_blocks",
-                    f"{tower_config.freeze_blocks} is more than the tower's {len(tower.blocks)} blocks",
-                )
-            # The stem feeds the frozen blocks: training it alone would shift their inputs.
-            modules = [tower.stem, *([tower.norm_pre] if tower.norm_pre is not None else [])]
-            modules += list(tower.blocks[: tower_config.freeze_blocks])
-        else:
-            continue
-        for module in modules:
-            for param in module.parameters():
-                if param.requires_grad:
-                    param.requires_grad_(False)
-                    frozen += param.numel()
-    return frozen
+        for param in _frozen_by(towers[name], tower_config, f"train.towers.{name}"):
+            param.requires_grad_(False)
+    return sum(p.numel() for p in model.parameters() if not p.requires_grad)
+
+
+def _frozen_by(tower: nn.Module, tc: TowerTrainConfig, path: str) -> list[nn.Parameter]:
+    """The parameters of `tower` that `tc` freezes."""
+    if tc.freeze:
+        return list(tower.parameters())
+    if tc.lora is not None:
+        return [p for n, p in tower.named_parameters() if not is_adapter(n)]
+    layers = len(tower.blocks)
+    if tc.unlocked_blocks is not None:
+        _check_blocks(f"{path}.unlocked_blocks", tc.unlocked_blocks, layers)
+        count = layers - tc.unlocked_blocks
+    elif tc.freeze_blocks:
+        _check_blocks(f"{path}.freeze_blocks", tc.freeze_blocks, layers)
+        count = tc.freeze_blocks
+    else:
+        return []
+    # The stem feeds the frozen blocks: training it alone would shift their inputs.
+    modules = [tower.stem, *([tower.norm_pre] if tower.norm_pre is not None else [])]
+    modules += list(tower.blocks[:count])
+    return [p for module in modules for p in module.parameters()]
+
+
+def _check_blocks(path: str, value: int, layers: int) -> None:
+    if value > layers:
+        raise FieldError(path, f"{value} is more than the tower's {layers} blocks")
 
 
 def _no_decay(module: nn.Module, leaf: str, param: nn.Parameter) -> bool:
     return param.ndim < 2 or isinstance(module, nn.Embedding) or leaf in EMBEDDING_NAMES
 
 
+def _layer_of(name: str, layers: int) -> tuple[int, str]:
+    """(layer, label) of a tower parameter by its name inside the tower: the stem and norm_pre
+    are layer 0, block i layer i + 1, everything after the blocks layer L + 1."""
+    first, _, rest = name.partition(".")
+    if first in ("stem", "norm_pre"):
+        return 0, "stem"
+    if first == "blocks":
+        index = int(rest.partition(".")[0])
+        return index + 1, f"block{index}"
+    return layers + 1, "out"
+
+
+def _tower_lrs(model: nn.Module, config: TrainConfig) -> dict[int, tuple[str, str, float]]:
+    """For every tower parameter: (tower, group label, learning rate), by id."""
+    found = {}
+    for tower_name, tower in model.towers.items():
+        overrides = config.towers.get(tower_name)
+        lr = overrides.lr if overrides is not None and overrides.lr is not None else config.lr
+        decay = overrides.lr_layer_decay if overrides is not None else None
+        layers = len(tower.blocks)
+        for name, param in tower.named_parameters():
+            if decay is None:
+                found[id(param)] = (tower_name, tower_name, lr)
+                continue
+            layer, label = _layer_of(name, layers)
+            found[id(param)] = (
+                tower_name,
+                f"{tower_name}/{label}",
+                lr * decay ** (layers + 1 - layer),
+            )
+    return found
+
+
 def param_groups(model: nn.Module, config: TrainConfig) -> list[dict]:
-    """AdamW parameter groups: per tower (and "head" for the rest) x decay / no decay.
+    """AdamW parameter groups: per tower (and "head" for the rest) x decay / no decay, and per
+    layer of a tower with `lr_layer_decay` ("image/block3/decay").
 
     Each group carries `name` (e.g. "image/decay") for logging. Only trainable parameters.
     """
     groups: dict[str, dict] = {}
-    tower_of = {}
-    for tower_name, tower in model.towers.items():
-        for param in tower.parameters():
-            tower_of[id(param)] = tower_name
+    tower_lrs = _tower_lrs(model, config)
     seen: set[int] = set()
     for module in model.modules():
         for leaf, param in module.named_parameters(recurse=False):
             if id(param) in seen or not param.requires_grad:
                 continue
             seen.add(id(param))
-            owner = tower_of.get(id(param), GROUP_OTHER)
+            owner, label, lr = tower_lrs.get(id(param), (GROUP_OTHER, GROUP_OTHER, config.lr))
             overrides = config.towers.get(owner)
-            lr = overrides.lr if overrides is not None and overrides.lr is not None else config.lr
             decay = config.weight_decay
             if overrides is not None and overrides.weight_decay is not None:
                 decay = overrides.weight_decay
             no_decay = _no_decay(module, leaf, param)
-            key = f"{owner}/{'no_decay' if no_decay else 'decay'}"
+            key = f"{label}/{'no_decay' if no_decay else 'decay'}"
             group = groups.setdefault(
                 key,
                 {"name": key, "params": [], "lr": lr, "weight_decay": 0.0 if no_decay else decay},

@@ -41,6 +41,7 @@ FSDP_PARAM_DTYPES = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
     "fp8": torch.bfloat16,
+    "fp64": None,  # parameters are float64 already; FSDP keeps their dtype
 }
 
 
@@ -144,8 +145,11 @@ def init_distributed(device: str = "auto") -> DistributedEnv:
 
 
 def shutdown(env: DistributedEnv) -> None:
-    if env.owns_group and dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave the process group this module created (see `distributed.leave_process_group`)."""
+    if env.owns_group:
+        from mmtrain.distributed import leave_process_group
+
+        leave_process_group()
 
 
 def barrier() -> None:

@@ -1,11 +1,16 @@
 """Numeric precision of a training run: fp32, bf16 autocast, fp16 autocast with dynamic loss
-scaling, fp8 matmuls through torchao.
+scaling, fp8 matmuls through torchao; and fp64, a reference mode.
 
 Weights and optimizer state stay fp32 in every mode (mixed precision, not pure low precision):
 autocast runs matmuls and convolutions in the low dtype and keeps reductions in fp32. fp16's
 narrow range needs loss scaling: `torch.amp.GradScaler` multiplies the loss, unscales the
 gradients before clipping, and skips the step (lowering the scale) when a gradient overflowed;
 the loop counts those skipped steps.
+
+fp64 keeps weights, inputs, activations and optimizer state in float64. It is not for speed:
+it is how a test (or a user in doubt) checks that two runs which differ only in the order of
+their float sums (2 ranks vs 1, accumulation vs one big batch) compute the same thing, because
+float64 rounding (~1e-16) stays far below any tolerance on any CPU, where float32's does not.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ AUTOCAST_DTYPES = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
     "fp8": torch.bfloat16,
+    "fp64": None,
 }
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89), Hopper (sm_90), Blackwell: hardware fp8 matmuls
 
@@ -35,8 +41,9 @@ class Precision:
 
     name: str
     device_type: str
-    dtype: torch.dtype | None  # autocast dtype; None: plain fp32
+    dtype: torch.dtype | None  # autocast dtype; None: no autocast
     scaler: torch.amp.GradScaler | None = None
+    param_dtype: torch.dtype = torch.float32  # weights and float inputs (float64 for fp64)
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
@@ -45,6 +52,11 @@ class Precision:
             return
         with torch.autocast(device_type=self.device_type, dtype=self.dtype):
             yield
+
+
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """`x` in fp32 for losses and metrics (they need its range), float64 kept as it is (fp64)."""
+    return x if x.dtype == torch.float64 else x.float()
 
 
 def make_precision(name: str, device: torch.device) -> Precision:
@@ -59,7 +71,8 @@ def make_precision(name: str, device: torch.device) -> Precision:
             "bf16 needs an Ampere or newer GPU (compute capability 8.0+); use fp16",
         )
     scaler = torch.amp.GradScaler(device.type) if name == "fp16" else None
-    return Precision(name, device.type, AUTOCAST_DTYPES[name], scaler)
+    param_dtype = torch.float64 if name == "fp64" else torch.float32
+    return Precision(name, device.type, AUTOCAST_DTYPES[name], scaler, param_dtype)
 
 
 def check_fp8_supported(device: torch.device) -> None:

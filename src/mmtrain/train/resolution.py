@@ -98,6 +98,14 @@ def resize_grid(pos: torch.Tensor, grid: int) -> torch.Tensor:
     return out.permute(0, 2, 3, 1).reshape(grid * grid, -1).to(pos.dtype)
 
 
+def resize_pos_embed(pos: torch.Tensor, grid: int, prefix: int) -> torch.Tensor:
+    """[prefix + g*g, width] -> [prefix + grid*grid, width]: the grid part as `resize_grid`
+    does, the `prefix` rows (a class token's position) kept as they are."""
+    if math.isqrt(pos.shape[0] - prefix) ** 2 != pos.shape[0] - prefix:
+        raise ValueError(f"{pos.shape[0]} - {prefix} position rows are not a square grid")
+    return torch.cat([pos[:prefix], resize_grid(pos[prefix:], grid)])
+
+
 def resize_time(pos: torch.Tensor, steps: int) -> torch.Tensor:
     """Temporal position embeddings [T, width] -> [steps, width], linear."""
     if pos.shape[0] == steps:
@@ -118,9 +126,7 @@ def _image_forward(stem: nn.Module, x: torch.Tensor) -> torch.Tensor:
     x = x.to(stem.patch_embed.weight.dtype)
     tokens = stem.patch_embed(x).flatten(2).transpose(1, 2)
     grid = x.shape[-1] // stem.spec.patch_size
-    pos = stem.pos_embed
-    cls = 1 if stem.cls_token is not None else 0
-    pos = torch.cat([pos[:cls], resize_grid(pos[cls:], grid)])
+    pos = resize_pos_embed(stem.pos_embed, grid, 1 if stem.cls_token is not None else 0)
     return stem._prepend_cls(tokens) + pos.to(tokens.dtype)
 
 
