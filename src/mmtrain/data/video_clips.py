@@ -54,8 +54,12 @@ THUMB_WIDTH = 64  # pixels; the scene score compares frames shrunk to this width
 DEFAULT_KEYFRAME_INTERVAL = 16  # frames: about half a second at 30 fps
 # libx264: "veryfast" is a fair speed/size trade for ingest; CRF 20 keeps artefacts below what
 # training at 224 px notices; sc_threshold 0 turns off extra keyframes at scene cuts, so
-# keyframes fall exactly every `keyframe_interval` frames.
-X264_OPTIONS = {"preset": "veryfast", "crf": "20", "sc_threshold": "0"}
+# keyframes fall exactly every `keyframe_interval` frames. mbtree=0: x264's macroblock-tree
+# rate control gave different bytes for the same input from call to call in one process (seen
+# with keyframe interval 16: 2448, 2474, 2484 bytes for one 20-frame clip; frame sizes differ
+# from the 4th frame on), which breaks the build's byte-identical resume; without it the output
+# repeats exactly (20 of 20 encodes), at ~20% more bytes for the same CRF.
+X264_OPTIONS = {"preset": "veryfast", "crf": "20", "sc_threshold": "0", "x264-params": "mbtree=0"}
 # MPEG-4 part 2 fallback: constant quantiser 3 (qscale * FF_QP2LAMBDA), no scene-cut keyframes.
 MPEG4_OPTIONS = {"flags": "+qscale", "global_quality": str(3 * 118), "sc_threshold": "1000000000"}
 
