@@ -340,7 +340,7 @@ def _regroup(state: Mapping[str, Tensor], groups: list[KeyGroup], src: str, dst:
     return out
 
 
-def _check_keys(
+def check_keys(
     state: Mapping[str, Tensor], expected: dict[str, Shape], what: str, hint: str
 ) -> None:
     missing = [f"{k} {list(s)}" for k, s in expected.items() if k not in state]
@@ -361,7 +361,7 @@ def hf_to_mmtrain(
     does not fit (after dropping the saved `position_ids` buffers of old exports)."""
     state = {k: v for k, v in state.items() if not k.endswith(IGNORED_SUFFIXES)}
     groups = key_map(spec, layout)
-    _check_keys(
+    check_keys(
         state,
         {name: shape for g in groups for name, shape in g.theirs},
         what=f"the {layout.arch.name} weights do not match the model config.json describes",
@@ -375,7 +375,7 @@ def mmtrain_to_hf(
 ) -> dict[str, Tensor]:
     """mmtrain state dict -> the state dict transformers' `layout.arch` class loads."""
     groups = key_map(spec, layout)
-    _check_keys(
+    check_keys(
         state,
         {name: shape for g in groups for name, shape in g.ours},
         what=f"the mmtrain state dict does not match model {spec.name!r}",
@@ -414,7 +414,7 @@ class _Section:
         return HFFolderError(self.file, message, field=f"{self.prefix}{key}")
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except OSError as err:
@@ -607,7 +607,7 @@ def _load_safetensors(path: Path) -> dict[str, Tensor]:
 
 
 def _load_shards(index_path: Path) -> dict[str, Tensor]:
-    weight_map = _read_json(index_path).get("weight_map")
+    weight_map = read_json(index_path).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise HFFolderError(index_path, "expected tensor name -> shard file", field="weight_map")
     state: dict[str, Tensor] = {}
@@ -663,7 +663,7 @@ def read_hf_folder(path: str | Path) -> tuple[ModelSpec, dict[str, Tensor]]:
     if not is_hf_folder(folder):
         raise HFFolderError(folder, f"is not a Hugging Face model folder (no {CONFIG_FILE})")
     config_path = folder / CONFIG_FILE
-    spec, arch = spec_from_config(_read_json(config_path), config_path, folder.resolve().name)
+    spec, arch = spec_from_config(read_json(config_path), config_path, folder.resolve().name)
     weights = read_hf_weights(folder)
     layout = HFLayout(
         arch, text="text" if arch.text else None, vision_prefix=_vision_prefix(arch, weights)
