@@ -86,8 +86,11 @@ def test_fine_tune_a_converted_baseline_starts_from_it_and_improves(tmp_path, re
     assert code == 0
     val = make_blocks(tmp_path / "val", 16, seed=3, background=110)  # each caption once
     before = retrieval(converted, val)
-    chance = 1 / 16
-    assert before["R@1"] >= 3 * chance  # the baseline's knowledge arrived, not a random start
+    # The baseline's knowledge arrived, not a random start: a random model's expected mean rank
+    # among 16 captions is 8.5 (measured here: 4.6). Mean rank moves in steps of 1/16, R@1 in
+    # steps of a whole query, so it is the figure with room for another CPU's rounding.
+    chance_mean_rank = (16 + 1) / 2
+    assert before["mean_rank"] < 0.75 * chance_mean_rank, before
 
     new_domain = make_blocks(tmp_path / "new", 256, seed=2, background=110)
     finetune = micro_run(
@@ -101,7 +104,8 @@ def test_fine_tune_a_converted_baseline_starts_from_it_and_improves(tmp_path, re
     result = train(finetune)
     after = retrieval(result.out, val)
     record_property("figure", f"held-out image->text before {before}, after {after}")
-    assert after["R@1"] > before["R@1"] and after["mean_rank"] < before["mean_rank"], (
+    # Measured: mean rank 4.6 -> 2.2, R@1 25% -> 38%, R@5 62% -> 100%.
+    assert after["mean_rank"] < before["mean_rank"] and after["R@5"] >= before["R@5"], (
         before,
         after,
     )

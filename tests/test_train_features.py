@@ -325,3 +325,30 @@ def test_a_validation_set_holding_no_pair_of_the_model_is_refused_naming_it(tmp_
         FieldError, match=r"data\.val\[0\]\.path.*holds only text, timeseries: no pair"
     ):
         train(config)
+
+
+@pytest.mark.parametrize(
+    "towers",
+    [
+        {"text": {"lora": {"rank": 4, "targets": ["attn"]}}},
+        {"image": {"unlocked_blocks": 1}},
+        {"image": {"freeze_blocks": 1}, "text": {"freeze": True}},
+    ],
+    ids=["lora", "unlocked", "frozen"],
+)
+def test_plan_record_counts_what_the_tower_modes_train(tmp_path, shards, towers):
+    """The run's own plan row follows train.towers: fp32 weights for every parameter (4 B),
+    gradients and AdamW moments (12 B) only for those the trainer leaves trainable."""
+    from mmtrain.train.lora import apply_lora, lora_towers
+    from mmtrain.train.optim import freeze_parameters
+
+    config = make_config(tmp_path, shards, towers=towers)
+    spec = ModelSpec.from_dict(MICRO_SPEC)
+    model = mmtrain.create_model(spec)
+    apply_lora(model, lora_towers(config.train), seed=0)
+    freeze_parameters(model, config.train)
+    every = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert trainable < spec.params()
+    plan = planned_memory(spec, config, world_size=1, recompute=[], device=torch.device("cpu"))
+    assert plan["predicted_model_state_bytes"] == 4 * every + 12 * trainable

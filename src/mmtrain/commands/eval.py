@@ -157,8 +157,7 @@ def run(args: argparse.Namespace) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out, json.dumps(report, indent=2) + "\n")
         print(json.dumps(report, indent=2) if args.json else format_report(report, out))
-    if distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    distributed.leave_process_group()
     return 0
 
 

@@ -21,7 +21,6 @@ from mmtrain.cli import UsageError
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from mmtrain.models.build import MultimodalModel
     from mmtrain.spec import ModelSpec
     from mmtrain.train.init import Source
 
@@ -57,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mmtrain.models.build import save_model
+    from mmtrain.models.build import model_with_weights, save_model
     from mmtrain.train.init import read_source
 
     if not math.isfinite(args.alpha):
@@ -77,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
             "differences, BASE vs FINETUNED):\n  " + "\n  ".join(differences[:8])
         )
     check_specs(spec, args.model, base, finetuned)  # what the weights do not show: heads, ...
-    model = _model_with(spec, wise_ft(base_state, finetuned_state, args.alpha), args.base)
+    # Keys and shapes checked against the spec (a --model may not fit the weights).
+    model = model_with_weights(spec, wise_ft(base_state, finetuned_state, args.alpha), args.base)
     save_model(model, out)
     print(
         f"wrote {out}: (1 - {args.alpha:g}) x {args.base} + {args.alpha:g} x {args.finetuned} "
@@ -171,16 +171,6 @@ def _named_as(source: Source, spec: ModelSpec) -> dict[str, Tensor]:
             key = f"towers.{renames[tower]}.{rest}"
         state[key] = value
     return state
-
-
-def _model_with(spec: ModelSpec, state: dict[str, Tensor], source: str) -> MultimodalModel:
-    from mmtrain.models.build import check_state_dict, create_model
-
-    model = create_model(spec, device="meta")
-    check_state_dict(model, state, source)  # the weights fit the spec (a --model may not)
-    model.load_state_dict(state, assign=True)
-    model.reset_buffers()
-    return model
 
 
 def _folder(path: Path) -> Path:

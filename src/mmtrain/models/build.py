@@ -338,6 +338,21 @@ def check_state_dict(
         )
 
 
+def model_with_weights(
+    spec: ModelSpec, state: Mapping[str, torch.Tensor], source: str | Path | None = None
+) -> MultimodalModel:
+    """A model of `spec` adopting the tensors of `state` (no copy, no random init), its derived
+    buffers rebuilt. With `source`, keys and shapes are checked first (ModelFileError naming it);
+    without, `load_state_dict`'s strict check applies."""
+    with torch.device("meta"):
+        model = MultimodalModel(spec)
+    if source is not None:
+        check_state_dict(model, state, source)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.reset_buffers()
+    return model
+
+
 def load_model(
     path: str | Path,
     *,
@@ -366,11 +381,7 @@ def load_model(
             weights_path,
             f"is not a readable safetensors file ({err}); it may be truncated or corrupt",
         ) from None
-    with torch.device("meta"):
-        model = MultimodalModel(spec)
-    check_state_dict(model, state, weights_path)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.reset_buffers()
+    model = model_with_weights(spec, state, weights_path)
     if device is not None or dtype is not None:
         model = model.to(device=device, dtype=dtype)
     return model

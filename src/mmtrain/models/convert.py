@@ -375,13 +375,9 @@ def load_openclip(path: str | Path, spec: ModelSpec | str) -> torch.nn.Module:
 
 def model_from_openclip(state_dict: Mapping[str, Tensor], spec: ModelSpec) -> torch.nn.Module:
     """An mmtrain model for `spec` holding the given OpenCLIP weights (dtype kept)."""
-    from mmtrain.models.build import create_model
+    from mmtrain.models.build import model_with_weights
 
-    weights = openclip_to_mmtrain(state_dict, spec)
-    model = create_model(spec, device="meta")  # no random init: every tensor is replaced
-    model.load_state_dict(weights, strict=True, assign=True)
-    model.reset_buffers()
-    return model
+    return model_with_weights(spec, openclip_to_mmtrain(state_dict, spec))
 
 
 def export_openclip(model: torch.nn.Module, path: str | Path) -> None:

@@ -678,14 +678,9 @@ def read_hf_folder(path: str | Path) -> tuple[ModelSpec, dict[str, Tensor]]:
 
 def load_hf(path: str | Path) -> nn.Module:
     """A `MultimodalModel` holding the weights of the HF CLIP/SigLIP folder at `path`."""
-    from mmtrain.models.build import MultimodalModel
+    from mmtrain.models.build import model_with_weights
 
-    spec, state = read_hf_folder(path)
-    with torch.device("meta"):  # no random init: every tensor is replaced
-        model = MultimodalModel(spec)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.reset_buffers()
-    return model
+    return model_with_weights(*read_hf_folder(path))
 
 
 # ----------------------------------------------------------------------------- spec -> HF

@@ -33,7 +33,6 @@ checkpoint and ignores `init`.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import math
 from collections.abc import Mapping
@@ -45,6 +44,7 @@ import safetensors.torch
 import torch
 from torch import Tensor, nn
 
+from mmtrain.atomic import sha256_file
 from mmtrain.config import RunConfig
 from mmtrain.models.build import SPEC_FILE, WEIGHTS_FILE
 from mmtrain.models.convert import (
@@ -547,7 +547,7 @@ def load_init(model: nn.Module, init: str | Mapping[str, str], strict: bool = Tr
     report.random = [key for key in state if key not in taken]
     for source in sources.values():
         for file in source.files:
-            report.sha256[str(file)] = sha256_of(file)
+            report.sha256[str(file)] = sha256_file(file)
     _log(report, init, strict)
     return report
 
@@ -582,14 +582,6 @@ def _log(report: InitReport, init: str | Mapping[str, str], strict: bool) -> Non
             "init: %d tensors of the source(s) not used: %s",
             len(report.ignored), _first(report.ignored),
         )  # fmt: skip
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # ----------------------------------------------------------------------------- the loop's call

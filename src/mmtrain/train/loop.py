@@ -53,6 +53,7 @@ from mmtrain.config import RunConfig, diff_configs, parse_yaml
 from mmtrain.data.shards import ShardSet
 from mmtrain.losses import ContrastiveLoss, logit_scale_value
 from mmtrain.models import MultimodalModel, create_model, save_model
+from mmtrain.models.build import model_with_weights
 from mmtrain.spec import ModelSpec, load_spec
 from mmtrain.structured import FieldError
 from mmtrain.train import parallel
@@ -439,7 +440,7 @@ def train(
             if lora_scale:  # OUT/lora.safetensors: the adapters alone; the model: them merged
                 write_lora_file(adapter_weights(weights), lora_towers(t), out / LORA_FILE)
                 weights = merge_lora_state(weights, lora_scale)
-            save_model(_model_with(model.spec, weights), out)
+            save_model(model_with_weights(model.spec, weights), out)
             if ema is not None:
                 save_model(ema.model(model), out / "ema")
     if validation is not None:
@@ -827,14 +828,6 @@ def _full_weights(model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
     if parallel.is_fsdp(model) or rank == 0:
         return parallel.full_model_state_dict(model)
     return {}
-
-
-def _model_with(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> MultimodalModel:
-    """A CPU model of `spec` adopting `weights` (no copy), e.g. gathered from FSDP shards."""
-    model = create_model(spec, device="meta")
-    model.load_state_dict(weights, assign=True)
-    model.reset_buffers()
-    return model
 
 
 def _check_finite_weights(weights: dict[str, torch.Tensor], sharded: bool = False) -> None:

@@ -120,8 +120,8 @@ def planned_memory(
 ) -> dict[str, Any]:
     """The planner's per-device memory prediction for this run (the `plan` record).
 
-    Same inputs as `mmtrain plan`: the spec (towers with `freeze: true` planned as frozen), the
-    precision, micro-batch, ranks and FSDP sharding, with activation checkpointing per tower
+    Same inputs as `mmtrain plan`: the spec with each tower trained as `train.towers` says
+    (frozen, LoRA, or frozen up to a block), the precision, micro-batch, ranks and FSDP sharding, with activation checkpointing per tower
     (`train.towers.NAME.activation_checkpointing`, planned as "full" for those towers).
     `allocated_bytes` (model states + activations + communication buffers) is what CUDA's
     `max_memory_allocated` measures; `total_bytes` adds the CUDA context and fragmentation.
