@@ -20,13 +20,15 @@ from typing import Any
 
 import yaml
 
+from mmtrain.decoder_spec import DecoderSpec
 from mmtrain.structured import FieldError, check_choice, closest, from_dict, to_dict
 
 MODALITIES = ("image", "video", "audio", "timeseries", "text")
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
 POOLINGS = ("cls", "mean", "map", "eot", "last")
-OBJECTIVES = ("clip", "siglip", "triplet")
+OBJECTIVES = ("clip", "siglip", "triplet", "next_token")
+PROJECTORS = ("linear", "mlp")
 FUSION_TASKS = ("classify", "regress")
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -399,11 +401,82 @@ class FusionSpec:
                 )
 
 
+# ----------------------------------------------------------------------------- projector (VLM)
+@dataclass(frozen=True)
+class ProjectorSpec:
+    """How images enter a decoder LM (LLaVA): the vision tower's hidden states at
+    `feature_layer`, the class token dropped unless `keep_cls`, mapped to the LM's width by a
+    linear layer or a two-layer MLP with GELU ("mlp": LLaVA-1.5's mlp2x_gelu), and spliced into
+    the text at each `image_token_id` (one placeholder id per image in the data).
+
+    `feature_layer` counts as Hugging Face's `hidden_states` do: 0 is the embeddings (after the
+    pre-norm), k the output of block k, negative from the end (-1: the last block, -2: the one
+    before, LLaVA's choice). The tower's final norm is not applied (HF's post_layernorm is not
+    either); blocks after the feature layer are kept (checkpoints hold them) but never run."""
+
+    image_token_id: int
+    kind: str = "mlp"
+    feature_layer: int = -2
+    keep_cls: bool = False
+    tower: str = "image"
+
+    def blocks_used(self, tower: TowerSpec) -> int:
+        """How many of the tower's blocks run to reach the feature layer."""
+        return (
+            self.feature_layer if self.feature_layer >= 0 else tower.layers + 1 + self.feature_layer
+        )
+
+    def image_tokens(self, tower: TowerSpec) -> int:
+        """Positions one image takes in the LM."""
+        return tower.stem.patches() + int(self.keep_cls and tower.has_cls_token())
+
+    def params(self, vision_width: int, lm_width: int) -> int:
+        first = vision_width * lm_width + lm_width
+        return first if self.kind == "linear" else first + lm_width * lm_width + lm_width
+
+    def flops(self, tower: TowerSpec, lm_width: int) -> int:
+        """Forward FLOPs per image: the vision tower up to the feature layer, then the projector."""
+        w = tower.width
+        stem = 2 * tower.stem.patches() * tower.stem.patch_dim() * w
+        vision = stem + self.blocks_used(tower) * tower.block_flops()
+        mats = w * lm_width + (lm_width * lm_width if self.kind == "mlp" else 0)
+        return vision + 2 * self.image_tokens(tower) * mats
+
+    def validate(self, path: str, towers: dict[str, TowerSpec], decoder: DecoderSpec) -> None:
+        check_choice(f"{path}.kind", self.kind, PROJECTORS)
+        if self.tower not in towers:
+            raise FieldError(
+                f"{path}.tower",
+                f"no tower named {self.tower!r}{closest(self.tower, list(towers))}",
+            )
+        tower = towers[self.tower]
+        if tower.modality != "image":
+            raise FieldError(
+                f"{path}.tower",
+                f"{self.tower!r} is a {tower.modality} tower; the projector takes an image tower",
+            )
+        if not 0 <= self.blocks_used(tower) <= tower.layers:
+            raise FieldError(
+                f"{path}.feature_layer",
+                f"{self.feature_layer} is outside the tower's hidden states "
+                f"({-(tower.layers + 1)} .. {tower.layers})",
+            )
+        if not 0 <= self.image_token_id < decoder.vocab_size:
+            raise FieldError(
+                f"{path}.image_token_id",
+                f"{self.image_token_id} is not an id of the {decoder.vocab_size}-token vocabulary",
+            )
+
+
 # ----------------------------------------------------------------------------- model
 @dataclass(frozen=True)
 class ModelSpec:
     """Towers by name (the name is the batch key; usually the modality), the shared embedding
-    width, the contrastive objective over `pairs`, and an optional fusion head."""
+    width, the contrastive objective over `pairs`, and an optional fusion head.
+
+    A language model sets `decoder` (objective `next_token`, batch key "text"); a
+    vision-language model (LLaVA) adds an image tower and the `projector` that splices its
+    tokens into the text. Their towers have no pairs and no fusion head."""
 
     name: str
     embed_dim: int
@@ -413,17 +486,22 @@ class ModelSpec:
     logit_scale_init: float = math.log(1 / 0.07)
     logit_bias_init: float | None = None  # SigLIP: -10
     fusion: FusionSpec | None = None
+    decoder: DecoderSpec | None = None
+    projector: ProjectorSpec | None = None
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         _positive("", self, "embed_dim")
-        if not self.towers:
+        if not self.towers and self.decoder is None:
             raise FieldError("towers", "a model needs at least one tower")
         for name, tower in self.towers.items():
             tower.validate(f"towers.{name}", self.embed_dim)
         check_choice("objective", self.objective, OBJECTIVES)
+        if self.decoder is not None or self.objective == "next_token":
+            self._validate_language_model()
+            return
         names = list(self.towers)
         for i, pair in enumerate(self.pairs):
             for j, name in enumerate(pair):
@@ -442,6 +520,50 @@ class ModelSpec:
         if self.fusion is not None:
             self.fusion.validate("fusion", names)
 
+    def _validate_language_model(self) -> None:
+        if self.decoder is None:
+            raise FieldError("decoder", "objective next_token needs a decoder (the language model)")
+        self.decoder.validate("decoder")
+        if self.objective != "next_token":
+            raise FieldError(
+                "objective", f"a decoder trains with next_token, not {self.objective!r}"
+            )
+        if self.pairs or self.fusion is not None:
+            raise FieldError(
+                "pairs" if self.pairs else "fusion",
+                "a language model has no contrastive pairs or fusion head",
+            )
+        if self.projector is None:
+            if self.towers:
+                raise FieldError(
+                    "projector",
+                    "towers beside a decoder need a projector (how their tokens enter the text)",
+                )
+            return
+        self.projector.validate("projector", self.towers, self.decoder)
+        extra = sorted(set(self.towers) - {self.projector.tower})
+        if extra:
+            raise FieldError(f"towers.{extra[0]}", "a vision-language model has one image tower")
+
+    def is_language_model(self) -> bool:
+        return self.decoder is not None
+
+    def image_tokens(self) -> int:
+        """Positions one image takes in the language model (0 without a projector)."""
+        if self.projector is None:
+            return 0
+        return self.projector.image_tokens(self.towers[self.projector.tower])
+
+    def sequence_flops(self, positions: int, images: int = 0) -> int:
+        """Forward FLOPs of a language model for one sequence of `positions` positions (image
+        tokens included) holding `images` images."""
+        assert self.decoder is not None
+        total = self.decoder.forward_flops(positions)
+        if images and self.projector is not None:
+            tower = self.towers[self.projector.tower]
+            total += images * self.projector.flops(tower, self.decoder.width)
+        return total
+
     # -- counts
     def fused_towers(self) -> list[str]:
         if self.fusion is None:
@@ -452,13 +574,19 @@ class ModelSpec:
         return {name: t.params(self.embed_dim) for name, t in self.towers.items()}
 
     def head_params(self) -> int:
-        """Parameters outside the towers: logit scale (and SigLIP's bias), the fusion head."""
+        """Parameters outside the towers: logit scale (and SigLIP's bias), the fusion head, the
+        decoder LM and its projector."""
         n = 0
         if self.pairs:
             n += 1 + int(self.logit_bias_init is not None)
         if self.fusion is not None:
             widths = {name: self.towers[name].width for name in self.fused_towers()}
             n += self.fusion.params(widths)
+        if self.decoder is not None:
+            n += self.decoder.params()
+            if self.projector is not None:
+                vision = self.towers[self.projector.tower].width
+                n += self.projector.params(vision, self.decoder.width)
         return n
 
     def params(self) -> int:
@@ -471,7 +599,11 @@ class ModelSpec:
         return {name: t.flops(self.embed_dim) for name, t in self.towers.items()}
 
     def forward_flops(self) -> int:
-        """Forward FLOPs per sample (one input per tower), fusion head included."""
+        """Forward FLOPs per sample (one input per tower), fusion head included; a language
+        model: one sequence of `decoder.max_positions` positions with one image per image
+        tower (the loop counts a step's real positions instead)."""
+        if self.decoder is not None:
+            return self.sequence_flops(self.decoder.max_positions, len(self.towers))
         total = sum(self.tower_flops().values())
         if self.fusion is not None:
             fused = self.fused_towers()
@@ -528,6 +660,8 @@ def _model_from_dict(data: Any) -> ModelSpec:
     if not isinstance(towers, dict):
         raise FieldError("towers", "expected a mapping of tower name -> tower spec")
     data["towers"] = {name: _tower_from_dict(t, f"towers.{name}") for name, t in towers.items()}
+    if isinstance(data.get("decoder"), dict):
+        data["decoder"] = DecoderSpec.from_dict(data["decoder"], "decoder")
     return from_dict(ModelSpec, data)
 
 
