@@ -80,8 +80,8 @@ def parity_spec():
 
 def make_shards(work: Path) -> Path:
     """The quickstart's Twemoji train split as webdataset shards (png + txt); returns the folder."""
-    from mmtrain.quickstart import build_shards
-    from mmtrain.quickstart_data import list_emoji, write_raw
+    from mmtrain.quickstart.common import build_shards
+    from mmtrain.quickstart.emoji_data import list_emoji, write_raw
 
     split = write_raw(list_emoji(), work / "raw", val_fraction=0.1)
     build_shards(split.train_dir, work / "shards", workers=2)

@@ -30,6 +30,7 @@ from mmtrain.train.comm_timing import (
     union_length,
 )
 from mmtrain.train.loop import forward_backward
+from mmtrain.train.objectives import ContrastiveObjective
 from mmtrain.train.precision import make_precision
 from test_train import make_config, make_shards
 
@@ -80,7 +81,7 @@ def _step(trained, model, batch, timer: CommTimer | None):
     started = time.perf_counter()
     if timer is not None:
         timer.start_step()
-    loss, _ = forward_backward(trained, model, loss_fn, [batch], fp32)
+    loss, _ = forward_backward(trained, [ContrastiveObjective(model, loss_fn)], [batch], fp32)
     figures = timer.finish_step() if timer is not None else {}
     elapsed = time.perf_counter() - started
     grads = {}

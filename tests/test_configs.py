@@ -17,8 +17,18 @@ EXPECTED = {
     "audio-text",
     "video-text",
     "finetune-clip",
+    "vlm-stage1",
+    "vlm-stage2",
+    "llava-1.5-7b",
 }
-MULTI_GPU = {"siglip-vit-b-16": 8, "video-text": 8}  # their comments launch 8 ranks
+# their comments launch 8 ranks
+MULTI_GPU = {
+    "siglip-vit-b-16": 8,
+    "video-text": 8,
+    "vlm-stage1": 8,
+    "vlm-stage2": 8,
+    "llava-1.5-7b": 8,
+}
 
 
 def test_the_recipes_of_the_issue_are_there():
@@ -29,7 +39,7 @@ def test_the_recipes_of_the_issue_are_there():
 def test_recipe_loads_and_validates(path):
     config = load_config(path)
     spec = load_spec(config.model)  # a preset or configs/specs/*.yaml, resolved next to the file
-    assert set(config.train.towers) <= set(spec.towers), "train.towers names unknown towers"
+    assert set(config.train.towers) <= set(spec.tower_names()), "train.towers names unknown towers"
     config.validate(world_size=MULTI_GPU.get(path.stem, 1))  # the batch splits evenly
     assert path.read_text().startswith("#"), "a recipe opens with what it is for and its data"
 

@@ -67,8 +67,10 @@ def n_params(model: torch.nn.Module) -> int:
 def test_built_parameter_count_equals_spec(name):
     model = mmtrain.create_model(name, device="meta")
     assert n_params(model) == load_spec(name).params()
-    for tower_name, tower in model.towers.items():
-        assert n_params(tower) == model.spec.tower_params()[tower_name]
+    for tower_name, count in model.spec.tower_params().items():
+        assert n_params(model.towers[tower_name]) == count
+    if model.spec.decoder is not None:  # the decoder LM is the model's "text" tower
+        assert n_params(model.towers["text"]) == model.spec.decoder.params()
 
 
 def test_vit_b_32_has_openclips_parameter_count():

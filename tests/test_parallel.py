@@ -18,6 +18,7 @@ from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
 from mmtrain.train import parallel
 from mmtrain.train.loop import forward_backward, optimizer_step
+from mmtrain.train.objectives import ContrastiveObjective
 from mmtrain.train.precision import make_precision
 
 MICRO = micro_spec("micro", embed_dim=16, context_length=8, text_pooling=None)
@@ -116,7 +117,9 @@ def _step(trained, model, optimizer, step: int, rank: int, world: int) -> tuple[
     mine = {k: v.chunk(world)[rank] for k, v in full.items()}
     micro = [{k: v.chunk(2)[j] for k, v in mine.items()} for j in range(2)]
     optimizer.zero_grad(set_to_none=True)
-    loss, _ = forward_backward(trained, model, ContrastiveLoss.from_spec(spec), micro, FP64)
+    loss, _ = forward_backward(
+        trained, [ContrastiveObjective(model, ContrastiveLoss.from_spec(spec))], micro, FP64
+    )
     norm, stepped = optimizer_step(model, optimizer, FP64, grad_clip=1.0)
     assert stepped
     if world > 1:
@@ -203,7 +206,9 @@ def test_compiled_towers_train_like_eager():
     results = []
     for model in (eager, compiled):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        loss, _ = forward_backward(model, model, ContrastiveLoss("clip"), [batch], FP64)
+        loss, _ = forward_backward(
+            model, [ContrastiveObjective(model, ContrastiveLoss("clip"))], [batch], FP64
+        )
         optimizer_step(model, optimizer, FP64, grad_clip=1.0)
         results.append((loss, model.state_dict()))
     torch.testing.assert_close(results[1][0], results[0][0], **EXACT)

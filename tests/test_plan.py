@@ -58,7 +58,7 @@ def test_70b_bf16_weights_and_llama3_kv_cache():
     assert est.weights_bytes / GIB == pytest.approx(130.4, abs=0.05)
     vlm = load_model("vlm-70b")
     assert kv_cache_bytes(vlm, 32 * 1024, 1) / 1e9 == pytest.approx(10.7, abs=0.05)
-    assert vlm.stack("llm").params / 1e9 == pytest.approx(70.55, abs=0.01)  # Llama-3-70B
+    assert vlm.stack("text").params / 1e9 == pytest.approx(70.55, abs=0.01)  # Llama-3-70B
 
 
 @pytest.mark.parametrize("name", preset_names())
@@ -381,6 +381,6 @@ def test_plan_cli_imports_no_torch():
 
 
 def test_planner_imports_no_torch():
-    code = "import sys, mmtrain.hardware, mmtrain.plan.recommend, mmtrain.plan.inference, mmtrain.plan.workloads, mmtrain.commands.plan; print('torch' in sys.modules)"
+    code = "import sys, mmtrain.hardware, mmtrain.plan.recommend, mmtrain.plan.inference, mmtrain.plan.workloads, mmtrain.plan.lengths, mmtrain.plan.data_plan, mmtrain.commands.plan; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

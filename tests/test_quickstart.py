@@ -11,15 +11,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmtrain import quickstart_data as qd
 from mmtrain.cli import main
-from mmtrain.quickstart import (
-    QuickstartConfig,
-    chance_levels,
-    check_out,
-    plan_steps,
-    quickstart_spec,
-)
+from mmtrain.quickstart import QuickstartConfig
+from mmtrain.quickstart import emoji_data as qd
+from mmtrain.quickstart.budget import plan_steps
+from mmtrain.quickstart.common import chance_levels, check_out
+from mmtrain.quickstart.image_text import quickstart_spec
 from mmtrain.structured import FieldError
 
 HAVE_EXTRA = all(importlib.util.find_spec(m) is not None for m in qd.REQUIRED)

@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 
 from micro import MIXED_SPEC, make_mixed_sources
-from mmtrain import quickstart_modalities as qm
 from mmtrain.cli import main
 from mmtrain.config import config_from_dict
 from mmtrain.data.media import decode_audio
 from mmtrain.quickstart import make_config
-from mmtrain.quickstart_series import TsFormatError, read_ts, series_caption
+from mmtrain.quickstart import modalities as qm
+from mmtrain.quickstart.config import parse_modalities
+from mmtrain.quickstart.image_text import quickstart_spec
+from mmtrain.quickstart.series import TsFormatError, read_ts, series_caption
 from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
 from mmtrain.train.data import TrainData
@@ -35,7 +37,7 @@ needs_sktime = pytest.mark.skipif(not HAVE_SKTIME, reason=f"sktime missing: {INS
 # ----------------------------------------------------------------------------- speech
 @needs_speech
 def test_spoken_captions_are_audible_of_plausible_length_and_differ():
-    from mmtrain.quickstart_speech import Speaker, to_flac, voice_for
+    from mmtrain.quickstart.speech import Speaker, to_flac, voice_for
 
     captions = ["thumbs up, medium skin tone", "flag of France", "a person walking"]
     with Speaker() as speaker:
@@ -60,7 +62,7 @@ def test_spoken_captions_are_audible_of_plausible_length_and_differ():
 
 
 def test_resampling_keeps_a_tone_and_the_duration():
-    from mmtrain.quickstart_speech import resample
+    from mmtrain.quickstart.speech import resample
 
     t = np.arange(22050) / 22050
     tone = (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
@@ -75,7 +77,7 @@ def test_resampling_keeps_a_tone_and_the_duration():
 def test_basic_motions_from_sktime_without_importing_it():
     code = (
         "import sys\n"
-        "from mmtrain.quickstart_series import basic_motions_files, read_ts\n"
+        "from mmtrain.quickstart.series import basic_motions_files, read_ts\n"
         "train, test = (read_ts(f) for f in basic_motions_files())\n"
         "print(train.series.shape, test.series.shape, train.class_labels,"
         " sorted(set(train.labels)) == sorted(set(test.labels)), 'sktime' in sys.modules)\n"
@@ -89,7 +91,7 @@ def test_basic_motions_from_sktime_without_importing_it():
         ).split()
     )
 
-    from mmtrain.quickstart_series import basic_motions_files
+    from mmtrain.quickstart.series import basic_motions_files
 
     train = read_ts(basic_motions_files()[0])
     assert Counter(train.labels) == {c: 10 for c in ("Standing", "Running", "Walking", "Badminton")}
@@ -161,12 +163,12 @@ def test_series_captions_come_from_templates_and_name_the_activity():
 
 # ----------------------------------------------------------------------------- settings
 def test_modalities_flag_is_parsed_in_a_fixed_order():
-    assert qm.parse_modalities(None) == ("image",)
-    assert qm.parse_modalities("timeseries, text,IMAGE") == ("image", "timeseries")
+    assert parse_modalities(None) == ("image",)
+    assert parse_modalities("timeseries, text,IMAGE") == ("image", "timeseries")
     with pytest.raises(FieldError, match="'video' is not one of"):
-        qm.parse_modalities("image,video")
+        parse_modalities("image,video")
     with pytest.raises(FieldError, match="at least one"):
-        qm.parse_modalities("text")
+        parse_modalities("text")
     # the default quickstart keeps its settings; --modalities gets its own defaults
     assert (make_config().steps, make_config().batch_size) == (450, 64)
     config = make_config(("image", "audio"), steps=None, batch_size=16)
@@ -187,8 +189,6 @@ def test_missing_modality_package_exits_2_naming_the_install_command(monkeypatch
 
 def test_spec_binds_every_modality_to_text():
     base = make_config(("image", "audio", "timeseries"))
-    from mmtrain.quickstart import quickstart_spec
-
     spec = qm.modalities_spec(quickstart_spec(base), base.modalities)
     assert list(spec.towers) == ["image", "audio", "timeseries", "text"]
     assert spec.pairs == [("image", "text"), ("audio", "text"), ("timeseries", "text")]

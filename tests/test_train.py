@@ -20,6 +20,7 @@ from mmtrain.structured import FieldError
 from mmtrain.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from mmtrain.train.loop import forward_backward, optimizer_step, train
 from mmtrain.train.metrics import LossSpikes
+from mmtrain.train.objectives import ContrastiveObjective
 from mmtrain.train.optim import freeze_parameters, lr_factor, param_groups
 from mmtrain.train.parallel import apply_activation_checkpointing
 from mmtrain.train.precision import make_precision
@@ -58,12 +59,14 @@ def test_accumulated_gradient_equals_one_big_batch():
     loss_fn = ContrastiveLoss("clip")
 
     model = micro_model().double()
-    big_loss, _ = forward_backward(model, model, loss_fn, [batch], precision)
+    big_loss, _ = forward_backward(
+        model, [ContrastiveObjective(model, loss_fn)], [batch], precision
+    )
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
 
     model.zero_grad(set_to_none=True)
     micro = [{k: v[i : i + 2] for k, v in batch.items()} for i in range(0, 8, 2)]
-    acc_loss, _ = forward_backward(model, model, loss_fn, micro, precision)
+    acc_loss, _ = forward_backward(model, [ContrastiveObjective(model, loss_fn)], micro, precision)
     assert acc_loss.item() == pytest.approx(big_loss.item(), rel=1e-12)
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, expected[name], rtol=1e-10, atol=1e-12, msg=name)
@@ -153,7 +156,12 @@ def test_fp16_overflow_is_skipped_and_counted():
     model = micro_model()
     precision = make_precision("fp16", torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    forward_backward(model, model, ContrastiveLoss("clip"), [random_batch(4, seed=2)], precision)
+    forward_backward(
+        model,
+        [ContrastiveObjective(model, ContrastiveLoss("clip"))],
+        [random_batch(4, seed=2)],
+        precision,
+    )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     model.towers["text"].proj.weight.grad[0, 0] = math.inf  # an fp16 overflow
     _, stepped = optimizer_step(model, optimizer, precision, grad_clip=1.0)
@@ -275,9 +283,13 @@ def test_activation_checkpointing_per_tower_keeps_the_gradient():
     batch = random_batch(4, seed=5)
     precision = make_precision("fp32", torch.device("cpu"))
     plain = micro_model()
-    forward_backward(plain, plain, ContrastiveLoss("clip"), [batch], precision)
+    forward_backward(
+        plain, [ContrastiveObjective(plain, ContrastiveLoss("clip"))], [batch], precision
+    )
     recomputed = apply_activation_checkpointing(micro_model(), "full", ["image"])
-    forward_backward(recomputed, recomputed, ContrastiveLoss("clip"), [batch], precision)
+    forward_backward(
+        recomputed, [ContrastiveObjective(recomputed, ContrastiveLoss("clip"))], [batch], precision
+    )
     for (name, a), b in zip(plain.named_parameters(), recomputed.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, msg=name)
     with pytest.raises(FieldError, match="no tower 'audio'"):

@@ -50,6 +50,19 @@ class DataConfig:
     # (an integer class, a class name from `class_names`, or a number/list for regression).
     label_field: str = "label"
     class_names: list[str] = field(default_factory=list)
+    # s3:// shards are read through this local cache (node-local disk; default
+    # $XDG_CACHE_HOME/mmtrain/shards), kept under cache_max_gb (decimal GB) by LRU eviction.
+    cache_dir: str | None = None
+    cache_max_gb: float = 100.0
+    # Conversation shards for a decoder LM (data/conversation_batches.py). chat_template: a name
+    # (plain, chatml, llama-3, vicuna-v1) or a tokenizer_config.json / .jinja / model folder;
+    # null: the template stored with data.tokenizer (its folder), so a model's own format is the
+    # default and a mismatch cannot slip in silently. sequence_length: LM positions per row,
+    # image tokens included (null: the decoder's max_positions); longer samples are truncated,
+    # or refused when that would cut an image or leave no answer. pack: several samples per row.
+    chat_template: str | None = None
+    sequence_length: int | None = None
+    pack: bool = False
 
 
 @dataclass

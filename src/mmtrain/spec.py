@@ -29,6 +29,7 @@ NORMS = ("layernorm", "rmsnorm")
 POOLINGS = ("cls", "mean", "map", "eot", "last")
 OBJECTIVES = ("clip", "siglip", "triplet", "next_token")
 PROJECTORS = ("linear", "mlp")
+DECODER_TOWER = "text"  # the decoder LM's name among a model's towers (and its batch key)
 FUSION_TASKS = ("classify", "regress")
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -540,10 +541,19 @@ class ModelSpec:
                     "towers beside a decoder need a projector (how their tokens enter the text)",
                 )
             return
+        if DECODER_TOWER in self.towers:
+            raise FieldError(
+                f"towers.{DECODER_TOWER}", "the decoder LM takes this name; rename the tower"
+            )
         self.projector.validate("projector", self.towers, self.decoder)
         extra = sorted(set(self.towers) - {self.projector.tower})
         if extra:
             raise FieldError(f"towers.{extra[0]}", "a vision-language model has one image tower")
+
+    def tower_names(self) -> list[str]:
+        """The model's towers by the names its module and `train.towers` use: the encoders,
+        and "text" for a decoder LM (the batch key of its ids)."""
+        return [*self.towers, *([DECODER_TOWER] if self.decoder is not None else [])]
 
     def is_language_model(self) -> bool:
         return self.decoder is not None

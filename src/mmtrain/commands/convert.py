@@ -8,8 +8,11 @@
 DIR holds model.safetensors + spec.yaml (what `mmtrain.load_model(DIR)` reads). The OpenCLIP file
 written by `--to` is a bare state dict that OpenCLIP's `CLIP` loads with `strict=True`. HF_DIR is a
 transformers folder (config.json + model.safetensors, or shards with model.safetensors.index.json)
-of CLIPModel, SiglipModel, CLIPVisionModel, CLIPVisionModelWithProjection or SiglipVisionModel;
-its config.json gives the model's shape, so --model is not used with hf.
+of CLIPModel, SiglipModel, CLIPVisionModel, CLIPVisionModelWithProjection, SiglipVisionModel,
+LlamaForCausalLM, Qwen2ForCausalLM or LlavaForConditionalGeneration (config.json's
+`architectures` decides); its config.json gives the model's shape, so --model is not used with
+hf. A language model's folder holds the decoder under `towers.text.*` (and a LLaVA's image tower
+under `towers.image.*`, its projector under `projector.*`).
 """
 
 from __future__ import annotations
@@ -77,10 +80,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _from_hf(source: Path, out: Path) -> int:
-    from mmtrain.models.build import save_model
-    from mmtrain.models.hf_clip import load_hf
+    from mmtrain.models.build import model_with_weights, save_model
+    from mmtrain.models.hf import read_hf_model
 
-    model = load_hf(source)  # HFFolderError (a FieldError) names the file and field: exit 2
+    spec, state = read_hf_model(source)  # HFFolderError (a FieldError) names file and field
+    model = model_with_weights(spec, state)
     save_model(model, out)
     params = sum(p.numel() for p in model.parameters())
     print(f"wrote {out} ({model.spec.name}, {params:,} parameters from {source})")
@@ -89,14 +93,14 @@ def _from_hf(source: Path, out: Path) -> int:
 
 def _to_hf(source: Path, out: Path) -> int:
     from mmtrain.models.build import load_model
-    from mmtrain.models.hf_clip import NoHFCounterpart, hf_layout, write_hf_folder
+    from mmtrain.models.hf import NoHFCounterpart, hf_counterpart, write_hf_model
 
     model = load_model(source)
     try:
-        arch = hf_layout(model.spec).arch.name
+        arch = hf_counterpart(model.spec)
     except NoHFCounterpart as err:
         raise UsageError(f"{source}: {err}") from None
-    write_hf_folder(model, out)
+    write_hf_model(model, out)
     print(f"wrote {out} ({arch} for transformers, from {source})")
     return 0
 

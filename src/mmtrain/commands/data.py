@@ -62,6 +62,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     inspect.add_argument(
         "--sheet-samples", type=int, default=16, help="samples on the contact sheet (default 16)"
     )
+    inspect.add_argument(
+        "--tokenizer", help="conversation shards: count tokens with this tokenizer.json / folder"
+    )
+    inspect.add_argument(
+        "--chat-template",
+        help="with --tokenizer: vicuna-v1, chatml, llama-3, plain or a tokenizer_config.json",
+    )
+    inspect.add_argument(
+        "--image-tokens",
+        type=int,
+        default=1,
+        help="LM positions one image takes (the model's; e.g. 576 for LLaVA-1.5), default 1",
+    )
     inspect.set_defaults(func=run_inspect)
 
     order = commands.add_parser("order", help="the keys a rank reads, in order")
@@ -125,6 +138,8 @@ def run_build(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if config.publish_to is not None:
+        print(f"uploaded {len(report.shards)} shard(s) and the manifest to {config.publish_to}")
     print(f"wrote {config.out_dir / 'manifest.json'}")
     return 0
 
@@ -164,7 +179,15 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.sheet_samples < 1:
         raise UsageError("--sheet-samples must be >= 1")
     spec = _spec(args.shards)
-    report = inspect_shards(spec, check_hash=not args.no_hash, verify=args.verify)
+    tokenizer, template = _conversation_tools(args)
+    report = inspect_shards(
+        spec,
+        check_hash=not args.no_hash,
+        verify=args.verify,
+        tokenizer=tokenizer,
+        template=template,
+        image_tokens=args.image_tokens,
+    )
     if sheet is not None:
         sources = open_shards(spec)[2]
         report["contact_sheet"] = {
@@ -176,6 +199,36 @@ def run_inspect(args: argparse.Namespace) -> int:
     else:
         _print_report(report)
     return 1 if report["problems"] else 0
+
+
+def _conversation_tools(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The tokenizer and chat template that count a conversation's tokens (both or none)."""
+    if (args.tokenizer is None) != (args.chat_template is None):
+        raise UsageError("--tokenizer and --chat-template go together (tokens need both)")
+    if args.image_tokens < 1:
+        raise UsageError("--image-tokens must be >= 1")
+    if args.tokenizer is None:
+        return None, None
+    from mmtrain.data.chat_templates import get_template
+    from mmtrain.data.tokenizer import get_tokenizer
+
+    return get_tokenizer(args.tokenizer, language_model=True), get_template(args.chat_template)
+
+
+def _print_conversations(summary: dict[str, Any]) -> None:
+    refused = summary["refused"]
+    why = ", ".join(f"{kind} {n:,}" for kind, n in refused.items())
+    print(
+        f"  chats       {summary['samples']:,} conversations, {sum(refused.values()):,} refused"
+        + (f" ({why})" if why else "")
+    )
+    names = ("positions", "text_ids", "images") if "positions" in summary else ("images",)
+    for name in (*names, *(() if "positions" in summary else ("text_bytes",))):
+        stats = summary[name]
+        figures = ", ".join(f"{k} {stats[k]:,.0f}" for k in ("mean", "p50", "p90", "p99", "max"))
+        print(f"  {name:<11} {figures}")
+    if "note" in summary:
+        print(f"  note        {summary['note']}")
 
 
 def _print_report(report: dict[str, Any]) -> None:
@@ -201,6 +254,8 @@ def _print_report(report: dict[str, Any]) -> None:
         print(f"  refused     {len(report['unsafe'])} member(s) (never reach a sample):")
         for m in report["unsafe"][:20]:
             print(f"    {m['shard']}: {m['member']}: {m['reason']}")
+    if report.get("conversations"):
+        _print_conversations(report["conversations"])
     if "contact_sheet" in report:
         sheet = report["contact_sheet"]
         print(f"  contact     {sheet['path']} ({len(sheet['keys'])} samples)")

@@ -1,4 +1,5 @@
-"""`mmtrain eval RUN_DIR|WEIGHTS_DIR --data PATTERN`: retrieval, CLIP score, zero-shot, probe.
+"""`mmtrain eval RUN_DIR|WEIGHTS_DIR --data PATTERN`: retrieval, CLIP score, zero-shot, probe;
+for a language model (a spec with a decoder): perplexity and generated answers on conversations.
 
 Loads a model folder (model.safetensors + spec.yaml) or a training checkpoint (full or sharded),
 streams the data in eval mode, and writes `eval.json` (into the model folder, or
@@ -24,11 +25,15 @@ SCHEMA_VERSION = 1
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "eval",
-        help="evaluate a trained model: retrieval, CLIP score, zero-shot, linear probe",
+        help="evaluate a trained model: retrieval, CLIP score, zero-shot, linear probe; "
+        "perplexity and answers for language models",
         description=(
             "Evaluate the model in RUN_DIR (or a folder written by save_model / convert) on "
             "shards: retrieval R@1/5/10 and ranks in both directions of each pair, CLIP score, "
-            "zero-shot classification with class names, a linear probe on labels. Writes "
+            "zero-shot classification with class names, a linear probe on labels. For a "
+            "language or vision-language model, on conversation shards: perplexity of the "
+            "answers, greedy answers scored against the references (token F1, exact match), "
+            "also with the images shuffled between samples, and a few examples. Writes "
             "eval.json. Exit code 2 on bad input."
         ),
     )
@@ -81,6 +86,23 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--tokenizer",
         help="'byte', a tokenizer.json or CLIP merges file (default: the run's config, else byte)",
     )
+    p.add_argument(
+        "--chat-template",
+        help="language models: plain, chatml, llama-3, vicuna-v1 or a tokenizer_config.json "
+        "(default: the run's data.chat_template, else the tokenizer folder's)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=32,
+        help="language models: length limit of each generated answer (default 32)",
+    )
+    p.add_argument(
+        "--examples",
+        type=int,
+        default=8,
+        help="language models: generated answers kept in the report (default 8)",
+    )
     p.add_argument("--workers", type=int, default=0, help="decode processes per rank (default 0)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when available)")
     p.add_argument(
@@ -94,9 +116,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch  # imported here so `mmtrain --help` stays fast
 
-    import mmtrain
-    from mmtrain import distributed
-    from mmtrain.atomic import atomic_write_text
     from mmtrain.eval.run import ZeroShotConfig, parse_pairs
     from mmtrain.eval.zeroshot import DEFAULT_TEMPLATES, read_class_names, read_templates
 
@@ -110,6 +129,9 @@ def run(args: argparse.Namespace) -> int:
     device = _init_distributed(args.device, torch)
     model, run_dir, source = _load_model(model_dir, device)
     spec = model.spec
+    if spec.decoder is not None:
+        report = _language_model_report(model, run_dir, args)
+        return _write(report, model, run_dir, source, args)
     try:
         pairs = parse_pairs(args.pairs, spec) if args.pairs else [tuple(p) for p in spec.pairs]
     except ValueError as err:
@@ -143,6 +165,16 @@ def run(args: argparse.Namespace) -> int:
     )
     report = evaluator.report(model)
     evaluator.close()
+    return _write(report, model, run_dir, source, args)
+
+
+def _write(report: dict[str, Any], model: Any, run_dir: Path, source: Path, args: Any) -> int:
+    """eval.json (rank 0) and the table or JSON on stdout; leaves the process group."""
+    import mmtrain
+    from mmtrain import distributed
+    from mmtrain.atomic import atomic_write_text
+
+    spec = model.spec
     report = {
         "schema_version": SCHEMA_VERSION,
         "model": str(source),
@@ -159,6 +191,69 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2) if args.json else format_report(report, out))
     distributed.leave_process_group()
     return 0
+
+
+def _language_model_report(model: Any, run_dir: Path, args: argparse.Namespace) -> dict:
+    """Perplexity and generated answers (eval.generation) for a model with a decoder."""
+    from mmtrain.data.conversation_batches import resolve_chat_template
+    from mmtrain.eval.generation import VLMEvaluator
+    from mmtrain.structured import FieldError
+
+    clip_only = {
+        "--pairs": args.pairs,
+        "--zeroshot": args.zeroshot or args.zeroshot_classes,
+        "--templates": args.templates,
+        "--probe": args.probe or args.probe_train,
+    }
+    used = [flag for flag, value in clip_only.items() if value]
+    if used:
+        raise UsageError(f"{', '.join(used)}: not for a language model ({model.spec.name})")
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if args.examples < 0:
+        raise UsageError(f"--examples must be 0 or more, got {args.examples}")
+    tokenizer = args.tokenizer or _run_tokenizer(run_dir)
+    template = args.chat_template or _run_data_field(run_dir, "chat_template")
+    try:
+        evaluator = VLMEvaluator(
+            model.spec,
+            args.data,
+            batch_size=args.batch_size,
+            tokenizer=tokenizer,
+            chat_template=resolve_chat_template(template, tokenizer),
+            max_length=_run_data_field(run_dir, "sequence_length"),
+            max_new_tokens=args.max_new_tokens,
+            examples=args.examples,
+        )
+    except FieldError as err:
+        flags = {
+            "data": "--data",
+            "chat_template": "--chat-template",
+            "data.chat_template": "--chat-template",
+            "tokenizer": "--tokenizer",
+        }
+        if err.path in flags:
+            raise UsageError(f"{flags[err.path]} {err.message}") from None
+        raise
+    try:
+        return evaluator.report(model)
+    finally:
+        evaluator.close()
+
+
+def _run_data_field(run_dir: Path, name: str) -> Any:
+    """`data.NAME` of the run's config.yaml (a relative path resolved in the run folder when it
+    exists there), or None."""
+    import yaml
+
+    config = run_dir / "config.yaml"
+    try:
+        value = yaml.safe_load(config.read_text())["data"][name]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return None
+    if isinstance(value, str) and not Path(value).is_absolute() and (run_dir / value).exists():
+        return str(run_dir / value)
+    return value
 
 
 def _evaluator(spec: Any, data: str, **options: Any) -> Any:
@@ -317,7 +412,38 @@ def format_report(report: dict[str, Any], out: Path) -> str:
     if "fusion" in report:
         f = report["fusion"]
         lines.append(f"fusion head: accuracy {f['accuracy']:.3f}, macro-F1 {f['macro_f1']:.3f}")
+    lines += _language_model_lines(report)
     if report.get("corrupt_samples"):
         lines.append(f"skipped {report['corrupt_samples']} corrupt samples")
     lines += ["", f"wrote {out}"]
     return "\n".join(lines)
+
+
+def _language_model_lines(report: dict[str, Any]) -> list[str]:
+    """Perplexity, answer scores and a few examples of a language model's report."""
+    lines = []
+    if "perplexity" in report:
+        lines.append(
+            f"perplexity {report['perplexity']:.3f} over {report['target_tokens']} answer tokens"
+        )
+    generation = report.get("generation") or {}
+    if "skipped" in generation:
+        lines.append(f"generation skipped: {generation['skipped']}")
+    elif generation:
+
+        def score(value: Any) -> str:
+            return "-" if value is None else f"{value:.3f}"
+
+        lines.append(
+            f"answers ({generation['n']}, greedy, up to {generation['max_new_tokens']} tokens): "
+            f"token F1 {score(generation['token_f1'])}, exact match "
+            f"{score(generation['exact_match'])}; with shuffled images ({generation['n_shuffled']}): "
+            f"token F1 {score(generation['token_f1_shuffled_images'])}"
+        )
+    for example in report.get("examples", [])[:3]:
+        lines.append(
+            f"  {example['key']}: {example['generated']!r} (reference {example['reference']!r})"
+        )
+    if report.get("skipped_samples"):
+        lines.append(f"skipped {report['skipped_samples']} conversations that cannot be scored")
+    return lines

@@ -17,6 +17,7 @@ from mmtrain.plan.config import AC_MODES, ATTENTION, OPTIMIZERS, PRECISIONS, Pla
 from mmtrain.plan.estimate import Plan, make_plan
 from mmtrain.plan.recommend import DEFAULT_DEADLINE_H
 from mmtrain.plan.workloads import load_model, load_workloads
+from mmtrain.spec import load_spec
 
 ORDER = 20
 
@@ -113,6 +114,50 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="text/decoder context (with --inference: tokens per sequence)",
     )
     p.add_argument(
+        "--images",
+        type=int,
+        default=None,
+        help="language models: images per row (default 1 for a vision-language model)",
+    )
+    p.add_argument(
+        "--packed",
+        action="store_true",
+        help="language models: rows packed with several documents (a block-diagonal mask)",
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        metavar="DIR",
+        help="language models: plan from the token lengths of these conversation shards",
+    )
+    p.add_argument(
+        "--tokenizer", default=None, help="with --data: a tokenizer.json or the folder holding it"
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="with --data: vicuna-v1, chatml, llama-3, plain, or a tokenizer_config.json",
+    )
+    p.add_argument(
+        "--data-samples",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --data: count N samples spread over the shards (default all)",
+    )
+    p.add_argument(
+        "--pad-to",
+        default="longest",
+        choices=("longest", "max"),
+        help="with --data: pad rows to the micro-batch's longest sample or to the sequence length",
+    )
+    p.add_argument(
+        "--sequence-length",
+        type=int,
+        default=None,
+        help="with --data: row length in LM positions (default the decoder's max_positions)",
+    )
+    p.add_argument(
         "--recommend",
         action="store_true",
         help="search GPU type and count, ZeRO, TP, AC and micro-batch",
@@ -177,7 +222,14 @@ def _model(args: argparse.Namespace):
         image_size=args.image_size,
         frames=args.frames,
         context=None if args.inference else args.context,
+        images=args.images,
+        packed=args.packed,
     )
+    return _adapted(model, args)
+
+
+def _adapted(model, args: argparse.Namespace):
+    """`model` trained as --freeze, --lora, --freeze-blocks and --unlocked-blocks say."""
     modes = {name: "frozen" for name in args.freeze} | {name: "lora" for name in args.lora}
     if args.lora_rank < 1:
         raise UsageError(f"--lora-rank must be at least 1, got {args.lora_rank}")
@@ -218,6 +270,8 @@ def run(args: argparse.Namespace) -> int:
     catalog = load_catalog(args.hardware)
     if args.workloads:
         return _workloads(args, catalog)
+    if args.data:
+        return _data(replace_gpu(args, args.gpu or "h100"), catalog)
     model = _model(args)
     if args.recommend:
         return _recommend(args, model, _config(replace_gpu(args, "h100")), catalog)
@@ -242,6 +296,8 @@ def run(args: argparse.Namespace) -> int:
             image_size=args.image_size,
             frames=args.frames,
             context=args.context,
+            images=args.images,
+            packed=args.packed,
             freeze=args.freeze,
             lora=args.lora,
             lora_rank=args.lora_rank,
@@ -298,8 +354,9 @@ def _print_plan(plan: Plan, measured: dict | None) -> None:
     ]
     for name, value in mem.activations_by_stack.items():
         rows.append((f"activations: {name}", value))
+    if mem.loss_bytes:  # contrastive logits; a language model's loss is in its text stack
+        rows.append(("activations: loss (logits)", mem.loss_bytes))
     rows += [
-        ("activations: loss (logits)", mem.loss_bytes),
         ("recompute working set", mem.recompute_bytes),
         ("communication buffers", mem.comm_buffers_bytes),
         ("CUDA context", mem.cuda_context_bytes),
@@ -343,6 +400,116 @@ def _print_plan(plan: Plan, measured: dict | None) -> None:
             f"with a gradient {measured['trainable_params']:,}, "
             f"with optimizer state {measured['optimizer_state_params']:,}"
         )
+
+
+def _data(args: argparse.Namespace, catalog) -> int:
+    """`--data DIR`: tokens per sample from conversation shards, then padded and packed plans."""
+    from mmtrain.data.chat_templates import get_template
+    from mmtrain.data.inspect import conversation_counts, open_shards
+    from mmtrain.data.tokenizer import get_tokenizer
+    from mmtrain.plan.data_plan import plan_from_data
+    from mmtrain.plan.lengths import Lengths, summarize
+    from mmtrain.spec import with_input_sizes
+
+    spec = with_input_sizes(load_spec(args.model), args.image_size, None, None)
+    if not spec.is_language_model():
+        raise UsageError(f"--data plans a language model; {spec.name!r} has no decoder")
+    if args.tokenizer is None or args.chat_template is None:
+        raise UsageError(
+            "--data needs --tokenizer (a tokenizer.json or its folder) and --chat-template "
+            "(vicuna-v1, chatml, llama-3, plain or a tokenizer_config.json) to count tokens"
+        )
+    try:
+        sources = open_shards(args.data)[2]
+    except FileNotFoundError as err:
+        raise UsageError(f"--data {args.data}: {err}") from None
+    counts = conversation_counts(
+        sources,
+        get_tokenizer(args.tokenizer, language_model=True),
+        get_template(args.chat_template),
+        spec.image_tokens(),
+        max_samples=args.data_samples,
+    )
+    lengths = Lengths(tuple(counts.positions), tuple(counts.images), source=str(args.data))
+    length = args.sequence_length or args.context or spec.decoder.max_positions
+    plans = plan_from_data(
+        spec,
+        lengths,
+        _config(args),
+        catalog,
+        sequence_length=length,
+        samples=args.samples or None,
+        pad_to=args.pad_to,
+        adapt=lambda model: _adapted(model, args),
+    )
+    result = {
+        "model": {"name": spec.name, "params": spec.params(), "image_tokens": spec.image_tokens()},
+        "data": {
+            "path": str(args.data),
+            "samples": len(counts.positions),
+            "refused": counts.refused,
+            "positions": summarize(counts.positions),
+            "text_ids": summarize(counts.text_ids),
+            "images": summarize(counts.images),
+        },
+        "sequence_length": length,
+        "layouts": [p.to_dict() for p in plans],
+        "plans": [p.plan.to_dict() for p in plans],
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    _print_data_plan(result, plans)
+    return 0
+
+
+def _print_data_plan(result: dict, plans) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 140))
+    d = result["data"]
+    console.print(
+        f"[bold]{result['model']['name']}[/] on {d['path']}: {d['samples']:,} conversations"
+        + (f" ({sum(d['refused'].values()):,} refused: {d['refused']})" if d["refused"] else "")
+    )
+    dist = Table(title="tokens per sample (LM positions: text ids + images x "
+                 f"{result['model']['image_tokens']})")  # fmt: skip
+    for col in ("", "mean", "p50", "p90", "p99", "max"):
+        dist.add_column(col, justify="right")
+    for name in ("positions", "text_ids", "images"):
+        row = d[name]
+        dist.add_row(name, *(f"{row[k]:,}" for k in ("mean", "p50", "p90", "p99", "max")))
+    console.print(dist)
+    c = plans[0].plan.config
+    table = Table(
+        title=f"{c.gpus} x {plans[0].plan.gpu.name}, {c.precision}, ZeRO-{c.zero}, AC {c.ac}; "
+        f"rows of {result['sequence_length']} positions, {plans[0].samples:,} samples"
+    )
+    for col in ("layout", "rows", "samples/row", "fill", "useful FLOPs", "mem GiB", "fits",
+                "global rows", "MFU", "time h", "cost USD"):  # fmt: skip
+        table.add_column(col, justify="right")
+    for p in plans:
+        lay, mem, t = p.layout, p.plan.memory, p.plan.time
+        table.add_row(
+            lay.name,
+            f"{p.plan.config.samples:,}",
+            f"{lay.samples_per_row:.2f}",
+            f"{lay.fill:.1%}",
+            f"{lay.useful_flops / lay.computed_flops:.1%}",
+            _gib(mem.total_bytes),
+            "yes" if mem.fits else "NO",
+            str(p.plan.config.effective_global_batch),
+            f"{t.mfu:.0%}",
+            f"{p.hours:,.2f}",
+            _usd(t.cost),
+        )
+    console.print(table)
+    console.print(
+        "padded: each micro-batch's rows padded to its longest sample; packed: rows filled "
+        "first-fit (data/packing.py). Memory is planned for the worst micro-batch, time from "
+        "the computed FLOPs of the mean row; costs at " + _price(plans[0].plan.time)
+    )
 
 
 def _recommend(args, model, cfg, catalog) -> int:
@@ -465,7 +632,7 @@ def _workloads(args, catalog) -> int:
     gpu = catalog.gpu(args.gpu or "b300")
     rows = []
     for w in load_workloads(args.workloads):
-        model = load_model(w.model)
+        model = load_model(w.model, context=w.context)
         if w.freeze:
             model = model.with_modes({name: "frozen" for name in w.freeze})
         cfg = PlanConfig(

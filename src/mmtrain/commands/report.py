@@ -29,7 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--no-gallery",
         action="store_true",
-        help="skip the retrieval gallery (which loads the model and embeds validation samples)",
+        help="skip the gallery (retrieval: loads the model and embeds validation samples; a "
+        "language model: the answers of its eval.json beside their images)",
     )
     p.add_argument("--device", default="cpu", help="device for the gallery's model (default cpu)")
     p.set_defaults(func=run)

@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
             raise
         _exit_rank(err, config.out)
     progress.close()
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # the summary is rank 0's to print (every rank has the same)
     if result.resumed_from is not None and result.resumed_from >= config.train.steps:
         print(f"already finished: {result.step} steps; weights in {result.out}/model.safetensors")
         return 0

@@ -24,6 +24,8 @@ from mmtrain.data.filters import FilterConfig
 from mmtrain.data.ingest import BuildConfig
 from mmtrain.data.media import DEFAULT_MAX_PIXELS
 from mmtrain.data.process import ProcessOptions
+from mmtrain.data.remote import is_remote, staging_dir
+from mmtrain.data.shard_cache import default_cache_dir
 from mmtrain.data.sources import MODALITIES, Source, open_source, parse_columns
 from mmtrain.data.video_clips import DEFAULT_KEYFRAME_INTERVAL, ClipOptions
 from mmtrain.structured import FieldError
@@ -43,15 +45,30 @@ NOT_IN_FINGERPRINT = {"out", "workers", "max_reject_rate", "relevance_device", "
 def add_build_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `mmtrain data build` (commands/data.py wires them to `run_build`)."""
     parser.add_argument(
-        "src", metavar="SRC", help="folder of files, CSV/TSV/JSONL/parquet table, or shards"
+        "src",
+        metavar="SRC",
+        help="folder of files, CSV/TSV/JSONL/parquet table, shards, or chat data (LLaVA .json, "
+        "LLaVA or ShareGPT messages .jsonl)",
     )
-    parser.add_argument("--out", required=True, type=Path, help="output folder (shards, manifest)")
+    parser.add_argument(
+        "--out",
+        required=True,
+        type=_out_location,
+        help="output folder (shards, manifest), or s3://bucket/prefix/ (built in a local "
+        "staging folder, each shard uploaded when complete, the manifest last)",
+    )
     parser.add_argument(
         "--modalities",
         help=f"required modalities, comma-separated ({','.join(MODALITIES)}); default: all found",
     )
     parser.add_argument(
         "--columns", help="table columns per modality, e.g. image=filepath,text=caption"
+    )
+    parser.add_argument(
+        "--image-root",
+        type=Path,
+        help="chat data (LLaVA / ShareGPT .json or .jsonl): folder the image paths start from "
+        "(default: the file's folder)",
     )
     media = parser.add_argument_group("media")
     media.add_argument("--image-max-side", type=int, help="re-encode larger images to this side")
@@ -213,7 +230,7 @@ def _check_args(args: argparse.Namespace) -> None:
             "--relevance-model",
             "give a model folder together with --relevance-threshold or --relevance-top-fraction",
         )
-    if Path(args.src).resolve() == args.out.resolve():
+    if not is_remote(args.out) and Path(args.src).resolve() == args.out.resolve():
         raise FieldError("--out", f"{args.out} is SRC; write the shards to another folder")
 
 
@@ -238,16 +255,45 @@ def _clip_options(args: argparse.Namespace) -> ClipOptions | None:
         raise FieldError(VIDEO_FLAGS.get(field_name, "--video-clip-seconds"), str(err)) from None
 
 
+def _out_location(text: str) -> Path | str:
+    """`--out`: a local folder, or an s3:// URL (kept as text: a Path would fold its '//')."""
+    return text if is_remote(text) else Path(text)
+
+
+# Flags that mean nothing for chat data (see data/conversation_ingest.py), and why.
+CHAT_IGNORED = {
+    "near_dup_bits": "several conversations about one image are not duplicates (use --dedup)",
+    "relevance_threshold": "a conversation is no caption to score",
+    "relevance_top_fraction": "a conversation is no caption to score",
+    "min_caption_chars": "a conversation is no caption",
+    "max_caption_chars": "a conversation is no caption",
+    "min_caption_words": "a conversation is no caption",
+    "max_caption_words": "a conversation is no caption",
+    "fix_text": "chat templates are whitespace-sensitive: text is kept as written",
+}
+
+
+def _check_chat_flags(args: argparse.Namespace) -> None:
+    for name, why in CHAT_IGNORED.items():
+        if getattr(args, name) not in (None, False):
+            raise FieldError(f"--{name.replace('_', '-')}", f"does not apply to chat data: {why}")
+
+
 def config_from_args(args: argparse.Namespace) -> tuple[Source, BuildConfig]:
     """Validate the parsed options; the source to read and the build configuration."""
     _check_args(args)
+    out_dir = args.out
+    if is_remote(args.out):  # built locally first: the staging folder makes reruns resume
+        out_dir = staging_dir(args.out, default_cache_dir().parent)
     filters = _filter_config(args)
     video = _clip_options(args)
     if video is not None and video.splits:
         # A video shorter than the minimum clip gives no clip: filter it, counted as short_video.
         shortest = max(filters.min_video_s or 0.0, video.min_clip_s)
         filters = dataclasses.replace(filters, min_video_s=shortest)
-    source = open_source(str(args.src), parse_columns(args.columns), args.out)
+    source = open_source(str(args.src), parse_columns(args.columns), out_dir, args.image_root)
+    if source.kind == "conversations":
+        _check_chat_flags(args)
     relevance_size = None
     if filters.needs_relevance:
         from mmtrain.spec import ModelSpec
@@ -274,7 +320,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[Source, BuildConfig]:
     )
     command, fingerprint = command_line(args)
     config = BuildConfig(
-        out_dir=args.out,
+        out_dir=out_dir,
+        publish_to=str(args.out) if is_remote(args.out) else None,
         process=process,
         filters=filters,
         max_samples_per_shard=args.max_samples_per_shard,

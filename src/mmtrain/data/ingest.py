@@ -52,6 +52,7 @@ from mmtrain.data.filters import (
 )
 from mmtrain.data.journal import JOURNAL_NAME, Journal, State, shard_intact
 from mmtrain.data.process import Outcome, ProcessOptions, json_bytes, ordered_map, process_item
+from mmtrain.data.remote import Uploader
 from mmtrain.data.shards import (
     MANIFEST_NAME,
     SCHEMA_VERSION,
@@ -86,6 +87,9 @@ class BuildConfig:
     relevance_model: str | None = None
     relevance_device: str = "cpu"
     relevance_tokenizer: str = "byte"
+    # `--out s3://...`: the build runs in `out_dir` (a local staging folder) and each finished
+    # shard is uploaded here, the manifest last (remote.Uploader).
+    publish_to: str | None = None
 
 
 @dataclass
@@ -109,6 +113,11 @@ def build(source: Source, config: BuildConfig, progress: Progress | None = None)
     """Run (or resume) a build of `source` into `config.out_dir`; see the module docstring."""
     out = config.out_dir
     out.mkdir(parents=True, exist_ok=True)
+    uploader = None
+    if config.publish_to is not None:
+        uploader = Uploader(config.publish_to, out)
+        if not (out / JOURNAL_NAME).exists():
+            uploader.refuse_foreign()
     journal = _open_journal(config)
     first_bad = _first_bad_shard(out, journal)
     resumed_at = None if not journal.entries else first_bad
@@ -121,8 +130,14 @@ def build(source: Source, config: BuildConfig, progress: Progress | None = None)
         chain = FilterChain(_chain_config(config.filters, journal))
         chain.stats = state.filters
         _remember_kept(out, journal.shards(), chain)
-        _run(source, config, journal, state, chain, scorer, progress)
-    return _finish(config, journal, resumed_at, complete)
+        for shard in journal.shards() if uploader is not None else []:
+            uploader.shard(shard)  # kept shards whose upload an interruption cut off
+        publish = uploader.shard if uploader is not None else None
+        _run(source, config, journal, state, chain, scorer, progress, publish)
+    report = _finish(config, journal, resumed_at, complete)
+    if uploader is not None and report.ok:
+        uploader.manifest(report.shards)
+    return report
 
 
 def _open_journal(config: BuildConfig) -> Journal:
@@ -272,8 +287,10 @@ def _run(
     chain: FilterChain,
     scorer: Any,
     progress: Progress | None,
+    publish: Callable[[dict[str, Any]], None] | None = None,
 ) -> None:
-    """The main loop: outcomes in order -> logs and shards, a journal line per finished shard."""
+    """The main loop: outcomes in order -> logs and shards, a journal line per finished shard
+    (after `publish(shard)`, when given, has uploaded it)."""
     out = config.out_dir
     start, skip = state.next_index, state.item_samples_done
     shards_before = len(journal.shards())
@@ -298,7 +315,7 @@ def _run(
                     finished = len(writer.shards)
                     writer.write(sample)
                     if len(writer.shards) > finished:  # the previous shard was just closed
-                        _checkpoint(journal, writer.shards[-1], after_last_write, logs)
+                        _checkpoint(journal, writer.shards[-1], after_last_write, logs, publish)
                     state.samples += 1
                     last = n == len(samples) - 1
                     state.next_index = outcome.index + 1 if last else outcome.index
@@ -309,7 +326,7 @@ def _run(
         writer.close()
         final = _snapshot(state, logs)
         if len(writer.shards) > finished:
-            _checkpoint(journal, writer.shards[-1], final, logs, done=True)
+            _checkpoint(journal, writer.shards[-1], final, logs, publish, done=True)
         else:
             _checkpoint(journal, None, final, logs, done=True)
 
@@ -365,8 +382,11 @@ def _checkpoint(
     shard: dict[str, Any] | None,
     state: State,
     logs: tuple[BinaryIO, BinaryIO],
+    publish: Callable[[dict[str, Any]], None] | None = None,
     done: bool = False,
 ) -> None:
+    if shard is not None and publish is not None:
+        publish(shard)
     for f in logs:  # the journal may only point at log bytes that are on disk
         f.flush()
         os.fsync(f.fileno())

@@ -12,6 +12,11 @@ Three pieces, each usable on its own:
 - `contact_sheet(sources, path)`: a PNG grid of a few samples spread over the dataset, each
   captioned with its key: the image, the middle frame of a video, a spectrogram of audio, a
   plot of a time-series or the text itself.
+- `conversation_counts(sources, tokenizer, template, image_tokens)`: for shards of
+  conversations (`{key}.json` with "messages" and "images"), the tokens each sample takes in a
+  language model: its text ids through the chat template and tokenizer, plus `image_tokens`
+  positions per image. `mmtrain plan --data` plans from them; `inspect_shards` reports their
+  distribution (with a tokenizer), else images and text bytes per conversation.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import os
 import textwrap
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +35,13 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from mmtrain.atomic import atomic_open
+from mmtrain.data.chat_templates import (
+    ChatTemplate,
+    RefusedSample,
+    TextEncoder,
+    encode_conversation,
+)
+from mmtrain.data.conversations import ConversationError, parse_conversation
 from mmtrain.data.media import (
     DEFAULT_MAX_PIXELS,
     MediaError,
@@ -39,6 +52,8 @@ from mmtrain.data.media import (
     decode_timeseries,
     decode_video,
 )
+from mmtrain.data.remote import is_remote
+from mmtrain.data.shard_cache import open_remote_set
 from mmtrain.data.shards import (
     MANIFEST_NAME,
     ShardIndex,
@@ -57,6 +72,9 @@ __all__ = [
     "verify_samples",
     "verify_member",
     "contact_sheet",
+    "conversation_counts",
+    "conversation_summary",
+    "ConversationCounts",
     "EXTENSION_MODALITY",
 ]
 
@@ -71,7 +89,11 @@ VERIFY_SAMPLE_RATE = 16_000
 # ----------------------------------------------------------------------------- report
 def open_shards(spec: str | list[str]) -> tuple[Path | None, dict[str, Any] | None, ShardSet]:
     """(folder, its manifest, the shards that exist): a folder's manifest names its shards
-    (those missing are left out here; `inspect_shards` reports them)."""
+    (those missing are left out here; `inspect_shards` reports them). An s3:// spec has no
+    local folder: its shards were checked against the manifest as they were downloaded."""
+    if is_remote(spec):
+        sources, manifest = open_remote_set(spec)
+        return None, manifest, sources
     folder = Path(spec) if isinstance(spec, str) and Path(spec).is_dir() else None
     manifest = None
     if folder is not None and (folder / MANIFEST_NAME).is_file():
@@ -89,15 +111,21 @@ def inspect_shards(
     verify: bool = False,
     workers: int | None = None,
     max_pixels: int = DEFAULT_MAX_PIXELS,
+    tokenizer: TextEncoder | None = None,
+    template: ChatTemplate | None = None,
+    image_tokens: int = 1,
 ) -> dict[str, Any]:
     """The report `data inspect` prints, as a plain dict (also what `--json` writes).
 
     `problems` lists everything that makes the data unclean (`mismatched`: shards that differ
     from the manifest; damaged shards; corrupt samples); refused members are listed under `unsafe` but are no problem for
-    training: they never reach a sample. Raises FileNotFoundError when `spec` names no shard.
+    training: they never reach a sample. Shards of conversations also get `conversations`
+    (`conversation_summary`: tokens per sample with a `tokenizer` and `template`, else images
+    and text bytes). Raises FileNotFoundError when `spec` names no shard.
     """
     folder, manifest, sources = open_shards(spec)
-    mismatched = [str(p) for p in verify_manifest(folder, check_hash)] if manifest else []
+    checked = manifest is not None and folder is not None
+    mismatched = [str(p) for p in verify_manifest(folder, check_hash)] if checked else []
     listed = {s["name"]: s for s in (manifest or {}).get("shards", [])}
     shards = []
     extensions: dict[str, int] = {}
@@ -147,7 +175,110 @@ def inspect_shards(
         "mismatched": mismatched,
         "problems": problems,
         "verified": "sha256" if manifest and check_hash else "size" if manifest else "none",
+        "conversations": conversation_summary(sources, tokenizer, template, image_tokens),
     }
+
+
+# ----------------------------------------------------------------------------- conversations
+@dataclass(frozen=True)
+class ConversationCounts:
+    """Per usable sample, in shard order: LM positions (text ids + images x image tokens),
+    text ids (a placeholder counts one), images, text bytes; and the samples left out, by
+    reason (`format`, `roles`, ... from parsing; `no_targets`, ... from encoding)."""
+
+    positions: list[int]
+    text_ids: list[int]
+    images: list[int]
+    text_bytes: list[int]
+    refused: dict[str, int]
+
+
+def _conversation(sample: dict[str, Any], index: int) -> Any:
+    """The sample's parsed conversation, or None when it holds no conversation JSON."""
+    data = sample.get("json")
+    if data is None:
+        return None
+    try:
+        record = json.loads(decode_text(data, what="JSON"))
+    except (ValueError, MediaError) as err:
+        raise ConversationError(sample["__key__"], index, None, "json", str(err), "") from None
+    if not isinstance(record, dict) or "messages" not in record:
+        return None
+    return parse_conversation(record, file=sample["__key__"], index=index)
+
+
+def conversation_counts(
+    sources: ShardSet,
+    tokenizer: TextEncoder | None = None,
+    template: ChatTemplate | None = None,
+    image_tokens: int = 1,
+    max_samples: int | None = None,
+) -> ConversationCounts:
+    """Tokens per conversation sample (module docstring), for up to `max_samples` samples
+    spread evenly over the shards (all by default). Without a tokenizer or template only
+    images and text bytes are counted (positions and text ids stay empty).
+
+    Encoding never truncates here (the planner truncates to its sequence length and reports
+    how many samples it cut), and counts an image as one placeholder (id -1, never a text id).
+    `image_tokens` 0 (a language model without an image tower) refuses samples with images
+    (`images_without_tower`).
+    """
+    total = len(sources)
+    picks: Any = range(total)
+    if max_samples is not None and max_samples < total:
+        picks = sorted(set(np.linspace(0, total - 1, max_samples).round().astype(int).tolist()))
+    counts = ConversationCounts([], [], [], [], {})
+    for index in picks:
+        try:
+            conv = _conversation(sources.read(index), index)
+            encoded = None
+            if conv is not None and tokenizer is not None and template is not None:
+                encoded = encode_conversation(conv, template, tokenizer, 2**62, -1)
+        except (ConversationError, RefusedSample) as err:
+            counts.refused[err.kind] = counts.refused.get(err.kind, 0) + 1
+            continue
+        if conv is None:
+            continue
+        if conv.images and image_tokens < 1:  # a language model without an image tower
+            counts.refused["images_without_tower"] = (
+                counts.refused.get("images_without_tower", 0) + 1
+            )
+            continue
+        counts.images.append(len(conv.images))
+        counts.text_bytes.append(sum(len(t.text.encode("utf-8")) for t in conv.turns))
+        if encoded is not None:
+            ids = len(encoded.input_ids)
+            counts.text_ids.append(ids)
+            counts.positions.append(ids + len(conv.images) * (image_tokens - 1))
+    return counts
+
+
+def conversation_summary(
+    sources: ShardSet,
+    tokenizer: TextEncoder | None = None,
+    template: ChatTemplate | None = None,
+    image_tokens: int = 1,
+) -> dict[str, Any] | None:
+    """The distribution of tokens per conversation (count, mean, p50, p90, p99, max) as
+    `data inspect` reports it; None when the shards hold no conversation."""
+    from mmtrain.plan.lengths import summarize  # pure Python, the planner's own statistics
+
+    counts = conversation_counts(sources, tokenizer, template, image_tokens)
+    if not counts.images and not counts.refused:
+        return None
+    out: dict[str, Any] = {
+        "samples": len(counts.images),
+        "refused": counts.refused,
+        "images": summarize(counts.images),
+        "text_bytes": summarize(counts.text_bytes),
+    }
+    if counts.positions:
+        out["image_tokens"] = image_tokens
+        out["text_ids"] = summarize(counts.text_ids)
+        out["positions"] = summarize(counts.positions)
+    else:
+        out["note"] = "tokens need a tokenizer and a chat template (mmtrain plan --data has them)"
+    return out
 
 
 # ----------------------------------------------------------------------------- verify
@@ -183,7 +314,7 @@ def verify_member(ext: str, data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -
 
 def _verify_shard(shard: ShardIndex, max_pixels: int) -> list[dict[str, str]]:
     corrupt = []
-    fd = os.open(shard.path, os.O_RDONLY)
+    fd = os.open(shard.local_path(), os.O_RDONLY)
     try:
         for i in range(len(shard)):
             sample = shard.read(i, fd)

@@ -19,6 +19,7 @@ sees exactly the samples it had not seen.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -29,7 +30,9 @@ import numpy as np
 import torch
 
 from mmtrain.data.order import Segment, epoch_order, sample_rng, steps_in
-from mmtrain.data.shards import ShardSet
+from mmtrain.data.prefetch import Prefetcher
+from mmtrain.data.shard_cache import STORAGE_ERRORS, cache_stats
+from mmtrain.data.shards import ShardIndex, ShardSet
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +95,16 @@ class _Plan:
     def locate(self, flat: int) -> tuple[ShardSet, int]:
         source = int(np.searchsorted(self.source_starts, flat, side="right")) - 1
         return self.sources[source], flat - int(self.source_starts[source])
+
+    @property
+    def remote(self) -> bool:
+        return any(s.remote for s in self.sources)
+
+    def remote_shard(self, flat: int) -> ShardIndex | None:
+        """The shard of flat id `flat` when it lies in object storage (else None)."""
+        source, local = self.locate(flat)
+        shard = source.shards[source.locate(local)[0]]
+        return shard if shard.remote else None
 
 
 def planned_samples(
@@ -174,6 +187,8 @@ class _TaskDataset(torch.utils.data.Dataset):
             try:
                 sample = source.read(local)
                 out = self.decode(sample, sample_rng(self.plan.seed, epoch, position))
+            except STORAGE_ERRORS:
+                raise  # the storage failed, not the sample: skipping would change the stream
             except Exception as err:  # any failure of one sample's bytes is that sample's fault
                 reason = getattr(err, "reason", None)
                 reason = reason if isinstance(reason, str) else type(err).__name__
@@ -404,15 +419,17 @@ class StreamingLoader:
         if self._batches >= steps:
             self.set_epoch(self.epoch + 1)
             return
-        self._sampler.tasks = _tasks(
-            self.plan,
-            self.epoch,
-            self._segment,
-            self.rank,
-            self.world_size,
-            self.batch_size,
-            self._entry,
-        )
+        stream = (self.plan, self.epoch, self._segment, self.rank, self.world_size)
+        tasks = _tasks(*stream, self.batch_size, self._entry)
+        prefetcher = None
+        if self.plan.remote:  # fetch shards in the order this rank reaches them
+            # A batch takes one task or more (corrupt samples); steps + 1 covers the usual case.
+            ahead = itertools.islice(
+                _tasks(*stream, self.batch_size, self._entry), steps - self._batches + 1
+            )
+            prefetcher = Prefetcher(self.plan.remote_shard, ahead)
+            tasks = prefetcher.gate(tasks)
+        self._sampler.tasks = tasks
         results = iter(self._loader())
         try:
             for batch, entries in self._assemble(results, self._entry):
@@ -426,6 +443,14 @@ class StreamingLoader:
         finally:
             del results  # shuts down non-persistent workers and drops what they prefetched
             self._sampler.tasks = iter(())
+            if prefetcher is not None:
+                prefetcher.close()
+
+    def cache_stats(self) -> dict[str, float]:
+        """Counters of the shard caches of remote sources (`CacheStats.as_dict`: cache_hits,
+        cache_misses, cache_hit_rate, cache_wait_s, ...); empty when every shard is local."""
+        caches = [s.cache for src in self.plan.sources for s in src.shards if s.remote]
+        return cache_stats(caches)
 
     def close(self) -> None:
         """Stop persistent workers now (otherwise they stop when the loader is freed)."""

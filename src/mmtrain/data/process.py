@@ -114,7 +114,12 @@ def process_item(item: Item, opts: ProcessOptions) -> Outcome:
     """Read, validate, normalise and measure one item (runs in a worker process)."""
     reject = partial(Outcome, item.index, item.origin)
     if item.problem:
-        return reject(reject=("listing", item.origin, item.problem))
+        return reject(reject=(item.problem_kind, item.origin, item.problem))
+    if item.conversation is not None:
+        # Imported here: conversation_ingest builds on this module (Outcome, json_bytes, ...).
+        from mmtrain.data.conversation_ingest import process_conversation
+
+        return process_conversation(item, opts)
     missing = [m for m in opts.modalities if m not in item.parts]
     if missing:
         return reject(

@@ -31,7 +31,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -64,6 +64,7 @@ __all__ = [
     "expand_braces",
     "write_manifest",
     "read_manifest",
+    "parse_manifest",
     "verify_manifest",
     "ShardProblem",
 ]
@@ -243,9 +244,20 @@ class ShardIndex:
     sizes: np.ndarray  # int64 [members]
     skipped: tuple[SkippedMember, ...] = ()
     damage: TruncatedShardError | None = None
+    # A shard in object storage (`shard_cache.RemoteShardIndex`) is read from a local cache.
+    remote: ClassVar[bool] = False
+    open_limit: ClassVar[int] = _MAX_OPEN_SHARDS  # open files a ShardSet keeps for such shards
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    def local_path(self) -> Path:
+        """The file to open for reading (a remote shard is fetched into the cache first)."""
+        return self.path
+
+    def stale(self, fd: int) -> bool:
+        """Whether an open `fd` of this shard should be reopened (a remote one was evicted)."""
+        return False
 
     @property
     def name(self) -> str:
@@ -397,14 +409,28 @@ class ShardSet:
         self._fds: dict[int, int] = {}
 
     @classmethod
-    def open(cls, spec: str | Path | Sequence[str | Path], threads: int = 8) -> ShardSet:
-        """Expand `spec` (see `expand_shards`) and index every shard, `threads` at a time."""
+    def open(
+        cls, spec: str | Path | Sequence[str | Path], threads: int = 8, cache: Any = None
+    ) -> ShardSet:
+        """Expand `spec` (see `expand_shards`) and index every shard, `threads` at a time.
+
+        `s3://` specs are read through `cache` (a `shard_cache.ShardCache`; default: the user's
+        cache folder, see `shard_cache.default_cache`).
+        """
+        if not isinstance(spec, Path) and _names_remote(spec):
+            from mmtrain.data.shard_cache import open_remote_indexes
+
+            return cls(open_remote_indexes(spec, cache, threads))
         paths = expand_shards(spec)
         with ThreadPoolExecutor(max(1, min(threads, len(paths)))) as pool:
             return cls(list(pool.map(index_shard, paths)))
 
     def __len__(self) -> int:
         return int(self.starts[-1])
+
+    @property
+    def remote(self) -> bool:
+        return any(s.remote for s in self.shards)
 
     def sizes(self) -> list[int]:
         """Samples per shard, in list order."""
@@ -443,11 +469,15 @@ class ShardSet:
         return [s.damage for s in self.shards if s.damage is not None]
 
     def _fd(self, shard: int) -> int:
+        index = self.shards[shard]
         fd = self._fds.get(shard)
+        if fd is not None and index.stale(fd):
+            os.close(self._fds.pop(shard))
+            fd = None
         if fd is None:
-            if len(self._fds) >= _MAX_OPEN_SHARDS:
+            if len(self._fds) >= index.open_limit:
                 os.close(self._fds.pop(next(iter(self._fds))))  # the oldest opened
-            fd = self._fds[shard] = os.open(self.shards[shard].path, os.O_RDONLY)
+            fd = self._fds[shard] = os.open(index.local_path(), os.O_RDONLY)
         return fd
 
     def close(self) -> None:
@@ -468,6 +498,12 @@ class ShardSet:
 
 
 # ----------------------------------------------------------------------------- shard lists
+def _names_remote(spec: Any) -> bool:
+    if isinstance(spec, (list, tuple)):
+        return any(_names_remote(item) for item in spec)
+    return isinstance(spec, str) and spec.startswith("s3://")
+
+
 def expand_braces(pattern: str) -> list[str]:
     """Expand `{000..127}` (zero-padded numeric ranges) and `{a,b}` alternatives, left to right."""
     match = re.search(r"\{([^{}]*)\}", pattern)
@@ -726,10 +762,19 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     if path.is_dir():
         path = path / MANIFEST_NAME
     try:
-        manifest = json.loads(path.read_text())
+        text = path.read_text()
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no manifest (is this a shard folder?)") from None
-    except (ValueError, UnicodeDecodeError) as err:
+    except UnicodeDecodeError as err:
+        raise FieldError(str(path), f"not valid JSON ({err})") from None
+    return parse_manifest(text, str(path))
+
+
+def parse_manifest(text: str, path: str) -> dict[str, Any]:
+    """Check the text of a manifest; FieldError names `path` (a file or a URL) and the field."""
+    try:
+        manifest = json.loads(text)
+    except ValueError as err:
         raise FieldError(str(path), f"not valid JSON ({err})") from None
     if not isinstance(manifest, dict):
         raise FieldError(str(path), "expected a JSON object")

@@ -1,4 +1,5 @@
-"""What `mmtrain data build` reads: a folder of files, a table of paths and captions, or shards.
+"""What `mmtrain data build` reads: a folder of files, a table of paths and captions, shards, or
+chat data (LLaVA / ShareGPT conversations and the images they name).
 
 Each source lists `Item`s in a fixed order (sorted paths, table rows, shard order): one item per
 future sample, holding where each modality's bytes come from. Nothing is decoded here; the ingest
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mmtrain.data.conversations import ConversationError, scan_conversations
 from mmtrain.structured import FieldError
 
 # File extensions per modality (lower case, no dot). `json` is metadata, `cls` a class label.
@@ -58,9 +60,20 @@ class Item:
     meta: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, bytes] = field(default_factory=dict)  # carried through as is (e.g. "cls")
     problem: str | None = None  # a listing problem (two images for one key): rejected
+    problem_kind: str = "listing"  # the reject kind of `problem` (rejects.jsonl)
+    conversation: ConversationItem | None = None  # chat data: processed as one conversation
 
     def modalities(self) -> set[str]:
         return set(self.parts)
+
+
+@dataclass(frozen=True)
+class ConversationItem:
+    """A parsed conversation (`data.conversations.Conversation`) and its image files, in the
+    order of its `<image>` tags."""
+
+    conversation: Any
+    images: tuple[Part, ...]
 
 
 class Source:
@@ -350,19 +363,99 @@ def _manifest_near(paths: list[Path]) -> dict[str, Any] | None:
         return None
 
 
+# ----------------------------------------------------------------------------- conversations
+class ConversationSource(Source):
+    """Chat records of a LLaVA `.json` list or a `.jsonl` file (LLaVA or ShareGPT `messages`
+    records, `data.conversations`), one item per record. Image paths are relative to
+    `image_root` (default: the file's folder). A record that breaks a rule (tag count against
+    image count, roles, empty answer, ...) becomes an item with a `problem` of its kind, so it is
+    listed in rejects.jsonl like any bad sample. Records are parsed up front: text is small next
+    to the images, which the workers read."""
+
+    kind = "conversations"
+
+    def __init__(self, path: Path, image_root: Path | None = None):
+        self.path = path
+        self.image_root = image_root if image_root is not None else path.parent
+        if not self.image_root.is_dir():
+            raise FieldError("--image-root", f"{self.image_root}: no such folder")
+        self.records = list(scan_conversations(path))  # a Conversation or its ConversationError
+        self.count = len(self.records)
+
+    def items(self, start: int = 0) -> Iterator[Item]:
+        for index in range(start, self.count):
+            yield self._item(index, self.records[index])
+
+    def _item(self, index: int, record: Any) -> Item:
+        if isinstance(record, ConversationError):
+            return Item(index, record.origin, {}, problem=record.reason, problem_kind=record.kind)
+        images = []
+        for image in record.images:
+            file = Path(image)
+            if not file.is_absolute():
+                file = self.image_root / file
+            _, ext = split_name(file.name)
+            images.append(Part(ext.rsplit(".", 1)[-1], str(file), path=str(file)))
+        origin = _record_origin(self.path, index, record.key)
+        return Item(index, origin, {}, conversation=ConversationItem(record, tuple(images)))
+
+    def modalities(self) -> list[str]:
+        has_images = any(not isinstance(r, ConversationError) and r.images for r in self.records)
+        return ["image", "text"] if has_images else ["text"]
+
+
+def _record_origin(path: Path, index: int, key: str) -> str:
+    where = (
+        f"{path.name}:{index + 1}" if path.suffix.lower() == ".jsonl" else f"{path.name}[{index}]"
+    )
+    return where if key == str(index) else f"{where} (id {key})"
+
+
+def is_conversation_file(path: Path) -> bool:
+    """A `.json` file (LLaVA lists are JSON), or a `.jsonl` whose first record holds
+    `conversations` or `messages` (otherwise it is a table)."""
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        return True
+    if suffix != ".jsonl":
+        return False
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    return False  # the table reader names the bad line
+                return isinstance(record, dict) and bool(
+                    {"conversations", "messages"} & set(record)
+                )
+    return False
+
+
 # ----------------------------------------------------------------------------- choice
-def open_source(src: str, columns: dict[str, str], out_dir: Path) -> Source:
-    """The source SRC names: a table file, shards (a .tar, a glob, a brace pattern, or a folder
-    holding only shards), or else a folder of files."""
+def open_source(
+    src: str, columns: dict[str, str], out_dir: Path, image_root: Path | None = None
+) -> Source:
+    """The source SRC names: chat data (a .json, or a .jsonl of conversation records), a table
+    file, shards (a .tar, a glob, a brace pattern, or a folder holding only shards), or else a
+    folder of files. `image_root`: where the image paths of chat data start."""
     path = Path(src)
+    if image_root is not None and not (path.is_file() and is_conversation_file(path)):
+        raise FieldError(
+            "--image-root",
+            "only chat data (a LLaVA / ShareGPT .json or .jsonl) names images by path",
+        )
     if path.is_file():
+        if is_conversation_file(path):
+            return ConversationSource(path, image_root)
         if path.suffix.lower() in TABLE_SUFFIXES:
             return TableSource(path, columns)
         if path.suffix.lower() == ".tar":
             return ShardSource(src)
         raise FieldError(
             "SRC",
-            f"{src}: not a table ({', '.join(TABLE_SUFFIXES)}), a .tar shard or a folder",
+            f"{src}: not chat data (.json), a table ({', '.join(TABLE_SUFFIXES)}), a .tar shard "
+            "or a folder",
         )
     if path.is_dir():
         # A folder of shards: .tar files and no media files (logs such as rejects.jsonl are fine).

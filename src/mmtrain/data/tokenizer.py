@@ -100,8 +100,15 @@ class ByteTokenizer:
     sot_id = 256
     eot_id = 257
 
+    def __init__(self, keep_layout: bool = False):
+        # A language model reads chat templates whose newlines and spaces are part of the
+        # format: `keep_layout` keeps every character but NUL (the padding id).
+        self.keep_layout = keep_layout
+
     def normalize(self, text: str) -> str:
         text = unicodedata.normalize("NFC", text)
+        if self.keep_layout:
+            return text.replace("\0", "")
         # Control characters that are whitespace (tab, newline) separate words; others go.
         kept = (ch for ch in text if ch.isspace() or unicodedata.category(ch) != "Cc")
         return " ".join("".join(kept).split())
@@ -129,15 +136,19 @@ _EOT_NAMES = ("[EOT]", "<end_of_text>", "<|endoftext|>", "</s>", "[SEP]", "<eos>
 class HFTokenizer:
     """A local `tokenizer.json` read with the HF `tokenizers` library.
 
-    The file must define a padding token with id 0 and start/end-of-text tokens (`[PAD]`,
-    `[SOT]`, `[EOT]` as `train_bpe` writes them, or the usual alternatives such as `<pad>`,
-    `<s>`, `</s>`). Special tokens are added here, not by the file's post-processor, so the
-    layout matches every other tokenizer.
+    For a text encoder (CLIP-style rows) the file must define a padding token with id 0 and
+    start/end-of-text tokens (`[PAD]`, `[SOT]`, `[EOT]` as `train_bpe` writes them, or the usual
+    alternatives such as `<pad>`, `<s>`, `</s>`). Special tokens are added here, not by the
+    file's post-processor, so the layout matches every other tokenizer.
+
+    A decoder LM's tokenizer (Llama, Qwen2, Vicuna: `language_model=True`) only encodes and
+    decodes: its chat template places the special tokens, and batches mask padding whatever
+    its id. Its specials are not required; `decode` leaves them out.
     """
 
     pad_id = 0
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, language_model: bool = False):
         from tokenizers import Tokenizer as _HFTokenizer  # heavy import, only when used
 
         self.path = Path(path)
@@ -149,6 +160,9 @@ class HFTokenizer:
         tok.no_truncation()
         self._tok = tok
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.language_model = language_model
+        if language_model:
+            return
         pad_id = self._find_special(_PAD_NAMES, "padding")
         if pad_id != 0:
             raise FieldError(
@@ -172,6 +186,8 @@ class HFTokenizer:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def __call__(self, texts: Sequence[str], context_length: int) -> torch.Tensor:
+        if self.language_model:
+            raise TypeError(f"{self.path} was loaded for a language model: encode() only")
         _check_texts(texts)
         # One text at a time: `encode_batch` starts the library's thread pool, which then makes
         # every fork of a DataLoader worker print a parallelism warning and run single-threaded.
@@ -179,6 +195,8 @@ class HFTokenizer:
         return pack_ids(ids, context_length, self.sot_id, self.eot_id)
 
     def decode(self, ids: Iterable[int] | torch.Tensor) -> str:
+        if self.language_model:
+            return self._tok.decode(_as_id_list(ids), skip_special_tokens=True)
         special = {self.pad_id, self.sot_id, self.eot_id}
         return self._tok.decode([i for i in _as_id_list(ids) if i not in special])
 
@@ -440,12 +458,15 @@ def _read_merges(path: Path, max_merges: int) -> list[tuple[str, str]]:
 
 
 # ----------------------------------------------------------------------------- factory
-def get_tokenizer(name_or_path: str | Path) -> Tokenizer:
+def get_tokenizer(name_or_path: str | Path, language_model: bool = False) -> Tokenizer:
     """`"byte"`, a `tokenizer.json` file (or a folder holding one), or a CLIP merges file
-    (`.txt` / `.txt.gz`, e.g. OpenCLIP's `bpe_simple_vocab_16e6.txt.gz`)."""
+    (`.txt` / `.txt.gz`, e.g. OpenCLIP's `bpe_simple_vocab_16e6.txt.gz`).
+
+    `language_model`: for a decoder LM's conversations (text keeps its layout; an HF
+    tokenizer needs no padding / start / end tokens of its own)."""
     text = str(name_or_path)
     if text.lower() == "byte":
-        return ByteTokenizer()
+        return ByteTokenizer(keep_layout=language_model)
     path = Path(text)
     if path.is_dir() and (path / "tokenizer.json").is_file():
         path = path / "tokenizer.json"
@@ -456,7 +477,7 @@ def get_tokenizer(name_or_path: str | Path) -> Tokenizer:
             "file such as bpe_simple_vocab_16e6.txt.gz)",
         )
     if path.suffix == ".json":
-        return HFTokenizer(path)
+        return HFTokenizer(path, language_model=language_model)
     if path.name.endswith((".txt", ".txt.gz")):
         return OpenClipBPE(path)
     raise FieldError(

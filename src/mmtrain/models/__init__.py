@@ -1,7 +1,7 @@
 """Plain PyTorch modules built from a `ModelSpec`: stems, shared transformer blocks, towers, heads.
 
-`create_model(spec)` builds and initialises; `save_model` / `load_model` read and write a model
-folder (model.safetensors + spec.yaml).
+`create_model(spec)` builds and initialises (a `LanguageModel` when the spec has a decoder);
+`save_model` / `load_model` read and write a model folder (model.safetensors + spec.yaml).
 """
 
 from mmtrain.models.build import (
@@ -13,8 +13,10 @@ from mmtrain.models.build import (
     save_model,
 )
 from mmtrain.models.towers import Tower
+from mmtrain.models.vlm import LanguageModel
 
 __all__ = [
+    "LanguageModel",
     "ModelFileError",
     "MultimodalModel",
     "Tower",

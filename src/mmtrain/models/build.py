@@ -1,5 +1,6 @@
 """MultimodalModel: the towers of a `ModelSpec`, the contrastive temperature, an optional fusion
-head; plus `create_model`, `save_model` and `load_model`.
+head; plus `create_model`, `save_model` and `load_model`, which also build, save and load a
+`LanguageModel` (models/vlm.py) when the spec has a decoder.
 
 A model folder (run folder or converted checkpoint) holds exactly two files: `model.safetensors`
 (the state dict) and `spec.yaml` (the `ModelSpec`). Both are written atomically.
@@ -19,8 +20,10 @@ import yaml
 from torch import nn
 
 from mmtrain.atomic import atomic_write_bytes, atomic_write_text
+from mmtrain.models.decoder import Decoder
 from mmtrain.models.heads import FusionHead
 from mmtrain.models.towers import Tower
+from mmtrain.models.vlm import LanguageModel
 from mmtrain.spec import ModelSpec, load_spec
 from mmtrain.structured import FieldError
 
@@ -100,13 +103,7 @@ class MultimodalModel(nn.Module):
         `named_parameters()` order, and copied, so the same generator state gives the same weights
         on any device.
         """
-        rules = init_rules(self)
-        for name, param in self.named_parameters():
-            rule = rules.get(name) or _fallback_rule(name, param)
-            if rule.std is None:
-                param.fill_(rule.value)
-            else:
-                _normal_(param, rule.std, generator)
+        apply_init_rules(list(self.named_parameters()), init_rules(self), generator)
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
@@ -114,6 +111,20 @@ class MultimodalModel(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "reset_buffers"):
                 module.reset_buffers()
+
+
+def apply_init_rules(
+    named: list[tuple[str, nn.Parameter]],
+    rules: Mapping[str, InitRule],
+    generator: torch.Generator,
+) -> None:
+    """Initialise each (name, parameter) by its rule, one after another in the given order."""
+    for name, param in named:
+        rule = rules.get(name) or _fallback_rule(name, param)
+        if rule.std is None:
+            param.fill_(rule.value)
+        else:
+            _normal_(param, rule.std, generator)
 
 
 def _normal_(param: torch.Tensor, std: float, generator: torch.Generator) -> None:
@@ -225,8 +236,8 @@ def _fusion_rules(prefix: str, fusion: FusionHead) -> dict[str, InitRule]:
     return rules
 
 
-def init_rules(model: MultimodalModel) -> dict[str, InitRule]:
-    """The init of every parameter of `model` by name (norms 1/0, biases 0, the rest above)."""
+def _constant_rules(model: nn.Module) -> dict[str, InitRule]:
+    """Norms 1 (weight) / 0 (bias), and every bias 0."""
     rules: dict[str, InitRule] = {}
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
@@ -235,6 +246,50 @@ def init_rules(model: MultimodalModel) -> dict[str, InitRule]:
                 rules[prefix + name] = InitRule(value=1.0 if name == "weight" else 0.0)
             elif name == "bias":  # timm / OpenCLIP text: zero biases, the function starts linear
                 rules[prefix + name] = InitRule(value=0.0)
+    return rules
+
+
+def _decoder_rules(prefix: str, decoder: Decoder) -> dict[str, InitRule]:
+    """What `Decoder.init_weights` draws (it is the one that draws; tests/test_vlm.py holds the
+    two together): fan-in std shape[-1]**-0.5 (the embedding: width**-0.5), the residual
+    outputs smaller by (2 * layers)**-0.5, norms 1, biases 0."""
+    residual = (2 * decoder.spec.layers) ** -0.5
+    rules: dict[str, InitRule] = {}
+    for name, param in decoder.named_parameters():
+        if name.endswith("bias"):
+            rules[prefix + name] = InitRule(value=0.0)
+        elif "norm" in name:
+            rules[prefix + name] = InitRule(value=1.0)
+        else:
+            std = param.shape[-1] ** -0.5
+            if name.endswith(("attn.out.weight", "mlp.fc2.weight")):
+                std *= residual
+            rules[prefix + name] = InitRule(std)
+    return rules
+
+
+def _language_model_rules(model: LanguageModel) -> dict[str, InitRule]:
+    """The image tower as in a MultimodalModel, the decoder as `Decoder.init_weights` draws it,
+    the projector fan-in (each output near unit variance for unit-variance inputs; the vision
+    hidden states are not normalised, LLaVA trains this layer first), biases 0."""
+    rules = _constant_rules(model)
+    for name, tower in model.towers.items():
+        if isinstance(tower, Tower):
+            rules.update(_tower_rules(f"towers.{name}.", tower))
+        else:
+            rules.update(_decoder_rules(f"towers.{name}.", tower))
+    if model.projector is not None:
+        for name, param in model.projector.named_parameters():
+            if name.endswith("weight"):
+                rules[f"projector.{name}"] = InitRule(_fan_in(param) ** -0.5)
+    return rules
+
+
+def init_rules(model: MultimodalModel | LanguageModel) -> dict[str, InitRule]:
+    """The init of every parameter of `model` by name (norms 1/0, biases 0, the rest above)."""
+    if not isinstance(model, MultimodalModel):
+        return _language_model_rules(model)
+    rules = _constant_rules(model)
     for name, tower in model.towers.items():
         rules.update(_tower_rules(f"towers.{name}.", tower))
     if model.fusion is not None:
@@ -255,14 +310,21 @@ def _fallback_rule(name: str, param: torch.Tensor) -> InitRule:
     return InitRule(_fan_in(param) ** -0.5) if param.dim() >= 2 else InitRule(value=0.0)
 
 
+def _new_model(spec: ModelSpec) -> MultimodalModel | LanguageModel:
+    """The module class of `spec`: a LanguageModel when it has a decoder."""
+    return LanguageModel(spec) if spec.decoder is not None else MultimodalModel(spec)
+
+
 def create_model(
     name_or_spec: str | Path | ModelSpec,
     *,
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
     seed: int = 0,
-) -> MultimodalModel:
-    """A randomly initialised model from a preset name, a spec file or a `ModelSpec`.
+) -> MultimodalModel | LanguageModel:
+    """A randomly initialised model from a preset name, a spec file or a `ModelSpec`: a
+    `LanguageModel` (LM or vision-language model) when the spec has a decoder, else a
+    `MultimodalModel`.
 
     `device="meta"` builds without memory or init (instant, for counting and planning). The
     initialisation is a pure function of `seed`, whatever the device.
@@ -271,7 +333,7 @@ def create_model(
     device = torch.device(device) if device is not None else torch.device("cpu")
     # Build on the meta device (no memory, no default init), then allocate once and init once.
     with torch.device("meta"):
-        model = MultimodalModel(spec)
+        model = _new_model(spec)
     if device.type != "meta":
         model = model.to_empty(device=device)
         model.init_weights(torch.Generator().manual_seed(seed))
@@ -280,12 +342,14 @@ def create_model(
     return model
 
 
-def _unwrap(model: nn.Module) -> MultimodalModel:
-    """The MultimodalModel inside torch.compile / DDP wrappers."""
-    while not isinstance(model, MultimodalModel):
+def _unwrap(model: nn.Module) -> MultimodalModel | LanguageModel:
+    """The MultimodalModel or LanguageModel inside torch.compile / DDP wrappers."""
+    while not isinstance(model, (MultimodalModel, LanguageModel)):
         inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
         if inner is None:
-            raise TypeError(f"expected a MultimodalModel, got {type(model).__name__}")
+            raise TypeError(
+                f"expected a MultimodalModel or LanguageModel, got {type(model).__name__}"
+            )
         model = inner
     return model
 
@@ -340,12 +404,12 @@ def check_state_dict(
 
 def model_with_weights(
     spec: ModelSpec, state: Mapping[str, torch.Tensor], source: str | Path | None = None
-) -> MultimodalModel:
+) -> MultimodalModel | LanguageModel:
     """A model of `spec` adopting the tensors of `state` (no copy, no random init), its derived
     buffers rebuilt. With `source`, keys and shapes are checked first (ModelFileError naming it);
     without, `load_state_dict`'s strict check applies."""
     with torch.device("meta"):
-        model = MultimodalModel(spec)
+        model = _new_model(spec)
     if source is not None:
         check_state_dict(model, state, source)
     model.load_state_dict(state, strict=True, assign=True)
@@ -358,7 +422,7 @@ def load_model(
     *,
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
-) -> MultimodalModel:
+) -> MultimodalModel | LanguageModel:
     """Load a model folder (run folder or converted checkpoint: model.safetensors + spec.yaml),
     or the path of its model.safetensors. Raises FileNotFoundError naming a missing file and
     ModelFileError for a corrupt file or weights that do not fit the spec."""

@@ -386,7 +386,7 @@ def mmtrain_to_hf(
 
 # ----------------------------------------------------------------------------- config.json -> spec
 @dataclass(frozen=True)
-class _Section:
+class Section:
     """One (sub-)config of config.json, defaults filled in, read with errors naming the field."""
 
     file: Path
@@ -447,7 +447,9 @@ def _architecture(config: dict[str, Any], file: Path) -> Architecture:
     return arch
 
 
-def _sub_config(config: dict[str, Any], key: str, defaults: dict[str, Any], file: Path) -> _Section:
+def sub_config(config: dict[str, Any], key: str, defaults: dict[str, Any], file: Path) -> Section:
+    """The nested config `key` (`vision_config`, `text_config`) over `defaults`, its errors
+    naming `key.<field>`. Used by hf_llava for the vision tower LLaVA nests."""
     # Configs written before transformers 4.25 may also hold `<key>_dict`, which wins.
     values = dict(defaults)
     for name in (key, f"{key}_dict"):
@@ -455,7 +457,7 @@ def _sub_config(config: dict[str, Any], key: str, defaults: dict[str, Any], file
         if not isinstance(part, dict):
             raise HFFolderError(file, f"expected a mapping, got {part!r}", field=name)
         values.update(part)
-    return _Section(file, f"{key}.", values)
+    return Section(file, f"{key}.", values)
 
 
 def _mlp_ratio(width: int, hidden: int) -> float:
@@ -466,7 +468,7 @@ def _mlp_ratio(width: int, hidden: int) -> float:
     return ratio
 
 
-def _stack(section: _Section) -> dict[str, Any]:
+def _stack(section: Section) -> dict[str, Any]:
     """The TowerSpec fields every tower has: sizes, activation, norm epsilon."""
     width = section.get("hidden_size", int)
     act = section.get("hidden_act", str)
@@ -482,7 +484,9 @@ def _stack(section: _Section) -> dict[str, Any]:
     }
 
 
-def _image_tower(vision: _Section, arch: Architecture) -> TowerSpec:
+def image_tower(vision: Section, arch: Architecture) -> TowerSpec:
+    """The image TowerSpec of a vision (sub-)config of `arch`'s family (CLIP: class token and
+    pre-norm; SigLIP: MAP head, patch bias). Used by hf_llava for LLaVA's vision tower."""
     siglip = arch.family == "siglip"
     if siglip and not vision.get("vision_use_head", bool):
         raise vision.error("vision_use_head", "false (no pooled output) is not supported")
@@ -502,7 +506,7 @@ def _image_tower(vision: _Section, arch: Architecture) -> TowerSpec:
     )
 
 
-def _eot_token(text: _Section, vocab_size: int) -> int | str:
+def _eot_token(text: Section, vocab_size: int) -> int | str:
     eos = text.get("eos_token_id", int)
     if eos == LEGACY_EOS_TOKEN_ID:
         return "argmax"
@@ -511,7 +515,7 @@ def _eot_token(text: _Section, vocab_size: int) -> int | str:
     return eos
 
 
-def _text_tower(text: _Section, arch: Architecture) -> TowerSpec:
+def _text_tower(text: Section, arch: Architecture) -> TowerSpec:
     siglip = arch.family == "siglip"
     vocab_size = text.get("vocab_size", int)
     stem = TextStem(
@@ -529,7 +533,7 @@ def _text_tower(text: _Section, arch: Architecture) -> TowerSpec:
     )
 
 
-def _embed_dim(arch: Architecture, top: _Section, vision: _Section, text: _Section | None) -> int:
+def _embed_dim(arch: Architecture, top: Section, vision: Section, text: Section | None) -> int:
     if arch.name == "CLIPModel":
         return top.get("projection_dim", int)
     if arch.projection:  # CLIPVisionModelWithProjection
@@ -547,18 +551,18 @@ def _embed_dim(arch: Architecture, top: _Section, vision: _Section, text: _Secti
 
 def _sections(
     config: dict[str, Any], arch: Architecture, file: Path
-) -> tuple[_Section, _Section | None, _Section]:
+) -> tuple[Section, Section | None, Section]:
     """(vision, text or None, top level) sections of config.json for `arch`."""
-    top = _Section(file, "", {**CLIP_DEFAULTS, **config} if arch.family == "clip" else config)
+    top = Section(file, "", {**CLIP_DEFAULTS, **config} if arch.family == "clip" else config)
     vision_defaults = VISION_DEFAULTS[arch.family]
     nested = config.get("model_type") in ("clip", "siglip")  # a full model's config
     if nested:
-        vision = _sub_config(config, "vision_config", vision_defaults, file)
+        vision = sub_config(config, "vision_config", vision_defaults, file)
     else:
-        vision = _Section(file, "", {**vision_defaults, **config})
+        vision = Section(file, "", {**vision_defaults, **config})
     text = None
     if arch.text:
-        text = _sub_config(config, "text_config", TEXT_DEFAULTS[arch.family], file)
+        text = sub_config(config, "text_config", TEXT_DEFAULTS[arch.family], file)
     return vision, text, top
 
 
@@ -568,7 +572,7 @@ def spec_from_config(
     """The ModelSpec (towers `image` and `text`) of a HF CLIP/SigLIP config.json, and its class."""
     arch = _architecture(config, file)
     vision, text, top = _sections(config, arch, file)
-    towers = {"image": _image_tower(vision, arch)}
+    towers = {"image": image_tower(vision, arch)}
     siglip = arch.family == "siglip"
     fields: dict[str, Any] = {}
     if text is not None:
@@ -676,13 +680,6 @@ def read_hf_folder(path: str | Path) -> tuple[ModelSpec, dict[str, Tensor]]:
     return spec, state
 
 
-def load_hf(path: str | Path) -> nn.Module:
-    """A `MultimodalModel` holding the weights of the HF CLIP/SigLIP folder at `path`."""
-    from mmtrain.models.build import model_with_weights
-
-    return model_with_weights(*read_hf_folder(path))
-
-
 # ----------------------------------------------------------------------------- spec -> HF
 def _problems(path: str, tower: TowerSpec, wanted: dict[str, Any]) -> list[str]:
     """`path.field: HF needs X, got Y` for each dotted field of `tower` that is not as wanted."""
@@ -788,7 +785,9 @@ def _stack_config(tower: TowerSpec) -> dict[str, Any]:
     }
 
 
-def _vision_config(spec: ModelSpec, layout: HFLayout) -> dict[str, Any]:
+def vision_config(spec: ModelSpec, layout: HFLayout) -> dict[str, Any]:
+    """The `vision_config` transformers reads for `spec`'s image tower (or a bare vision
+    model's whole config). Used by hf_llava, whose config nests one."""
     tower = spec.towers[layout.image]
     stem = tower.stem
     config = {
@@ -823,12 +822,12 @@ def hf_config(spec: ModelSpec, layout: HFLayout, dtype: torch.dtype) -> dict[str
     arch = layout.arch
     head = {"architectures": [arch.name], "torch_dtype": str(dtype).removeprefix("torch.")}
     if layout.text is None:
-        return {**head, **_vision_config(spec, layout)}
+        return {**head, **vision_config(spec, layout)}
     config = {
         **head,
         "model_type": arch.family,
         "text_config": _text_config(spec, layout),
-        "vision_config": _vision_config(spec, layout),
+        "vision_config": vision_config(spec, layout),
     }
     if arch.family == "clip":
         config.update(projection_dim=spec.embed_dim, logit_scale_init_value=spec.logit_scale_init)

@@ -388,7 +388,7 @@ def read_hf_decoder(path: str | Path) -> tuple[DecoderSpec, dict[str, Tensor]]:
     spec = spec_from_config(read_json(folder / CONFIG_FILE), folder / CONFIG_FILE)
     weights = read_hf_weights(folder)
     if spec.tie_embeddings and "lm_head.weight" in weights:
-        _check_tied(weights, folder)
+        check_tied(weights, folder)
     try:
         state = hf_to_mmtrain(weights, spec)
     except CheckpointMismatch as err:
@@ -397,7 +397,10 @@ def read_hf_decoder(path: str | Path) -> tuple[DecoderSpec, dict[str, Tensor]]:
     return spec, state
 
 
-def _check_tied(weights: dict[str, Tensor], folder: Path) -> None:
+def check_tied(weights: dict[str, Tensor], folder: Path) -> None:
+    """A config that ties the LM head but whose weights repeat `lm_head.weight` must repeat
+    `model.embed_tokens.weight` exactly; raises HFFolderError naming tie_word_embeddings.
+    `weights` are a causal LM's own keys (hf_llava passes its language model's)."""
     embed, head = weights.get("model.embed_tokens.weight"), weights["lm_head.weight"]
     if embed is not None and not torch.equal(embed, head):
         raise HFFolderError(

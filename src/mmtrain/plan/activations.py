@@ -64,19 +64,20 @@ def layer_terms(stack: Stack, micro_batch: int, o: ActivationOptions) -> dict[st
     sb = s * b
     t = o.tp
     rep = t if o.sp else 1  # replicated terms are divided only under sequence parallelism
-    kv = stack.kv_heads * stack.head_dim
-    qkv_out = h + 2 * kv
+    inner = stack.heads * stack.head_dim  # the query heads' width (h unless head_dim is set)
     mlp = (2 * f + f + f) if stack.gated else (f + f)
     stats = (2 if stack.norm == "layernorm" else 1) * 2 * sb * FP32 / rep
     terms = {
         "norm_inputs": 2 * sb * h * o.residual_bytes / rep,
         "norm_stats": stats,
         "qkv_input": sb * h * o.act_bytes / rep,
-        "qkv": sb * qkv_out * o.act_bytes / t,
-        "attention_output": sb * h * o.act_bytes / t,
+        "qkv": sb * _qkv_elements(stack) * o.act_bytes / t,
+        "attention_output": sb * inner * o.act_bytes / t,
         "mlp_input": sb * h * o.act_bytes / rep,
         "mlp_hidden": sb * mlp * o.act_bytes / t,
     }
+    if stack.norm_copy:
+        terms["norm_copies"] = 2 * sb * h * o.residual_bytes / rep
     if o.attention == "flash":
         terms["attention_lse"] = a * sb * FP32 / t
     else:
@@ -85,11 +86,28 @@ def layer_terms(stack: Stack, micro_batch: int, o: ActivationOptions) -> dict[st
             terms["attention_softmax"] *= 2.5  # mask (1 byte) and dropout output (2 bytes)
     if stack.key_mask:
         terms["attention_mask"] = sb * FP32
+    if stack.document_mask:
+        # SDPA turns the boolean block-diagonal mask into an fp32 additive one and keeps it.
+        terms["attention_mask"] = sb * s * FP32
     if o.dropout:
         terms["dropout_masks"] = 2 * sb * h / rep
     if stack.mode == "lora":
         _lora_terms(terms, stack, sb, o)
     return terms
+
+
+def _qkv_elements(stack: Stack) -> int:
+    """Per token, what attention keeps of q, k and v. Plain blocks: the fused projection's
+    output (q, k and v are views of it). Rotary (decoder.py): the rotated copies of q and k;
+    without grouping also the projection's output (v is a view of it), with grouped-query
+    attention the k and v repeated to every query head instead (the projection is not kept)."""
+    kv = stack.kv_heads * stack.head_dim
+    inner = stack.heads * stack.head_dim
+    if not stack.rotary:
+        return inner + 2 * kv
+    if stack.kv_heads < stack.heads:
+        return 3 * inner
+    return (inner + 2 * kv) + inner + kv
 
 
 def _lora_first_layer_unsaved(stack: Stack, micro_batch: int, o: ActivationOptions) -> float:
@@ -115,6 +133,7 @@ def _lora_terms(terms: dict[str, float], stack: Stack, sb: int, o: ActivationOpt
         terms["qkv_input"] = 0.0
     else:
         adapted += 2
+    terms.pop("norm_copies", None)  # a frozen norm weight's backward needs no normalised copy
     if "mlp" not in stack.lora_targets:
         terms["mlp_input"] = 0.0
         terms["mlp_hidden"] -= sb * stack.mlp_hidden * o.act_bytes / o.tp  # fc2's input
@@ -142,6 +161,15 @@ def layer_bytes(stack: Stack, micro_batch: int, o: ActivationOptions) -> float:
     return sum(terms.values())
 
 
+def _loss_bytes(stack: Stack, micro_batch: float, o: ActivationOptions) -> float:
+    """The next-token loss: cross-entropy keeps its fp32 log-softmax over the scored rows
+    (each row's ids but the last, whose target is outside the row) and their int64 targets.
+    The logits themselves are not kept: the head's output is cast to fp32 (autocast) or read
+    as is (fp32), and log-softmax's backward needs only its output."""
+    rows = (stack.logit_rows or stack.tokens) - 1
+    return micro_batch * rows * (stack.vocab * FP32 / o.tp + 8)
+
+
 @dataclass(frozen=True)
 class StackActivations:
     layers_bytes: float  # all layers of the stack on this GPU
@@ -154,31 +182,61 @@ class StackActivations:
         return self.layers_bytes + self.stem_bytes + self.logits_bytes
 
 
+def _frozen_layer_with_input_grad(stack: Stack, micro_batch: float, o: ActivationOptions) -> float:
+    """A frozen block whose input needs a gradient (a VLM's decoder behind a trained
+    projector) keeps what the input's gradient needs: norm inputs and statistics, attention's
+    q, k, v, output and statistics, the MLP activation's input (and, gated, its output); not
+    the inputs of its frozen linears or the normalised copies its frozen norm weights scale."""
+    terms = layer_terms(stack, micro_batch, o)
+    f = micro_batch * stack.tokens * stack.mlp_hidden * o.act_bytes / o.tp
+    terms["mlp_hidden"] = 3 * f if stack.gated else f
+    for name in ("qkv_input", "mlp_input", "norm_copies", "lora_intermediate"):
+        terms.pop(name, None)
+    return sum(terms.values())
+
+
 def stack_activations(
-    stack: Stack, micro_batch: int, o: ActivationOptions, pp: int = 1, pp_microbatches: int = 1
+    stack: Stack,
+    micro_batch: int,
+    o: ActivationOptions,
+    pp: int = 1,
+    pp_microbatches: int = 1,
+    input_grad: bool = False,
 ) -> StackActivations:
     """Activations of one stack on one GPU. A frozen stack runs without autograd: it keeps
     nothing (its transient working set is in the recompute/working term).
 
+    `input_grad`: a gradient flows into the stack's input from a trained stack before it (a
+    VLM's decoder behind a trained projector): its frozen front blocks and a LoRA stack's
+    first block then keep what that gradient needs.
+
     Pipeline parallel p: the first 1F1B stage holds p micro-batches of L/p layers, i.e. one
     micro-batch of the whole stack, scaled by min(1, m/p) (Megatron-LM).
     """
+    micro_batch = micro_batch * stack.per_sample  # a VLM's image tower sees images, not rows
     working = layer_bytes(stack, micro_batch, ActivationOptions(**{**o.__dict__, "ac": "none"}))
     if stack.mode == "frozen":
         return StackActivations(0, 0, 0, working)
     in_flight = min(1.0, pp_microbatches / pp) if pp > 1 else 1.0
     trained = stack.layers * stack.trained_layer_share()  # frozen front blocks keep nothing
     layers = trained * layer_bytes(stack, micro_batch, o) * in_flight
+    if input_grad and stack.frozen_blocks and o.ac == "none":
+        frozen = _frozen_layer_with_input_grad(stack, micro_batch, o)
+        layers += stack.frozen_blocks * frozen * in_flight
     floats, ints = stack.stem_elements, stack.stem_int64
     if stack.mode == "lora" or stack.frozen_blocks is not None:  # a frozen stem
         floats, ints = floats - stack.stem_input_elements, ints - stack.stem_input_int64
+        if input_grad and stack.kind == "decoder":
+            ints += stack.tokens  # the splice index: the image tokens' gradient reads it
     stem = micro_batch * (floats * o.act_bytes + ints * 8)
+    if stack.document_mask and o.ac != "none":
+        # the boolean [b, 1, s, s] mask is an input of every checkpointed block (kept once)
+        stem += micro_batch * stack.tokens**2
     if stack.mode == "lora":
         stem -= micro_batch * stack.proj_input_elements * o.act_bytes  # a frozen projection
-        if o.ac == "none":
+        if o.ac == "none" and not input_grad:
             layers -= _lora_first_layer_unsaved(stack, micro_batch, o) * in_flight
-    # LM head: fp32 logits and their log-softmax, b x s x V each (vram.asmirnov.xyz's b.s.V.4.2).
-    logits = micro_batch * stack.tokens * stack.vocab * 2 * FP32 / o.tp if stack.vocab else 0
+    logits = _loss_bytes(stack, micro_batch, o) if stack.vocab else 0.0
     recompute = working if o.ac != "none" else 0
     return StackActivations(layers, stem, logits, recompute)
 
@@ -245,6 +303,8 @@ def contrastive_bytes(model: PlanModel, micro_batch: int, dp: int) -> float:
     log-softmax, both directions), as the local-loss variant keeps them. Without pairs (a
     fusion-only model) the towers still normalise their embeddings: input and norm, b (E + 2)."""
     b, e, g = micro_batch, model.embed_dim, micro_batch * dp
+    if model.language_model:
+        return 0.0  # the next-token loss is the decoder stack's (stack_activations)
     if not model.pairs:
         trainable = sum(1 for s in model.stacks if s.kind == "encoder" and s.mode != "frozen")
         return FP32 * trainable * b * (e + 2)

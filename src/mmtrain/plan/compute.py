@@ -105,7 +105,7 @@ def training_time(model: PlanModel, cfg: PlanConfig, gpu: GPU, catalog: Catalog)
     if cfg.tp > 1:
         per_layer = 6 if cfg.ac == "full" else 4
         for s in model.stacks:
-            size = cfg.micro_batch * s.tokens * s.width * act_bytes
+            size = cfg.micro_batch * s.per_sample * s.tokens * s.width * act_bytes
             calls = per_layer if s.mode != "frozen" else 2
             tp_comm += s.layers / cfg.pp * calls * all_reduce_s(size, cfg.tp, tp_link)
     dp_link = group_link(catalog, gpu, cfg.gpus, gpn, cfg.network)

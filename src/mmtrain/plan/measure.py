@@ -4,6 +4,9 @@ micro-batch and checkpointing mode, and count what it holds, to set beside the p
 - Activations: every tensor autograd saves for backward during the forward pass and the loss
   (`torch.autograd.graph.saved_tensors_hooks`), deduplicated by storage, parameters excluded.
   With non-reentrant checkpointing the hooks see exactly the checkpointed blocks' inputs.
+- Language models (spec.decoder): rows of the planned length (`context`, default
+  `decoder.max_positions`), `images` placeholders per row, `packed` rows of two documents,
+  scored by the next-token cross-entropy (`next_token_loss`).
 - Model states: parameters, gradients and optimizer states after one AdamW step, by storage.
 - What trains: frozen towers (`--freeze`) and LoRA towers (`--lora`, `--lora-rank`,
   `--lora-targets`) are set up by the trainer's own code (train/optim.py's freezing,
@@ -103,6 +106,57 @@ def random_batch(
     return out
 
 
+def language_batch(
+    spec: ModelSpec,
+    rows: int,
+    positions: int,
+    images_per_row: int,
+    generator: torch.Generator,
+    packed: bool = False,
+) -> dict[str, torch.Tensor]:
+    """A batch of the language-model contract (models/vlm.py): `rows` rows of `positions` LM
+    positions each (every row full: memory is planned for the longest row), `images_per_row`
+    placeholders per row at random places, random labels (-100 at placeholders) and, when
+    `packed`, two documents per row (`document_ids`)."""
+    d = spec.decoder
+    p = spec.image_tokens()
+    ids_per_row = positions - images_per_row * max(p - 1, 0)
+    if ids_per_row < max(images_per_row, 2):
+        raise ValueError(
+            f"{positions} positions cannot hold {images_per_row} image(s) of {p} tokens "
+            "and a target"
+        )
+    high = min(d.vocab_size, 256)
+    text = torch.randint(1, high, (rows, ids_per_row), generator=generator)
+    image_id = spec.projector.image_token_id if spec.projector is not None else None
+    if image_id is not None:
+        text = torch.where(text == image_id, (image_id + 1) % high, text)
+        for r in range(rows):
+            slots = torch.randperm(ids_per_row - 1, generator=generator)[:images_per_row]
+            text[r, slots] = image_id
+    labels = torch.where(text == image_id, -100, text) if image_id is not None else text.clone()
+    batch = {"text": text, "labels": labels}
+    if spec.projector is not None:
+        s = spec.towers[spec.projector.tower].stem
+        batch[spec.projector.tower] = torch.randn(
+            rows * images_per_row, s.channels, s.image_size, s.image_size, generator=generator
+        )
+    if packed:
+        cut = ids_per_row // 2
+        while image_id is not None and bool((text[:, cut - 1] == image_id).any()):
+            cut += 1  # an image stays whole in one document (any cut works for the planner)
+        batch["document_ids"] = (torch.arange(ids_per_row) >= cut).long().expand(rows, -1)
+    return batch
+
+
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The trainer's next-token objective (train/objectives.py): the summed cross-entropy of
+    each position's logits against the next id's label, over the target count."""
+    from mmtrain.train.objectives import count_targets, token_nll_sum
+
+    return token_nll_sum(logits, labels) / count_targets(labels)
+
+
 def _storage_bytes(tensors) -> int:
     seen = {}
     for t in tensors:
@@ -119,6 +173,8 @@ def measure_training_step(
     image_size: int | None = None,
     frames: int | None = None,
     context: int | None = None,
+    images: int | None = None,
+    packed: bool = False,
     freeze: list[str] | None = None,
     lora: list[str] | None = None,
     lora_rank: int = 16,
@@ -132,7 +188,9 @@ def measure_training_step(
     from mmtrain.models.build import create_model
     from mmtrain.train.parallel import apply_activation_checkpointing
 
-    spec = spec_with_overrides(model_name, image_size, frames, context)
+    spec = spec_with_overrides(
+        model_name, image_size, frames, None if _is_lm(model_name) else context
+    )
     model = create_model(spec, seed=seed)
     towers = _towers(freeze or [], lora or [], lora_rank, lora_targets)
     for name, n in (freeze_blocks or {}).items():
@@ -140,9 +198,17 @@ def measure_training_step(
     for name, n in (unlocked_blocks or {}).items():
         towers[name] = TowerTrainConfig(unlocked_blocks=n)
     optimizer = _trainer_set_up(model, towers, seed)
-    apply_activation_checkpointing(model, plan.config.ac)
+    # As the trainer does (train.towers.NAME.activation_checkpointing), only trained towers
+    # recompute: a checkpointed frozen block would still keep its input.
+    trained = [n for n, t in model.towers.items() if any(p.requires_grad for p in t.parameters())]
+    apply_activation_checkpointing(model, plan.config.ac, trained)
     generator = torch.Generator().manual_seed(seed)
-    batch = random_batch(spec, plan.config.micro_batch, generator)
+    if spec.is_language_model():
+        positions = context or spec.decoder.max_positions
+        per_row = images if images is not None else int(spec.projector is not None)
+        batch = language_batch(spec, plan.config.micro_batch, positions, per_row, generator, packed)
+    else:
+        batch = random_batch(spec, plan.config.micro_batch, generator)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
@@ -154,7 +220,10 @@ def measure_training_step(
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(batch)
-        loss = _loss(spec, model, out, generator)
+        if spec.is_language_model():
+            loss = next_token_loss(out["logits"], batch["labels"])
+        else:
+            loss = _loss(spec, model, out, generator)
     activations = sum(saved.values())
     loss.backward()
     optimizer.step()
@@ -177,6 +246,10 @@ def measure_training_step(
         optimizer_state_params=sum(p.numel() for p in optimizer.state if optimizer.state[p]),
         predicted_trainable_params=plan.model.trainable_params(),
     )
+
+
+def _is_lm(name: str | ModelSpec) -> bool:
+    return load_spec(name).is_language_model()
 
 
 def _towers(

@@ -154,8 +154,10 @@ def _activations(
     model: PlanModel, o: ActivationOptions, micro_batch: int, pp: int, accumulation: int
 ) -> _Activations:
     by_stack, saved, recompute = [], 0.0, 0.0
+    upstream = False  # a language model's stacks feed each other in order (image -> text)
     for stack in model.stacks:
-        a = stack_activations(stack, micro_batch, o, pp, accumulation)
+        a = stack_activations(stack, micro_batch, o, pp, accumulation, upstream)
+        upstream = model.language_model and (upstream or stack.mode != "frozen")
         by_stack.append((stack.name, a.saved))
         saved += a.saved
         recompute = max(recompute, a.recompute_bytes)  # one layer at a time is recomputed

@@ -8,6 +8,7 @@ see workloads.py) build stacks directly from their published shapes. Everything 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from mmtrain.spec import (
@@ -67,6 +68,12 @@ class Stack:
     stem_input_int64: int = 0
     proj_input_elements: int = 0  # of stem_elements: what a frozen projection does not keep
     source: str = ""
+    # Language models (decoder.py, vlm.py): how the module's own code keeps activations.
+    per_sample: float = 1.0  # inputs of this stack per sample (images per row of a VLM)
+    norm_copy: bool = False  # the (unfused) RMSNorm also keeps its normalised input
+    rotary: bool = False  # q and k are rotated copies (rotary positions)
+    document_mask: bool = False  # packed rows: an fp32 [b, 1, s, s] additive mask per layer
+    logit_rows: int = 0  # rows of logits per sample (0: tokens); the loss scores rows - 1
 
     def block_params(self) -> int:
         """Parameters of one block (what ZeRO-3 gathers at a time)."""
@@ -150,6 +157,7 @@ class PlanModel:
     fusion: FusionHead | None = None
     source: str = ""
     notes: tuple[str, ...] = field(default=())
+    language_model: bool = False  # next-token objective: no contrastive embeddings
 
     def params(self) -> int:
         return sum(s.params for s in self.stacks) + self.head_params
@@ -185,8 +193,9 @@ class PlanModel:
             check_choice(f"lora_targets[{i}]", target, LORA_TARGETS)
         for name, mode in modes.items():
             check_choice(f"towers.{name}.mode", mode, MODES)
-            stacks[self.stack(name).name] = replace(
-                stacks[name], mode=mode, lora_rank=lora_rank, lora_targets=tuple(lora_targets)
+            stack = self.stack(name)  # a FieldError naming the towers for an unknown name
+            stacks[name] = replace(
+                stack, mode=mode, lora_rank=lora_rank, lora_targets=tuple(lora_targets)
             )
         return replace(self, stacks=tuple(stacks[s.name] for s in self.stacks))
 
@@ -299,43 +308,13 @@ def _fusion_head(spec: ModelSpec) -> FusionHead | None:
     )
 
 
-def from_spec(spec: ModelSpec) -> PlanModel:
-    """One stack per tower, with spec.py's parameter, token and FLOP counts."""
-    stacks = []
-    for name, tower in spec.towers.items():
-        floats, ints = _stem_saved(tower)
-        input_floats, input_ints = _stem_input_saved(tower)
-        text = isinstance(tower.stem, TextStem)
-        stacks.append(
-            Stack(
-                name=name,
-                kind="encoder",
-                layers=tower.layers,
-                width=tower.width,
-                heads=tower.heads,
-                kv_heads=tower.heads,
-                head_dim=tower.head_dim(),
-                mlp_hidden=tower.mlp_hidden(),
-                params=tower.params(spec.embed_dim),
-                forward_flops=tower.flops(spec.embed_dim),
-                tokens=tower.tokens(),
-                gated=tower.activation == "swiglu",
-                norm=tower.norm,
-                causal=text and tower.stem.causal,
-                key_mask=text and not tower.stem.causal and tower.pooling != "last",
-                stem_elements=floats,
-                stem_int64=ints,
-                padded=text,
-                keeps_final_tokens=tower.pooling in ("cls", "last", "map"),
-                unused_params=_unused_params(spec, name),
-                stem_params=tower.stem_params()
-                + (tower.norm_params() if tower.has_pre_norm() else 0),
-                layer_params=tower.block_params(),
-                stem_input_elements=input_floats,
-                stem_input_int64=input_ints,
-                proj_input_elements=_proj_input(tower),
-            )
-        )
+def from_spec(spec: ModelSpec, rows: Rows | None = None) -> PlanModel:
+    """One stack per tower, with spec.py's parameter, token and FLOP counts; a language model
+    (spec.decoder) plans `rows` (default: one row of `decoder.max_positions` positions holding
+    one image per image tower, as spec.forward_flops counts it)."""
+    if spec.decoder is not None:
+        return language_model(spec, rows or default_rows(spec))
+    stacks = [from_spec_tower(spec, name) for name in spec.towers]
     return PlanModel(
         name=spec.name,
         stacks=tuple(stacks),
@@ -344,4 +323,196 @@ def from_spec(spec: ModelSpec) -> PlanModel:
         head_params=spec.head_params(),
         head_flops=spec.forward_flops() - sum(spec.tower_flops().values()),
         fusion=_fusion_head(spec),
+    )
+
+
+# ----------------------------------------------------------------------------- language models
+@dataclass(frozen=True)
+class Rows:
+    """What one training row (one sample of the plan) of a language model holds.
+
+    `positions` LM positions (images spliced in; memory is planned for this length), `images`
+    images per row, `text_ids` ids per row (a placeholder counts one: the logits rows),
+    `packed` rows of several documents (a block-diagonal mask per layer), and optionally the
+    mean forward FLOPs of a row (`forward_flops`, from a length distribution: rows differ)."""
+
+    positions: int
+    images: float = 0.0
+    text_ids: int | None = None
+    packed: bool = False
+    forward_flops: float | None = None
+    vision_flops: float | None = None  # of forward_flops: the image tower and projector
+    mean_images: float | None = None  # images per row for FLOPs (None: `images`)
+
+
+def check_rows(spec: ModelSpec, rows: Rows) -> None:
+    """A row must hold its images whole and at least two ids (a target needs a next id)."""
+    needed = int(math.ceil(rows.images)) * spec.image_tokens() + 2
+    if rows.positions < needed:
+        raise FieldError(
+            "--context",
+            f"{rows.positions} positions cannot hold {rows.images:g} image(s) of "
+            f"{spec.image_tokens()} tokens and a target; give at least {needed}",
+        )
+
+
+def default_rows(spec: ModelSpec) -> Rows:
+    """One row of the decoder's `max_positions` with one image when the model has images."""
+    assert spec.decoder is not None
+    images = 1 if spec.projector is not None else 0
+    return Rows(positions=spec.decoder.max_positions, images=images)
+
+
+def _text_ids(spec: ModelSpec, rows: Rows) -> int:
+    if rows.text_ids is not None:
+        return rows.text_ids
+    extra = max(spec.image_tokens() - 1, 0)
+    return max(1, int(round(rows.positions - rows.images * extra)))
+
+
+def decoder_stack(spec: ModelSpec, rows: Rows, name: str = "text") -> Stack:
+    """The decoder LM (models/decoder.py) as a stack over `rows.positions` positions.
+
+    Outside its blocks it keeps (per row, calibrated with plan/measure.py against vlm.py's
+    LanguageModel): the token ids, the splice index (one per position) and the gather index
+    of the text ids (int64); the rotary cos and sin tables (2 s d, shared by every layer); the
+    final RMSNorm's input, statistic, normalised copy and output (the gather that picks the
+    text ids' rows keeps its input); and the LM head's input at each text id."""
+    d = spec.decoder
+    s, text = rows.positions, _text_ids(spec, rows)
+    flops = d.forward_flops(s)
+    if rows.forward_flops is not None:
+        flops = int(round(rows.forward_flops - (rows.vision_flops or 0)))
+    floats = 2 * s * d.head_dim + s * (3 * d.width + 1) + text * d.width
+    ints = text + s + text
+    return Stack(
+        name=name,
+        kind="decoder",
+        layers=d.layers,
+        width=d.width,
+        heads=d.heads,
+        kv_heads=d.kv_heads,
+        head_dim=d.head_dim,
+        mlp_hidden=d.mlp_hidden,
+        params=d.params(),
+        forward_flops=flops,
+        tokens=s,
+        gated=True,
+        norm="rmsnorm",
+        causal=True,
+        vocab=d.vocab_size,
+        stem_elements=floats,
+        stem_int64=ints,
+        padded=True,
+        stem_params=d.embedding_params(),
+        layer_params=d.block_params(),
+        stem_input_int64=text + s,  # a frozen embedding: neither the ids nor the splice index
+        proj_input_elements=s * d.width + text * d.width,  # frozen final norm weight and head
+        norm_copy=True,
+        rotary=True,
+        document_mask=rows.packed,
+        logit_rows=text,
+        source=f"decoder of {spec.name}",
+    )
+
+
+def _vision_stacks(spec: ModelSpec, rows: Rows) -> tuple[Stack, Stack]:
+    """The image tower up to the feature layer and the projector, per image (`per_sample`
+    images per row). Blocks after the feature layer and the final norm never run: weights
+    only (vlm.py freezes them)."""
+    p = spec.projector
+    tower = spec.towers[p.tower]
+    lm_width = spec.decoder.width
+    used = p.blocks_used(tower)
+    t = tower.tokens()
+    flop_images = rows.images if rows.mean_images is None else rows.mean_images
+    image_flops = p.flops(tower, lm_width)
+    mats = tower.width * lm_width + (lm_width * lm_width if p.kind == "mlp" else 0)
+    projector_flops = 2 * p.image_tokens(tower) * mats
+    pixels = tower.stem.channels * tower.stem.image_size**2
+    pre = t * tower.width + (2 if tower.norm == "layernorm" else 1) * t
+    vision = replace(
+        from_spec_tower(spec, p.tower),
+        layers=used,
+        forward_flops=int(round(flop_images * (image_flops - projector_flops))),
+        stem_elements=pixels + (pre if tower.has_pre_norm() else 0),
+        stem_int64=0,
+        stem_input_elements=pixels + (pre if tower.has_pre_norm() else 0),
+        keeps_final_tokens=False,
+        proj_input_elements=0,
+        unused_params=(tower.layers - used) * tower.block_params() + tower.norm_params(),
+        per_sample=rows.images,
+    )
+    image_tokens = p.image_tokens(tower)
+    # fc1 reads the feature layer's output (the class token sliced off: a view of the block's
+    # output); the MLP keeps GELU's input and fc2's input.
+    kept = t * tower.width + (2 * image_tokens * lm_width if p.kind == "mlp" else 0)
+    projector = Stack(
+        name="projector",
+        kind="projector",
+        layers=0,
+        width=lm_width,
+        heads=0,
+        kv_heads=0,
+        head_dim=0,
+        mlp_hidden=0,
+        params=p.params(tower.width, lm_width),
+        forward_flops=int(round(flop_images * projector_flops)),
+        tokens=image_tokens,
+        stem_elements=kept,
+        per_sample=rows.images,
+        source=f"{p.kind} projector of {spec.name}",
+    )
+    return vision, projector
+
+
+def from_spec_tower(spec: ModelSpec, name: str) -> Stack:
+    """The stack of one encoder tower, as `from_spec` builds it."""
+    tower = spec.towers[name]
+    floats, ints = _stem_saved(tower)
+    input_floats, input_ints = _stem_input_saved(tower)
+    text = isinstance(tower.stem, TextStem)
+    return Stack(
+        name=name,
+        kind="encoder",
+        layers=tower.layers,
+        width=tower.width,
+        heads=tower.heads,
+        kv_heads=tower.heads,
+        head_dim=tower.head_dim(),
+        mlp_hidden=tower.mlp_hidden(),
+        params=tower.params(spec.embed_dim),
+        forward_flops=tower.flops(spec.embed_dim),
+        tokens=tower.tokens(),
+        gated=tower.activation == "swiglu",
+        norm=tower.norm,
+        causal=text and tower.stem.causal,
+        key_mask=text and not tower.stem.causal and tower.pooling != "last",
+        stem_elements=floats,
+        stem_int64=ints,
+        padded=text,
+        keeps_final_tokens=tower.pooling in ("cls", "last", "map"),
+        unused_params=_unused_params(spec, name),
+        stem_params=tower.stem_params() + (tower.norm_params() if tower.has_pre_norm() else 0),
+        layer_params=tower.block_params(),
+        stem_input_elements=input_floats,
+        stem_input_int64=input_ints,
+        proj_input_elements=_proj_input(tower),
+    )
+
+
+def language_model(spec: ModelSpec, rows: Rows) -> PlanModel:
+    """A decoder LM (and, for a VLM, its image tower and projector) planning `rows`: one
+    sample of the plan is one row."""
+    check_rows(spec, rows)
+    stacks: list[Stack] = []
+    if spec.projector is not None:
+        stacks += _vision_stacks(spec, rows)
+    stacks.append(decoder_stack(spec, rows))
+    return PlanModel(
+        name=spec.name,
+        stacks=tuple(stacks),
+        embed_dim=spec.embed_dim,
+        source=spec.name,
+        language_model=True,
     )

@@ -268,7 +268,7 @@ def _closest_states(
         tp = max(
             t
             for t in TP_SIZES
-            if t <= gpu.gpus_per_node and all(s.heads % t == 0 for s in model.stacks)
+            if t <= min(gpu.gpus_per_node, count) and all(s.heads % t == 0 for s in model.stacks)
         )
         dp = count // tp
         gb = base.global_batch if base.global_batch % dp == 0 else dp

@@ -1,7 +1,12 @@
-"""Workload presets beyond the trainable specs: decoder LMs, VLMs and diffusion transformers,
-each built from its public shape (source given), plus the default workload table.
+"""Workload presets beyond the trainable specs: VLMs, diffusion transformers and a document
+model, each built from its public shape (source given), plus the default workload table.
 
-Decoders are Llama-style: RMSNorm, grouped-query attention, SwiGLU MLP, untied LM head.
+The VLMs (`llava-1.5-13b`, `llava-34b`, `mllm-30b`, `vlm-70b`) are specs (`vlm_spec`): a preset
+vision tower and the LM's published config as a `DecoderSpec`, planned by `plan/model.py` like
+any language-model spec; `llava-1.5-7b` is the preset itself. `doc-ocr-2b`'s decoder (and its
+2x2-merging vision tower, which a spec cannot express) still comes from the formula below.
+
+Formula decoders are Llama-style: RMSNorm, grouped-query attention, SwiGLU MLP, untied LM head.
 Parameters: embedding V h + L (2 h a d + 2 h kv d + 3 h f + 2 h) + h + LM head h V.
 Forward FLOPs per sample: 2 x (non-embedding parameters) x tokens + 4 L s^2 (a d) attention
 (counted in full, PaLM's convention).
@@ -14,8 +19,9 @@ from pathlib import Path
 
 import yaml
 
-from mmtrain.plan.model import PlanModel, Stack, from_spec
-from mmtrain.spec import load_spec, with_input_sizes
+from mmtrain.decoder_spec import DecoderSpec
+from mmtrain.plan.model import PlanModel, Rows, Stack, default_rows, from_spec
+from mmtrain.spec import ModelSpec, ProjectorSpec, TowerSpec, load_spec, with_input_sizes
 from mmtrain.structured import FieldError, closest, from_dict
 
 
@@ -95,138 +101,118 @@ def transformer(
     )
 
 
-def projector(in_width: int, width: int, tokens: int) -> Stack:
-    """LLaVA-1.5's two-layer MLP projector (in -> width -> width, GELU), as one thin stack."""
-    params = in_width * width + width + width * width + width
-    return Stack(
-        "projector",
-        "projector",
-        1,
-        width,
-        1,
-        1,
-        width,
-        width,
-        params,
-        2 * params * tokens,
-        tokens,
-        source="LLaVA-1.5 mlp2x_gelu",
+def _vision_tower(preset: str, pooling: str | None = None) -> TowerSpec:
+    """A preset's image tower as a VLM uses it: no output projection (the projector maps its
+    hidden states), optionally without its pooling head (a VLM reads tokens, not a pooled
+    vector: LLaVA-OneVision drops SigLIP's attention-pooling head)."""
+    tower = load_spec(preset).towers["image"]
+    changes = {"output_proj": False}
+    if pooling is not None:
+        changes["pooling"] = pooling
+    return replace(tower, **changes)
+
+
+def vlm_spec(
+    name: str, tower: TowerSpec, decoder: DecoderSpec, feature_layer: int = -2
+) -> ModelSpec:
+    """A LLaVA-style spec: `tower`'s hidden states at `feature_layer`, an MLP projector (LLaVA-1.5's
+    mlp2x_gelu), the decoder LM; the placeholder id is the vocabulary's last id."""
+    return ModelSpec(
+        name=name,
+        embed_dim=tower.width,
+        towers={"image": tower},
+        objective="next_token",
+        decoder=decoder,
+        projector=ProjectorSpec(
+            image_token_id=decoder.vocab_size - 1, kind="mlp", feature_layer=feature_layer
+        ),
     )
 
 
-def _vit_l14_336(mode: str = "frozen") -> Stack:
-    # CLIP ViT-L/14 at 336 px: 577 tokens (LLaVA drops CLS and feeds 576 to the LLM).
-    return transformer(
-        "vision",
-        "encoder",
-        24,
-        1024,
-        16,
-        4096,
-        577,
-        "openai/clip-vit-large-patch14-336 config",
-        mode=mode,
-    )
+# Decoder shapes from the models' config.json (Hugging Face), Llama-style (qkv_bias: Qwen2).
+_VICUNA_13B = DecoderSpec(
+    vocab_size=32064, width=5120, layers=40, heads=40, mlp_hidden=13824, max_positions=2048
+)
+_YI_34B = DecoderSpec(
+    vocab_size=64000,
+    width=7168,
+    layers=60,
+    heads=56,
+    kv_heads=8,
+    mlp_hidden=20480,
+    rope_theta=5_000_000.0,
+    max_positions=4096,
+)
+_LLAMA3_70B = DecoderSpec(
+    vocab_size=128256,
+    width=8192,
+    layers=80,
+    heads=64,
+    kv_heads=8,
+    mlp_hidden=28672,
+    rope_theta=500_000.0,
+    max_positions=4096,
+)
+_QWEN25_32B = DecoderSpec(
+    vocab_size=152064,
+    width=5120,
+    layers=64,
+    heads=40,
+    kv_heads=8,
+    mlp_hidden=27648,
+    qkv_bias=True,
+    rope_theta=1_000_000.0,
+    max_positions=4096,
+)
 
 
-def _siglip_so400m(mode: str = "frozen") -> Stack:
-    return transformer(
-        "vision",
-        "encoder",
-        27,
-        1152,
-        16,
-        4304,
-        729,
-        "google/siglip-so400m-patch14-384 config (hidden 1152, FFN 4304, 27 layers)",
-        mode=mode,
-    )
+@dataclass(frozen=True)
+class VlmWorkload:
+    """A vision-language workload as a spec: `images` images per row of
+    `spec.decoder.max_positions` positions; its image tower frozen (LLaVA's stage 2)."""
+
+    spec: ModelSpec
+    images: int = 1
+    source: str = ""
+
+    def model(self, context: int | None = None) -> PlanModel:
+        positions = context or self.spec.decoder.max_positions
+        model = from_spec(self.spec, Rows(positions=positions, images=self.images))
+        return replace(model.with_modes({"image": "frozen"}), source=self.source)
 
 
-def _llava(name: str, llm: Stack, image_tokens: int = 576) -> PlanModel:
-    return PlanModel(
-        name, (_vit_l14_336(), projector(1024, llm.width, image_tokens), llm), source=llm.source
-    )
+def _vlm_workloads() -> dict[str, VlmWorkload]:
+    vit_l = _vision_tower("ViT-L-14-336")
+    return {
+        "llava-1.5-13b": VlmWorkload(
+            vlm_spec("llava-1.5-13b", vit_l, _VICUNA_13B),
+            source="llava-hf/llava-1.5-13b-hf config (Vicuna-13B), 576 image + 1472 text positions",
+        ),
+        "llava-34b": VlmWorkload(
+            vlm_spec("llava-34b", vit_l, _YI_34B),
+            images=5,
+            source="llava-hf/llava-v1.6-34b-hf config (Nous-Hermes-2-Yi-34B); anyres: 5 x 576 "
+            "image + 1216 text positions",
+        ),
+        "vlm-70b": VlmWorkload(
+            vlm_spec("vlm-70b", vit_l, _LLAMA3_70B),
+            source="Llama-3-70B shape (meta-llama/Meta-Llama-3-70B config) after ViT-L/14-336: "
+            "576 image + 3520 text positions",
+        ),
+        "mllm-30b": VlmWorkload(
+            vlm_spec(
+                "mllm-30b",
+                _vision_tower("ViT-SO400M-14-SigLIP-384", pooling="mean"),
+                _QWEN25_32B,
+                feature_layer=-1,
+            ),
+            source="SigLIP So400m/14-384 + Qwen2.5-32B shapes: 729 image + 3367 text positions",
+        ),
+    }
 
 
 def _builders() -> dict[str, callable]:
     return {
-        "llava-1.5-7b": lambda: _llava(
-            "llava-1.5-7b",
-            decoder(
-                "llm",
-                32,
-                4096,
-                32,
-                32,
-                11008,
-                32000,
-                2048,
-                "llava-hf/llava-1.5-7b-hf config (Vicuna-7B: Llama-2-7B shape), 576 image + 1472 text tokens",
-            ),
-        ),
-        "llava-1.5-13b": lambda: _llava(
-            "llava-1.5-13b",
-            decoder(
-                "llm",
-                40,
-                5120,
-                40,
-                40,
-                13824,
-                32000,
-                2048,
-                "llava-hf/llava-1.5-13b-hf config (Vicuna-13B), 576 image + 1472 text tokens",
-            ),
-        ),
-        "llava-34b": lambda: _llava(
-            "llava-34b",
-            decoder(
-                "llm",
-                60,
-                7168,
-                56,
-                8,
-                20480,
-                64000,
-                4096,
-                "llava-hf/llava-v1.6-34b-hf config (Nous-Hermes-2-Yi-34B), anyres 2880 image + 1216 text tokens",
-            ),
-            2880,
-        ),
-        "vlm-70b": lambda: _llava(
-            "vlm-70b",
-            decoder(
-                "llm",
-                80,
-                8192,
-                64,
-                8,
-                28672,
-                128256,
-                4096,
-                "Llama-3-70B shape (meta-llama/Meta-Llama-3-70B config) after ViT-L/14-336: 576 image + 3520 text tokens",
-            ),
-        ),
-        "mllm-30b": lambda: PlanModel(
-            "mllm-30b",
-            (
-                _siglip_so400m(),
-                projector(1152, 5120, 729),
-                decoder(
-                    "llm",
-                    64,
-                    5120,
-                    40,
-                    8,
-                    27648,
-                    152064,
-                    4096,
-                    "Qwen2.5-32B config after SigLIP So400m/14-384: 729 image + 3367 text tokens",
-                ),
-            ),
-            source="SigLIP + Qwen2.5-32B shapes",
-        ),
         "dit-2b": lambda: PlanModel(
             "dit-2b",
             (
@@ -358,7 +344,7 @@ def video_dit(
 
 
 def workload_names() -> list[str]:
-    return sorted(_builders())
+    return sorted([*_builders(), *_vlm_workloads()])
 
 
 def load_model(
@@ -367,12 +353,18 @@ def load_model(
     image_size: int | None = None,
     frames: int | None = None,
     context: int | None = None,
+    images: float | None = None,
+    packed: bool = False,
 ) -> PlanModel:
     """A trainable preset or spec file (via spec.py) or a workload preset, by name.
 
     `image_size`, `frames` and `context` override the stems' geometry (spec models) or the
-    sequence length of the decoder (workloads).
+    sequence length of the decoder (workloads; for a language-model spec, the LM positions
+    per row). `images` (images per row, default 1 for a VLM) and `packed` (rows of several
+    documents) describe a language model's rows.
     """
+    if name.lower() in _vlm_workloads():
+        return _vlm_workloads()[name.lower()].model(context)
     if name.lower() in _builders():
         model = _builders()[name.lower()]()
         if context is not None:
@@ -389,6 +381,15 @@ def load_model(
         raise FieldError(
             "--model", f"unknown model {name!r}{closest(name, names)}; presets: {', '.join(names)}"
         ) from None
+    if spec.is_language_model():
+        spec = with_input_sizes(spec, image_size, frames, None)
+        rows = default_rows(spec)
+        rows = Rows(
+            positions=context or rows.positions,
+            images=rows.images if images is None else images,
+            packed=packed,
+        )
+        return from_spec(spec, rows)
     spec = with_input_sizes(spec, image_size, frames, context)
     spec.validate()
     return from_spec(spec)
@@ -423,6 +424,7 @@ class Workload:
     samples: int = 10_000_000
     freeze: list[str] | None = None
     precision: str = "bf16"
+    context: int | None = None  # decoder positions per sample (default: the model's)
 
 
 DEFAULT_WORKLOADS = (
@@ -431,7 +433,15 @@ DEFAULT_WORKLOADS = (
     Workload("image diffusion (2B)", "dit-2b", 256, 50_000_000),
     Workload("image diffusion (12B)", "dit-12b", 256, 50_000_000),
     Workload("CLIP-style pretraining (8B)", "clip-internvit-6b", 32768, 1_000_000_000),
-    Workload("multimodal LLM joint training (7B)", "llava-1.5-7b", 128, 1_000_000),
+    # LLaVA-1.5 stage 2: the tower frozen, model_max_length 2048 (scripts/v1_5/finetune.sh)
+    Workload(
+        "multimodal LLM joint training (7B)",
+        "llava-1.5-7b",
+        128,
+        1_000_000,
+        freeze=["image"],
+        context=2048,
+    ),
     Workload("multimodal LLM joint training (33B)", "mllm-30b", 256, 5_000_000),
     Workload("multimodal LLM joint training (70B)", "vlm-70b", 256, 5_000_000),
     Workload("video generation (30B)", "video-dit-30b", 64, 5_000_000),

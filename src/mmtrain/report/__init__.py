@@ -64,7 +64,9 @@ def build_report(
         from mmtrain.report.gallery import GALLERY_NAMES, retrieval_gallery
 
         gallery_plots = retrieval_gallery(run, device=device)
-        sections.append(("Retrieval gallery", gallery_plots, True))
+        language_model = run.spec is not None and run.spec.decoder is not None
+        title = "Generation gallery" if language_model else "Retrieval gallery"
+        sections.append((title, gallery_plots, True))
         stale |= set(GALLERY_NAMES)
 
     plots = training + gallery_plots
@@ -140,8 +142,13 @@ def _eval_set_tables(report: Mapping[str, Any], which: str = "") -> list[Table]:
         title = f"Final retrieval ({source})"
         tables.append(Table(title, header, rows, numeric=range(1, len(header))))
     other = {
+        key: report[key]
+        for key in ("perplexity", "nll_per_token", "target_tokens")  # a language model's
+        if isinstance(report.get(key), (int, float)) and not isinstance(report.get(key), bool)
+    }
+    other |= {
         key: value
-        for section in ("zeroshot", "clip_score", "probe", "fusion")
+        for section in ("zeroshot", "clip_score", "probe", "fusion", "generation")
         if isinstance(report.get(section), Mapping)
         for key, value in flatten(report[section], section).items()
         if isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,4 +1,11 @@
-"""Image-text retrieval gallery: a few validation queries and what the trained model retrieves.
+"""Galleries: what the trained model does with a few validation samples.
+
+Vision-language models (a decoder with a projector): the answers `mmtrain eval` or the
+training loop's validation wrote into eval.json (`examples`), each beside its images, the
+question, the reference and the answer given with another sample's images. The gallery draws
+what the numbers were computed from, so it needs no model and no generation of its own.
+
+Image-text retrieval (CLIP-style models): a few validation queries and what the model retrieves.
 
 For a run with an image-text pair, the model in the run folder embeds the first
 `max_candidates` decodable samples of the validation shards named in config.yaml (`data.val`);
@@ -33,7 +40,8 @@ log = logging.getLogger(__name__)
 
 TITLE_IMAGE_TEXT = "Retrieval gallery: image \u2192 captions"
 TITLE_TEXT_IMAGE = "Retrieval gallery: caption \u2192 images"
-GALLERY_NAMES = ("gallery_image_text", "gallery_text_image")
+TITLE_GENERATION = "Generation gallery: image, question, generated answer, reference"
+GALLERY_NAMES = ("gallery_image_text", "gallery_text_image", "gallery_generation")
 MATCH = "#2f9e44"
 THUMB_PIXELS = 112  # thumbnail side: plenty for a gallery, keeps the embedded PNG small
 BATCH = 64
@@ -61,7 +69,10 @@ def retrieval_gallery(
     max_candidates: int = 200,
     device: str | torch.device = "cpu",
 ) -> list[Plot]:
-    """The two gallery charts (image -> text, text -> image), or one Plot with a note if skipped."""
+    """The two gallery charts (image -> text, text -> image), or one Plot with a note if skipped.
+    For a language model: the generation gallery (`generation_gallery`) instead."""
+    if run.spec is not None and run.spec.decoder is not None:
+        return generation_gallery(run)
     try:
         model, image_tower, text_tower = _model_and_towers(run)
         samples = _candidates(run, model.spec, image_tower, text_tower, max_candidates)
@@ -334,3 +345,107 @@ def _text_to_image(samples: Candidates, results: Sequence[Retrieved]) -> bytes:
 
 def _short(text: str, width: int = 80) -> str:
     return textwrap.shorten(" ".join(text.split()), width, placeholder="\u2026") or "(empty)"
+
+
+# ----------------------------------------------------------------------------- generation
+MAX_IMAGES_SHOWN = 3  # per example; a note says when there are more
+LINE = 17  # pixels per line of text
+
+
+def generation_gallery(run: RunData, *, limit: int = 6) -> list[Plot]:
+    """The first `limit` examples of eval.json with their images, or a Plot with a note."""
+    try:
+        examples = _eval_examples(run.eval_report)[:limit]
+        images = _example_images(run, examples)
+    except GallerySkipped as why:
+        return [Plot(GALLERY_NAMES[2], "Generation gallery", None, str(why))]
+    generation = run.eval_report.get("generation") or {}
+    note = (
+        f"{len(examples)} of the {generation.get('n', '?')} validation answers in eval.json "
+        f"(greedy, up to {generation.get('max_new_tokens', '?')} new tokens); green: exact "
+        "match; grey: the answer given with another sample's images"
+    )
+    return [Plot(GALLERY_NAMES[2], TITLE_GENERATION, _draw_examples(examples, images), note)]
+
+
+def _eval_examples(report: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    examples = report.get("examples")
+    needed = ("key", "images", "question", "generated", "reference")
+    if not isinstance(examples, list) or not examples:
+        raise GallerySkipped(
+            "eval.json holds no generated answers (examples): run `mmtrain eval RUN_DIR --data "
+            "VAL_SHARDS`, or train with data.val"
+        )
+    usable = [e for e in examples if isinstance(e, Mapping) and all(k in e for k in needed)]
+    if not usable:
+        raise GallerySkipped("the examples in eval.json lack key, images, question or answers")
+    return usable
+
+
+def _example_images(run: RunData, examples: Sequence[Mapping[str, Any]]) -> list[list[np.ndarray]]:
+    """Thumbnails of each example's images, read by key from the data eval.json names (else
+    the run's validation shards); an image that cannot be read is left out."""
+    from mmtrain.data.media import MediaError, decode_image
+    from mmtrain.data.shards import ShardSet
+
+    data = run.eval_report.get("data")
+    paths = ([str(p) for p in data] if isinstance(data, list) else [str(data)]) if data else []
+    paths = paths or _val_paths(run.config)
+    if not paths:
+        raise GallerySkipped("neither eval.json nor config.yaml names the validation shards")
+    try:
+        shards = ShardSet.open(paths)
+    except (OSError, ValueError) as err:
+        raise GallerySkipped(f"the validation data could not be opened: {err}") from None
+    try:
+        index = {shards.key(i): i for i in range(len(shards))}
+        out = []
+        for example in examples:
+            thumbs = []
+            if example["key"] in index and example["images"]:
+                sample = shards.read(index[example["key"]])
+                for name in list(example["images"])[:MAX_IMAGES_SHOWN]:
+                    try:
+                        thumbs.append(_thumbnail(decode_image(sample[name])))
+                    except (MediaError, KeyError):
+                        continue
+            out.append(thumbs)
+    finally:
+        shards.close()
+    return out
+
+
+def _draw_examples(
+    examples: Sequence[Mapping[str, Any]], images: Sequence[Sequence[np.ndarray]]
+) -> bytes:
+    row_height = THUMB_PIXELS + 2 * PAD + 22
+    fig, _ = _canvas(len(examples), row_height)
+    shown = max([len(t) for t in images] + [1])
+    x_text = PAD + shown * (THUMB_PIXELS + 8) + 16
+    width = max(40, (WIDTH - x_text - PAD) // 7)  # characters per line at fontsize 9
+    for row, (example, thumbs) in enumerate(zip(examples, images, strict=True)):
+        y = PAD + row * row_height
+        for k, thumb in enumerate(thumbs):
+            _thumb(fig, thumb, PAD + k * (THUMB_PIXELS + 8), y, hit=False)
+        more = len(example["images"]) - len(thumbs)
+        caption = str(example["key"]) + (f"  (+{more} image(s))" if more > 0 else "")
+        _text(fig, PAD, y + THUMB_PIXELS + 3, caption, fontsize=8, color="#57606a")
+        question = " ".join(str(example["question"]).replace("<image>", " ").split())
+        hit = bool(example.get("exact_match"))
+        f1 = example.get("token_f1")
+        score = f"   token F1 {f1:.2f}" if isinstance(f1, (int, float)) else ""
+        lines = [
+            (f"Q: {_short(question, width)}", {}),
+            (
+                f"generated: {_short(str(example['generated']), width)}{score}",
+                {"color": MATCH if hit else TEXT_COLOR, "fontweight": "bold"},
+            ),
+            (f"reference: {_short(str(example['reference']), width)}", {}),
+        ]
+        if "generated_shuffled_images" in example:
+            moved = _short(str(example["generated_shuffled_images"]), width)
+            source = example.get("shuffled_images_from", "another sample")
+            lines.append((f"with the images of {source}: {moved}", {"color": "#8c959f"}))
+        for i, (text, style) in enumerate(lines):
+            _text(fig, x_text, y + i * (LINE + 6), text, **style)
+    return to_png(fig)

@@ -12,6 +12,11 @@ takes all its micro-batches from one source, chosen by a schedule that is a pure
 (seed, weights, step), and decodes only the towers that source has. Every sample of a batch then
 has the same towers, on every rank, and the loop aligns the pairs present in the batch.
 Sources with the same modalities are mixed by sample, as before.
+
+A decoder LM (a VLM, or a text-only LM) reads conversation shards instead: the loader hands out
+one sample at a time (their lengths and image counts differ, so it cannot stack them), and each
+micro-batch takes the next `micro_batch` valid samples and pads or packs them into rows
+(`data.conversation_batches`). The loader's position still counts samples, so resume is exact.
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ import numpy as np
 import torch
 
 from mmtrain.config import RunConfig
+from mmtrain.data.conversation_batches import ConversationBatcher, ConversationDecoder
 from mmtrain.data.loader import StreamingLoader
 from mmtrain.data.media import MediaError, decode_text
 from mmtrain.data.order import apportion, mixing_schedule
+from mmtrain.data.remote import is_remote
+from mmtrain.data.shard_cache import ShardCache, cache_stats, open_cache
 from mmtrain.data.shards import ShardSet
 from mmtrain.data.tokenizer import Tokenizer, get_tokenizer
 from mmtrain.data.transforms import MODALITY_EXTENSIONS, SampleDecoder
@@ -128,15 +136,22 @@ class TrainData:
         self, config: RunConfig, spec: ModelSpec, *, rank: int, world_size: int, micro_batch: int
     ):
         sources = []
+        cache = _shard_cache(config)
         for i, source in enumerate(config.data.train):
             try:
-                sources.append(ShardSet.open(source.path))
+                sources.append(ShardSet.open(source.path, cache=cache))
             except (FileNotFoundError, ValueError) as err:
                 raise FieldError(f"data.train[{i}].path", f"{source.path!r}: {err}") from None
         weights = [s.weight for s in config.data.train] if len(sources) > 1 else None
         self._check_labels(config, spec)
+        self.micro_batch = micro_batch
+        self.conversations = (
+            ConversationBatcher(config.data, spec) if spec.is_language_model() else None
+        )
         self.tokenizer = (
-            get_tokenizer(config.data.tokenizer) if "text" in _modalities(spec) else None
+            get_tokenizer(config.data.tokenizer)
+            if "text" in _modalities(spec) and self.conversations is None
+            else None
         )
         self.label_field = config.data.label_field
         self.class_names = config.data.class_names
@@ -150,9 +165,16 @@ class TrainData:
             persistent_workers=config.data.workers > 0,
             with_keys=True,
         )
-        towers = [source_towers(source, spec) for source in sources]
-        if len(set(towers)) <= 1:  # one source, or several with the same modalities
-            self.towers: list[tuple[str, ...] | None] = [None]  # None: every tower
+        self.towers: list[tuple[str, ...] | None] = [None]  # None: every tower
+        towers = [] if self.conversations else [source_towers(s, spec) for s in sources]
+        if self.conversations is not None:
+            # One sample per loader batch; `prefetch_factor` counts batches, so keep about two
+            # micro-batches per worker in flight, as image-text batches do.
+            options["prefetch_factor"] = 2 * micro_batch
+            self.loaders = [
+                StreamingLoader(sources, self._decoder(spec), 1, weights=weights, **options)
+            ]
+        elif len(set(towers)) <= 1:  # one source, or several with the same modalities
             self.loaders = [
                 StreamingLoader(
                     sources, self._decoder(spec), micro_batch, weights=weights, **options
@@ -194,7 +216,11 @@ class TrainData:
                 f"{len(names)} names for the fusion head's {fusion.num_outputs} classes",
             )
 
-    def _decoder(self, spec: ModelSpec, towers: Sequence[str] | None = None) -> TrainDecoder:
+    def _decoder(
+        self, spec: ModelSpec, towers: Sequence[str] | None = None
+    ) -> TrainDecoder | ConversationDecoder:
+        if self.conversations is not None:
+            return self.conversations.decoder(spec)
         return TrainDecoder(spec, self.tokenizer, self.label_field, self.class_names, towers)
 
     def _current_source(self) -> int:
@@ -203,13 +229,36 @@ class TrainData:
         return self.mix.source(self._micro_batches // self.accumulation)
 
     def _batches(self, loader: StreamingLoader) -> Iterator[dict[str, Any]]:
-        while True:  # each pass is the rest of one epoch (the loader moves on to the next)
-            yield from loader
+        if self.conversations is not None:
+            return self._conversation_batches(loader)
+        return _endless(loader)
+
+    def _conversation_batches(self, loader: StreamingLoader) -> Iterator[dict[str, Any]]:
+        """Micro-batches of the next `micro_batch` samples of the loader's stream (which may
+        cross an epoch's end), laid out by the current spec's settings. Pulled lazily: the
+        loader has handed out exactly the samples of the micro-batches handed out."""
+        assert self.conversations is not None
+        singles = _endless(loader)
+        try:
+            while True:
+                samples, keys = [], []
+                for _ in range(self.micro_batch):
+                    single = next(singles)
+                    keys += single.pop("__key__", [])
+                    samples += ConversationDecoder.from_tensors(single)
+                batch: dict[str, Any] = self.conversations.batch(samples, self.spec)
+                batch["__key__"] = keys
+                yield batch
+        finally:
+            # Closing this stream must end the loader's iteration now (as `yield from` would),
+            # before a new one starts: its clean-up resets the loader's task list.
+            singles.close()
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         """The next micro-batch {tower name: tensor, "label": targets (fusion models)}; its
         sample keys go to `last_keys`. With sources of different modalities, the batch holds
-        the towers of this step's source only."""
+        the towers of this step's source only. A decoder LM gets the VLM batch ("text",
+        "labels", "position_ids", "image", and "attention_mask" or, packed, "document_ids")."""
         index = self._current_source()
         if index not in self._streams:
             self._streams[index] = self._batches(self.loaders[index])
@@ -231,6 +280,18 @@ class TrainData:
             loader.close()  # the next iteration starts workers with the new decoder
             loader.decode = self._decoder(spec, towers)
         self.spec = spec
+
+    def cache_stats(self) -> dict[str, float]:
+        """Shard-cache counters of s3:// sources (cumulative, this process); {} when all local."""
+        return cache_stats(
+            [
+                shard.cache
+                for loader in self.loaders
+                for shard_set in loader.plan.sources
+                for shard in shard_set.shards
+                if shard.remote
+            ]
+        )
 
     def corrupt_samples(self) -> int:
         """Corrupt samples this rank skipped since this object was made or last rewound."""
@@ -275,6 +336,22 @@ class TrainData:
             loader.close()
             for source in loader.plan.sources:
                 source.close()
+
+
+def _shard_cache(config: RunConfig) -> ShardCache | None:
+    """The local cache of s3:// shards (`data.cache_dir`, `data.cache_max_gb`); None when every
+    source is on local disk (nothing is created then)."""
+    paths = [
+        p for s in config.data.train for p in ([s.path] if isinstance(s.path, str) else s.path)
+    ]
+    if not any(is_remote(p) for p in paths):
+        return None
+    return open_cache(config.data.cache_dir, config.data.cache_max_gb)
+
+
+def _endless(loader: StreamingLoader) -> Iterator[dict[str, Any]]:
+    while True:  # each pass is the rest of one epoch (the loader moves on to the next)
+        yield from loader
 
 
 class StepMix:

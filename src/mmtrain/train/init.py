@@ -10,7 +10,12 @@ A source is recognised by what it holds, not by its name:
 - an OpenCLIP ViT CLIP checkpoint (.pt/.pth/.bin read only by `torch.load(weights_only=True)`,
   or .safetensors): a bare state dict or a training checkpoint `{"epoch", "state_dict"}` with
   `module.` prefixes;
-- a Hugging Face folder (`config.json` + safetensors), read by `mmtrain.models.hf_clip`.
+- a Hugging Face folder (`config.json` + safetensors) of CLIP, SigLIP, Llama, Qwen2 or LLaVA,
+  read by `mmtrain.models.hf`.
+
+A language model (a spec with a decoder: LM or LLaVA-style VLM) is filled by
+`mmtrain.train.init_lm`, where the decoder is the tower `text` and a VLM's projector comes
+only from a whole-model source.
 
 Every source becomes a `Source`: a `ModelSpec` and a state dict in mmtrain's names. Weights then
 move tower by tower (`tower_for` says which source tower feeds which tower of the model) and by
@@ -18,7 +23,8 @@ name inside a tower. Shapes must match, with two exceptions that a new resolutio
 length needs: image (and video) position embeddings are interpolated over their 2-D grid
 (bicubic, class token kept; `mmtrain.train.resolution`), and text position embeddings are
 truncated, or extended with the extra rows keeping their random init (positions the baseline
-never saw start as the model's other new weights do). Both are logged.
+never saw start as the model's other new weights do). Both are logged. A decoder's vocabulary
+may grow: see `init_lm`.
 
 Anything else that does not fit raises `InitMismatch` naming the field, the file, the first few
 keys with their shapes and the counts; with `init_strict: false` what fits is loaded and what
@@ -35,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,19 +165,19 @@ def _read_checkpoint(path: Path, field: str) -> Source:
 
 def _read_hf(hf: Any, path: Path, field: str) -> Source:
     try:
-        spec, state = hf.read_hf_folder(path)
+        spec, state = hf.read_hf_model(path)
     except (ValueError, KeyError, OSError) as err:  # FieldError is a ValueError
         raise InitError(field, f"{path}: {err}") from None
     return Source(path, "hf", spec, dict(state), sorted(path.glob("*.safetensors")))
 
 
 def _hf_module() -> Any:
-    """`mmtrain.models.hf_clip`, imported when first needed (it is optional to this module)."""
+    """`mmtrain.models.hf`, imported when first needed (it is optional to this module)."""
     try:
-        from mmtrain.models import hf_clip
+        from mmtrain.models import hf
     except ImportError:
         return None
-    return hf_clip
+    return hf
 
 
 def _read_file(path: Path, field: str, tower_names: tuple[str, str]) -> Source:
@@ -506,11 +512,16 @@ def plan_init(
 
 
 def load_init(model: nn.Module, init: str | Mapping[str, str], strict: bool = True) -> InitReport:
-    """Copy the weights of `init` into `model` (a MultimodalModel, before any wrapping).
+    """Copy the weights of `init` into `model` (a MultimodalModel or LanguageModel, before any
+    wrapping).
 
     Raises InitError/InitMismatch; with `strict=False` loads what fits and reports the rest.
     """
     spec: ModelSpec = model.spec
+    if spec.decoder is not None:  # a LanguageModel: its decoder is a tower spec.towers lacks
+        from mmtrain.train.init_lm import load_init_lm
+
+        return load_init_lm(model, init, strict)
     paths = [init] if isinstance(init, str) else list(dict.fromkeys(init.values()))
     names = clip_tower_names(spec)
     sources = {}
@@ -525,6 +536,18 @@ def load_init(model: nn.Module, init: str | Mapping[str, str], strict: bool = Tr
         if rest:
             match_rest(state, pairs, match, whole=rest == "whole")
         matches.append(match)
+    return apply_matches(state, matches, sources.values(), init, strict)
+
+
+def apply_matches(
+    state: Mapping[str, Tensor],
+    matches: list[Match],
+    sources: Iterable[Source],
+    init: str | Mapping[str, str],
+    strict: bool,
+) -> InitReport:
+    """Copy what `matches` found into the model's `state` (its live tensors), or raise
+    InitMismatch listing what does not fit when `strict`; the report is logged."""
     bad = [m for m in matches if m.problems()]
     if strict and bad:
         raise InitMismatch(
@@ -545,7 +568,7 @@ def load_init(model: nn.Module, init: str | Mapping[str, str], strict: bool = Tr
             report.notes += m.notes
     taken = {key for m in matches for key in m.loaded}
     report.random = [key for key in state if key not in taken]
-    for source in sources.values():
+    for source in sources:
         for file in source.files:
             report.sha256[str(file)] = sha256_file(file)
     _log(report, init, strict)

@@ -1,16 +1,17 @@
-"""The training loop: `train(config)` reads top to bottom.
+"""The training loop: `train(config)` reads top to bottom, in five parts.
 
-    set up ranks and device -> find the newest valid checkpoint -> build the model from its spec
-    (a fresh run with `init`: a baseline's weights, train/init.py)
-    -> LoRA adapters / freeze / precision / resolution / compile / activation checkpointing
-    -> DDP or FSDP2
-    -> optimizer and schedule -> data -> restore state when resuming -> log the memory plan
-    -> loop over steps:
-         input size for this step -> next K micro-batches -> contrastive-correct forward/backward
-         (+ the fusion head's loss) -> skip non-finite steps -> clip -> optimizer step -> validate
-         when due -> metrics -> roll back after K non-finite steps in a row -> checkpoint
-    -> final checkpoint, OUT/model.safetensors + OUT/spec.yaml (LoRA: adapters merged, and
-       alone in OUT/lora.safetensors), OUT/eval.json
+    set-up (`_set_up`): ranks and device -> the newest valid checkpoint -> data -> the model
+        from its spec (a fresh run with `init`: a baseline's weights, train/init.py; LoRA,
+        freezing, precision, resolution, activation checkpointing, compile) -> DDP or FSDP2
+        -> optimizer, schedule, the objectives -> restored state -> metrics and the memory plan
+    one step (`_train_step`): input size for this step -> next K micro-batches -> forward and
+        backward of every objective (train/objectives.py: contrastive, fusion, next-token; the
+        gradient of one batch of all K x ranks) -> skip a non-finite step -> clip -> optimizer
+        -> validate when due -> the metrics row
+    rollback (`_roll_back`): after K non-finite steps in a row, back to the last checkpoint
+    checkpoint (`_checkpoint_when_due`): every N steps / M minutes, at the end, on a signal
+    finish (`_finish`): OUT/model.safetensors + OUT/spec.yaml (LoRA: adapters merged, and
+        alone in OUT/lora.safetensors), OUT/eval.json
 
 Everything a resumed run needs is in the checkpoint (weights, optimizer, schedule, scaler, the
 loader's position, each rank's RNG states, counters), so running the same command again
@@ -44,15 +45,15 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from mmtrain import __version__
 from mmtrain.atomic import atomic_write_text
 from mmtrain.config import RunConfig, diff_configs, parse_yaml
 from mmtrain.data.shards import ShardSet
-from mmtrain.losses import ContrastiveLoss, logit_scale_value
-from mmtrain.models import MultimodalModel, create_model, save_model
+from mmtrain.losses import logit_scale_value
+from mmtrain.models import create_model, save_model
 from mmtrain.models.build import model_with_weights
 from mmtrain.spec import ModelSpec, load_spec
 from mmtrain.structured import FieldError
@@ -87,6 +88,7 @@ from mmtrain.train.metrics import (
     throughput,
     train_flops_per_sample,
 )
+from mmtrain.train.objectives import NextTokenObjective, Objective, model_inputs, objectives_for
 from mmtrain.train.optim import (
     freeze_parameters,
     make_optimizer,
@@ -122,6 +124,59 @@ class TrainResult:
     eval: dict[str, Any] | None = None  # the final validation report (eval.json)
 
 
+@dataclass
+class _Run:
+    """Everything the steps of one `train` call share: what `_set_up` built and the counters
+    the steps advance. The parts of the loop below read and update it."""
+
+    config: RunConfig
+    spec: ModelSpec
+    env: Any  # parallel.DistributedEnv
+    out: Path
+    precision: Precision
+    micro_batch: int
+    accumulation: int
+    data: TrainData
+    model: nn.Module  # the plain module (FSDP shards it in place)
+    trained: nn.Module  # what runs the forward: the DDP wrapper, or `model`
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    objectives: list[Objective]
+    ema: _Ema | None
+    validation: _Validation | None
+    metrics: MetricsWriter
+    recompute: list[str]  # towers whose blocks recompute activations in backward
+    lora_scale: dict[str, float]  # per adapted linear, to merge the final weights
+    checkpoint_format: str
+    peak_flops: float | None
+    result: TrainResult
+    step: int = 0
+    samples_seen: int = 0
+    skipped: int = 0
+    corrupt_before: int = 0  # corrupt samples counted before this process (from checkpoints)
+    corrupt: int = 0
+    rollbacks: int = 0
+    nonfinite_in_a_row: int = 0
+    checkpoint_s: float = 0.0  # time spent writing checkpoints in this process (for metrics)
+    last_save_time: float = field(default_factory=time.monotonic)
+    spikes: LossSpikes = field(default_factory=LossSpikes)
+    injected: set[int] = field(default_factory=set)  # fault injection: each step corrupted once
+    stop: _StopOnSignal = field(default_factory=lambda: _StopOnSignal())
+    comm: CommTimer | None = None
+
+    @property
+    def t(self) -> Any:
+        return self.config.train
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world(self) -> int:
+        return self.env.world_size
+
+
 def train(
     config: RunConfig,
     *,
@@ -134,7 +189,25 @@ def train(
     `halt_after_step` stops dead after that step, writing nothing more, as a crash would: the
     fault-injection tests use it to show that resuming reproduces an uninterrupted run.
     """
-    # -- ranks, device, run folder -------------------------------------------------------------
+    run = _set_up(config)
+    with run.stop, run.comm:
+        while run.step < run.t.steps:
+            row = _train_step(run)
+            _record(run, row, on_step)
+            if halt_after_step is not None and run.step >= halt_after_step:
+                return _halt(run)
+            if run.nonfinite_in_a_row >= config.guards.max_nonfinite_in_a_row:
+                _roll_back(run)
+                continue
+            if _checkpoint_when_due(run):
+                break  # stopped by a signal, checkpoint written
+    return _finish(run)
+
+
+# ----------------------------------------------------------------------------- set-up
+def _set_up(config: RunConfig) -> _Run:
+    """Ranks and device, the resume point, data, model (init, LoRA, freezing, precision,
+    checkpointing, wrappers), optimizer, objectives, restored state and the metrics writer."""
     env = parallel.init_distributed(config.train.device)
     device, rank, world = env.device, env.rank, env.world_size
     config.validate(world_size=world)
@@ -152,28 +225,92 @@ def train(
         out.mkdir(parents=True, exist_ok=True)
     parallel.barrier()
     micro_batch = config.micro_batch_for(world)
-    accumulation = config.accumulation_steps(world)
 
-    # -- resume point: the newest checkpoint whose manifest verifies ------------------------------
+    # The resume point: the newest checkpoint whose manifest verifies (latest_checkpoint has
+    # just verified it: loading does not hash the files again).
     ckpt_path = latest_checkpoint(out / CHECKPOINT_DIR)
-    # latest_checkpoint has just verified it: loading does not hash the files again.
     ckpt = load_checkpoint(ckpt_path, verify=False) if ckpt_path is not None else None
     if ckpt is None:
         _seed_everything(config.seed)
 
-    # -- data ---------------------------------------------------------------------------------
     data = TrainData(config, spec, rank=rank, world_size=world, micro_batch=micro_batch)
+    model, config, lora_scale, recompute = _build_model(config, spec, precision, device, ckpt)
+    # FSDP shards `model` in place (then `trained is model`): the optimizer comes after.
+    trained = parallel.wrap_data_parallel(
+        model, env, t.parallel, t.precision, unused_parameters=_has_unused_parameters(data)
+    )
+    optimizer = make_optimizer(model, t, device)
+    run = _Run(
+        config=config,
+        spec=spec,
+        env=env,
+        out=out,
+        precision=precision,
+        micro_batch=micro_batch,
+        accumulation=config.accumulation_steps(world),
+        data=data,
+        model=model,
+        trained=trained,
+        optimizer=optimizer,
+        scheduler=make_scheduler(optimizer, t),
+        objectives=objectives_for(model, spec, fusion_weight=t.fusion_weight, world_size=world),
+        ema=_Ema(model, t.ema) if t.ema else None,
+        validation=_Validation(config, spec, out, rank, world) if config.data.val else None,
+        metrics=None,  # type: ignore[arg-type]  # opened below, once the counters are known
+        recompute=recompute,
+        lora_scale=lora_scale,
+        checkpoint_format=config.checkpoint.format_for(t.parallel, world),
+        peak_flops=(config.metrics.peak_tflops or 0) * 1e12
+        or detect_peak_flops(device, t.precision),
+        result=None,  # type: ignore[arg-type]
+    )
+    if ckpt is not None:
+        _restore_state(run, ckpt)
+        log.info(
+            "resuming from %s (step %d, %d samples seen)", ckpt.path, run.step, run.samples_seen
+        )
+    run.result = TrainResult(
+        out=out,
+        step=run.step,
+        samples_seen=run.samples_seen,
+        resumed_from=ckpt.step if ckpt is not None else None,
+    )
+    del ckpt  # the weights now live in the model and optimizer
+    _open_metrics(run)
+    # Times DDP's/FSDP's collectives and the loss's gathers per step (no synchronisation added).
+    run.comm = CommTimer(device, world if config.metrics.comm_timing else 1)
+    if config.metrics.comm_timing:
+        run.comm.attach(trained)
+    log.info(
+        "training %s: %d ranks x %d micro-batch x %d accumulation = %d per step, %d steps, %s on %s "
+        "(%d frozen parameters)",
+        spec.name, world, micro_batch, run.accumulation, t.batch_size, t.steps, t.precision,
+        device, sum(p.numel() for p in model.parameters() if not p.requires_grad),
+    )  # fmt: skip
+    return run
 
-    # -- model --------------------------------------------------------------------------------
+
+def _build_model(
+    config: RunConfig,
+    spec: ModelSpec,
+    precision: Precision,
+    device: torch.device,
+    ckpt: Checkpoint | None,
+) -> tuple[nn.Module, RunConfig, dict[str, float], list[str]]:
+    """The model from its spec: a baseline's weights (`init`, a fresh run only), LoRA adapters,
+    a full checkpoint's weights, freezing, device, fp8, any-resolution position embeddings,
+    activation checkpointing and compile. Returns (model, config with init recorded, LoRA
+    scales, towers that recompute)."""
+    t = config.train
     model = create_model(spec, seed=config.seed, dtype=precision.param_dtype)
     # `init`: a baseline's weights, loaded once before step 0 (a resume restores its checkpoint).
     config = start_from_init(model, config, ckpt.meta if ckpt is not None else None)
     # LoRA adapters join before a checkpoint loads (it holds them) and before any wrapper.
     apply_lora(model, lora_towers(t), seed=config.seed)
-    lora_scale = lora_scales(model)  # per adapted linear, to merge the final weights
-    if ckpt is not None and ckpt.format == "full":  # sharded: loaded into the wrapped model below
+    lora_scale = lora_scales(model)
+    if ckpt is not None and ckpt.format == "full":  # sharded: loaded into the wrapped model
         model.load_state_dict(ckpt.model)
-    frozen = freeze_parameters(model, t)
+    freeze_parameters(model, t)
     model.to(device)
     if t.precision == "fp8":
         convert_to_fp8(model, t.fp8_keep_bf16)
@@ -184,379 +321,240 @@ def train(
     if t.compile:
         for tower in model.towers.values():
             tower.compile()  # in place: parameter names (and checkpoints) stay the same
-    # FSDP shards `model` in place (then `trained is model`): the optimizer comes after.
-    # Sources of different modalities leave some towers out of a step (mixed by step): DDP
-    # must then look for parameters without gradients.
-    trained = parallel.wrap_data_parallel(
-        model, env, t.parallel, t.precision, unused_parameters=bool(data.idle_towers())
+    return model, config, lora_scale, recompute
+
+
+def _has_unused_parameters(data: TrainData) -> bool:
+    """Whether some trainable parameters may get no gradient in a step, which DDP must then
+    look for: sources of different modalities leave towers out of a step (mixed by step).
+    (A vision-language model's batches always hold "image", [0, ...] when text-only, and the
+    model freezes the vision blocks past its feature layer: every trainable parameter gets a
+    gradient.)"""
+    return bool(data.idle_towers())
+
+
+def _open_metrics(run: _Run) -> None:
+    """The metrics writer, the resolved config (now that everything accepted it) and the
+    planner's prediction for this run, to set beside each step's measured peak."""
+    config, t = run.config, run.config.train
+    if run.rank == 0:
+        _save_resolved_config(config, run.out)
+    run.metrics = MetricsWriter(
+        run.out, enabled=run.rank == 0, tensorboard=config.metrics.tensorboard, resume_step=run.step
     )
-
-    optimizer = make_optimizer(model, t, device)
-    scheduler = make_scheduler(optimizer, t)
-    loss_fn = ContrastiveLoss.from_spec(spec) if spec.pairs else None
-    ema = _Ema(model, t.ema) if t.ema else None
-
-    validation = _Validation(config, spec, out, rank, world) if config.data.val else None
-
-    # -- restore everything else a resumed run needs ---------------------------------------------
-    step, samples_seen, skipped, corrupt_before, rollbacks = 0, 0, 0, 0, 0
-    if ckpt is not None:
-        counters = _restore_state(
-            ckpt, model, optimizer, scheduler, precision, data, ema, config, rank
-        )
-        step, samples_seen = counters["step"], counters["samples_seen"]
-        skipped, corrupt_before = counters["skipped_steps"], counters["corrupt_samples"]
-        rollbacks = counters.get("rollbacks", 0)
-        log.info("resuming from %s (step %d, %d samples seen)", ckpt.path, step, samples_seen)
-    resumed_from = ckpt.step if ckpt is not None else None
-    del ckpt  # the weights now live in the model and optimizer
-
-    # -- metrics (and the resolved config, now that everything above accepted it) -------------
-    if rank == 0:
-        _save_resolved_config(config, out)
-    metrics = MetricsWriter(
-        out, enabled=rank == 0, tensorboard=config.metrics.tensorboard, resume_step=step
-    )
-    # The planner's prediction for this run, to set beside the measured peak of each step.
     if t.precision != "fp64":  # the planner knows the training precisions, not the reference
-        metrics.record(
+        run.metrics.record(
             "plan",
-            step,
-            planned_memory(spec, config, world_size=world, recompute=recompute, device=device),
+            run.step,
+            planned_memory(
+                run.spec,
+                config,
+                world_size=run.world,
+                recompute=run.recompute,
+                device=run.env.device,
+            ),
         )
-    peak_flops = (config.metrics.peak_tflops or 0) * 1e12 or detect_peak_flops(device, t.precision)
-    result = TrainResult(out=out, step=step, samples_seen=samples_seen, resumed_from=resumed_from)
-    log.info(
-        "training %s: %d ranks x %d micro-batch x %d accumulation = %d per step, %d steps, %s on %s "
-        "(%d frozen parameters)",
-        spec.name, world, micro_batch, accumulation, t.batch_size, t.steps, t.precision, device,
-        frozen,
-    )  # fmt: skip
-
-    checkpoint_format = config.checkpoint.format_for(t.parallel, world)
-
-    def save(at_step: int) -> None:
-        # Every rank takes part. Full: FSDP gathers the weights and optimizer state to rank 0,
-        # which writes them. Sharded: each rank writes its own shards, in place (no gather).
-        if checkpoint_format == "sharded":
-            shards = parallel.sharded_state_dict(model, optimizer)
-            _check_finite_weights(shards["model"], sharded=True)
-        else:
-            weights = _full_weights(model, rank)
-            optimizer_state = parallel.optimizer_state_dict(model, optimizer)
-        state = {
-            "scheduler": scheduler.state_dict(),
-            "scaler": precision.scaler.state_dict() if precision.scaler is not None else {},
-            "loader": data.state_dict(),
-            "rng": _gather_rng_states(),  # one entry per rank
-            "counters": {
-                "step": at_step,
-                "samples_seen": samples_seen,
-                "skipped_steps": skipped,
-                "corrupt_samples": corrupt,
-                "rollbacks": rollbacks,
-            },
-        }
-        if ema is not None:
-            state["ema"] = ema.state_dict()
-        meta = {
-            "config": config.to_dict(),
-            "spec": spec.to_dict(),  # self-describing: `mmtrain eval` needs no run folder
-            "samples_seen": samples_seen,
-            "world_size": world,
-        }
-        keep = config.checkpoint.keep
-        if checkpoint_format == "sharded":
-            save_sharded_checkpoint(out / CHECKPOINT_DIR, at_step, shards, state, meta, keep)
-        elif rank == 0:
-            _check_finite_weights(weights)
-            state["optimizer"] = optimizer_state
-            save_checkpoint(out / CHECKPOINT_DIR, at_step, weights, state, meta, keep)
-        parallel.barrier()
-
-    # -- the loop -----------------------------------------------------------------------------
-    last_save_time = time.monotonic()
-    checkpoint_s = 0.0  # time spent writing checkpoints in this process (overhead, for metrics)
-    spikes = LossSpikes()
-    nonfinite_in_a_row = 0
-    injected: set[int] = set()  # fault injection: each listed step corrupted once
-    corrupt = corrupt_before
-    stop = _StopOnSignal()
-    # Times DDP's/FSDP's collectives and the loss's gathers per step (no synchronisation added).
-    comm = CommTimer(device, world if config.metrics.comm_timing else 1)
-    if config.metrics.comm_timing:
-        comm.attach(trained)
-    with stop, comm:
-        while step < t.steps:
-            # Progressive resolution: the input size of this step (a pure function of the step).
-            step_spec = spec_at(spec, step, t.resolution_schedule, t.frames_schedule)
-            data.set_input_spec(step_spec)
-            flops_per_sample = train_flops_per_sample(step_spec.forward_flops(), bool(recompute))
-            reset_peak_memory(device)
-
-            t0 = time.perf_counter()
-            micro_batches, step_keys = [], []
-            for _ in range(accumulation):
-                micro_batches.append(_to_device(data.next_batch(), device, precision.param_dtype))
-                step_keys += data.last_keys
-            if step + 1 in config.guards.inject_nan_steps and step + 1 not in injected:
-                injected.add(step + 1)
-                _inject_nan(micro_batches[0])
-            t1 = time.perf_counter()
-            comm.start_step()
-
-            optimizer.zero_grad(set_to_none=True)
-            loss, part_losses = forward_backward(
-                trained, model, loss_fn, micro_batches, precision, fusion_weight=t.fusion_weight
-            )
-            # One all-reduce: mean losses over ranks (each holds its share), summed corrupt counts.
-            with timed_collective():
-                losses, corrupt_now = _reduce_over_ranks(
-                    [loss, *part_losses.values()], data.corrupt_samples()
-                )
-            corrupt = corrupt_before + corrupt_now
-            _sync(device)
-            t2 = time.perf_counter()
-
-            finite_loss = math.isfinite(losses[0])  # the same on every rank
-            grad_norm, stepped = optimizer_step(
-                model, optimizer, precision, t.grad_clip, skip=not finite_loss
-            )
-            with warnings.catch_warnings():
-                # A skipped step still uses up its place in the schedule (by design, not a bug).
-                warnings.filterwarnings(
-                    "ignore", message="Detected call of `lr_scheduler.step", category=UserWarning
-                )
-                scheduler.step()
-            if ema is not None and stepped:
-                ema.update(model)
-            _sync(device)
-            t3 = time.perf_counter()
-            comm_times = comm.finish_step()  # reads CUDA events only after the sync above
-
-            step += 1
-            samples_seen += t.batch_size
-            # fp16 overflows are the loss scaler's business; a non-finite loss, or a non-finite
-            # gradient without a scaler, is a step the guard counts towards a rollback.
-            bad = not finite_loss or (precision.scaler is None and not stepped)
-            nonfinite_in_a_row = nonfinite_in_a_row + 1 if bad else 0
-            if not stepped:
-                skipped += 1
-                log.warning(
-                    "step %d skipped: loss %s, gradient norm %s; samples: %s",
-                    step, losses[0], grad_norm, ", ".join(step_keys[:8]),
-                )  # fmt: skip
-            if spikes.check(losses[0]):
-                log.warning(
-                    "step %d: loss spike %.4f; samples: %s", step, losses[0], ", ".join(step_keys)
-                )
-            times = {"data": t1 - t0, "compute": t2 - t1, "optimizer": t3 - t2}
-            row = {
-                "loss": losses[0],
-                **{f"loss/{k}": v for k, v in zip(part_losses, losses[1:], strict=True)},
-                "lr": scheduler.get_last_lr()[0],
-                **{f"lr/{g['name']}": g["lr"] for g in optimizer.param_groups},
-                "grad_norm": float(grad_norm),
-                "samples_seen": samples_seen,
-                "skipped_steps": skipped,
-                "rollbacks": rollbacks,
-                "corrupt_samples": corrupt,
-                "checkpoint_s_total": checkpoint_s,
-                **throughput(
-                    t.batch_size,
-                    times,
-                    flops_per_sample=flops_per_sample,
-                    peak_flops=peak_flops,
-                    world_size=world,
-                    comm=comm_times,
-                ),  # fmt: skip
-                **memory_gib(device),
-            }
-            if hasattr(model, "logit_scale"):
-                row["logit_scale"] = float(logit_scale_value(model.logit_scale.detach()))
-            if step_spec is not spec:
-                row.update({f"input_size/{k}": v for k, v in _input_sizes(step_spec).items()})
-            if precision.scaler is not None:
-                row["loss_scale"] = float(precision.scaler.get_scale())
-            if validation is not None and validation.due(step, t.steps):
-                with precision.autocast():
-                    row.update(validation.run(trained, step))
-            metrics.write(step, row)
-            result.history.append({"step": step, **row})
-            if on_step is not None and rank == 0:
-                on_step({"step": step, **row})
-
-            if halt_after_step is not None and step >= halt_after_step:
-                metrics.close()
-                data.close()
-                if validation is not None:
-                    validation.close()
-                result.step, result.samples_seen = step, samples_seen
-                return result  # as a crash would: nothing more written
-
-            if nonfinite_in_a_row >= config.guards.max_nonfinite_in_a_row:
-                # Roll back: every rank reloads the newest valid checkpoint (weights, optimizer,
-                # schedule, scaler, data position, RNG) and trains on from there.
-                ckpt = _rollback_checkpoint(out, step, nonfinite_in_a_row, rollbacks, config)
-                if ckpt.format == "full":  # a sharded one's weights load in _restore_state
-                    parallel.load_full_model_state_dict(model, ckpt.model)
-                counters = _restore_state(
-                    ckpt, model, optimizer, scheduler, precision, data, ema, config, rank
-                )
-                if config.guards.rollback_lr_factor != 1.0:
-                    scale_learning_rates(optimizer, scheduler, config.guards.rollback_lr_factor)
-                step, samples_seen = counters["step"], counters["samples_seen"]
-                corrupt_before, corrupt = counters["corrupt_samples"], counters["corrupt_samples"]
-                rollbacks += 1
-                nonfinite_in_a_row = 0
-                metrics.rewind(step)
-                result.history = [r for r in result.history if r["step"] <= step]
-                del ckpt
-                continue
-
-            due_by_steps = (
-                config.checkpoint.every_steps and step % config.checkpoint.every_steps == 0
-            )
-            due_by_time = config.checkpoint.every_minutes and (
-                time.monotonic() - last_save_time >= 60 * config.checkpoint.every_minutes
-            )
-            # Every rank must take the same branch: rank 0's clock and any rank's signal decide.
-            by_time, signalled = parallel.agree_any([bool(due_by_time), stop.requested])
-            if signalled or by_time or due_by_steps or step == t.steps:
-                started = time.monotonic()
-                save(step)
-                last_save_time = time.monotonic()
-                checkpoint_s += last_save_time - started
-            if signalled:
-                log.warning("stopped by a signal after step %d; checkpoint written, exiting", step)
-                result.stopped_by_signal = True
-                break
-
-    # -- final weights and validation report -----------------------------------------------------
-    if step >= t.steps:
-        weights = _full_weights(model, rank)  # a collective under FSDP
-        if rank == 0:
-            _check_finite_weights(weights)
-            if lora_scale:  # OUT/lora.safetensors: the adapters alone; the model: them merged
-                write_lora_file(adapter_weights(weights), lora_towers(t), out / LORA_FILE)
-                weights = merge_lora_state(weights, lora_scale)
-            save_model(model_with_weights(model.spec, weights), out)
-            if ema is not None:
-                save_model(ema.model(model), out / "ema")
-    if validation is not None:
-        if step >= t.steps:
-            result.eval = validation.write_report(spec)
-        validation.close()
-    parallel.barrier()
-    metrics.close()
-    result.step, result.samples_seen, result.skipped_steps = step, samples_seen, skipped
-    result.rollbacks = rollbacks
-    result.corrupt_samples = corrupt_before + _reduce_over_ranks([], data.corrupt_samples())[1]
-    result.last_loss = result.history[-1]["loss"] if result.history else math.nan
-    data.close()
-    # Free the DDP wrapper while the process group is still alive. Its C++ reducer frees
-    # without releasing the GIL; were it to hold the group's last reference, the group's
-    # destructor would join a gloo thread that waits for the GIL: a deadlock seen under load.
-    # (shutdown collects garbage first; the CLI then ends a rank without finalization.)
-    del trained
-    parallel.shutdown(env)
-    return result
 
 
 # ----------------------------------------------------------------------------- one step
+def _train_step(run: _Run) -> dict[str, Any]:
+    """One optimizer step: next K micro-batches -> forward/backward of every objective ->
+    skip a non-finite step -> clip -> optimizer and schedule -> EMA; returns the metrics row."""
+    t, device, precision = run.t, run.env.device, run.precision
+    # Progressive resolution: the input size of this step (a pure function of the step).
+    step_spec = spec_at(run.spec, run.step, t.resolution_schedule, t.frames_schedule)
+    run.data.set_input_spec(step_spec)
+    reset_peak_memory(device)
+
+    t0 = time.perf_counter()
+    micro_batches, step_keys = [], []
+    for _ in range(run.accumulation):
+        micro_batches.append(_to_device(run.data.next_batch(), device, precision.param_dtype))
+        step_keys += run.data.last_keys
+    if run.step + 1 in run.config.guards.inject_nan_steps and run.step + 1 not in run.injected:
+        run.injected.add(run.step + 1)
+        _inject_nan(micro_batches[0])
+    t1 = time.perf_counter()
+    run.comm.start_step()
+
+    run.optimizer.zero_grad(set_to_none=True)
+    loss, part_losses = forward_backward(run.trained, run.objectives, micro_batches, precision)
+    # One all-reduce: mean losses over ranks (each holds its share), summed corrupt counts.
+    with timed_collective():
+        losses, corrupt_now = _reduce_over_ranks(
+            [loss, *part_losses.values()], run.data.corrupt_samples()
+        )
+    run.corrupt = run.corrupt_before + corrupt_now
+    _sync(device)
+    t2 = time.perf_counter()
+
+    finite_loss = math.isfinite(losses[0])  # the same on every rank
+    grad_norm, stepped = optimizer_step(
+        run.model, run.optimizer, precision, t.grad_clip, skip=not finite_loss
+    )
+    with warnings.catch_warnings():
+        # A skipped step still uses up its place in the schedule (by design, not a bug).
+        warnings.filterwarnings(
+            "ignore", message="Detected call of `lr_scheduler.step", category=UserWarning
+        )
+        run.scheduler.step()
+    if run.ema is not None and stepped:
+        run.ema.update(run.model)
+    _sync(device)
+    t3 = time.perf_counter()
+    comm_times = run.comm.finish_step()  # reads CUDA events only after the sync above
+
+    run.step += 1
+    run.samples_seen += t.batch_size
+    _count_bad_step(run, losses[0], grad_norm, stepped, finite_loss, step_keys)
+    times = {"data": t1 - t0, "compute": t2 - t1, "optimizer": t3 - t2}
+    flops = _step_train_flops(run, step_spec, micro_batches)
+    row = {
+        "loss": losses[0],
+        **{f"loss/{k}": v for k, v in zip(part_losses, losses[1:], strict=True)},
+        "lr": run.scheduler.get_last_lr()[0],
+        **{f"lr/{g['name']}": g["lr"] for g in run.optimizer.param_groups},
+        "grad_norm": float(grad_norm),
+        "samples_seen": run.samples_seen,
+        "skipped_steps": run.skipped,
+        "rollbacks": run.rollbacks,
+        "corrupt_samples": run.corrupt,
+        **run.data.cache_stats(),  # s3:// sources: hit rate, network wait, downloads
+        "checkpoint_s_total": run.checkpoint_s,
+        **throughput(
+            t.batch_size,
+            times,
+            flops_per_sample=flops // t.batch_size,
+            peak_flops=run.peak_flops,
+            world_size=run.world,
+            comm=comm_times,
+        ),  # fmt: skip
+        **memory_gib(device),
+    }
+    row.update(_model_metrics(run, step_spec, times))
+    if run.validation is not None and run.validation.due(run.step, t.steps):
+        with precision.autocast():
+            row.update(run.validation.run(run.trained, run.step))
+    return row
+
+
+def _count_bad_step(
+    run: _Run, loss: float, grad_norm: float, stepped: bool, finite_loss: bool, keys: list[str]
+) -> None:
+    """Skipped steps, the rollback guard's count, loss spikes (with the samples to blame)."""
+    # fp16 overflows are the loss scaler's business; a non-finite loss, or a non-finite
+    # gradient without a scaler, is a step the guard counts towards a rollback.
+    bad = not finite_loss or (run.precision.scaler is None and not stepped)
+    run.nonfinite_in_a_row = run.nonfinite_in_a_row + 1 if bad else 0
+    if not stepped:
+        run.skipped += 1
+        log.warning(
+            "step %d skipped: loss %s, gradient norm %s; samples: %s",
+            run.step, loss, grad_norm, ", ".join(keys[:8]),
+        )  # fmt: skip
+    if run.spikes.check(loss):
+        log.warning("step %d: loss spike %.4f; samples: %s", run.step, loss, ", ".join(keys))
+
+
+def _step_train_flops(
+    run: _Run, step_spec: ModelSpec, micro_batches: Sequence[dict[str, torch.Tensor]]
+) -> int:
+    """Training FLOPs of the step over all ranks. A language model counts the positions and
+    images of this rank's rows (they vary from step to step) and scales by the ranks."""
+    recompute = bool(run.recompute)
+    if step_spec.decoder is None:
+        return train_flops_per_sample(step_spec.forward_flops(), recompute) * run.t.batch_size
+    forward = sum(_language_model_flops(step_spec, batch) for batch in micro_batches)
+    return train_flops_per_sample(forward, recompute) * run.world
+
+
+def _language_model_flops(spec: ModelSpec, batch: dict[str, torch.Tensor]) -> int:
+    """Forward FLOPs of one batch of a language model: each row at its length once its images
+    are spliced in (padding included: it is computed), plus the images' vision tower and
+    projector."""
+    ids = batch["text"]
+    images = int(batch["image"].shape[0]) if "image" in batch else 0
+    if spec.projector is None or images == 0:
+        return ids.shape[0] * spec.sequence_flops(ids.shape[1])
+    per_row = (ids == spec.projector.image_token_id).sum(dim=1).tolist()
+    extra = spec.image_tokens() - 1
+    rows = sum(spec.decoder.forward_flops(ids.shape[1] + n * extra) for n in per_row)
+    return rows + spec.sequence_flops(0, images) - spec.sequence_flops(0)
+
+
+def _model_metrics(run: _Run, step_spec: ModelSpec, times: dict[str, float]) -> dict[str, float]:
+    """What only some models have: the contrastive temperature, the changing input size, the
+    fp16 loss scale, target tokens per second of a language model."""
+    row: dict[str, float] = {}
+    if hasattr(run.model, "logit_scale"):
+        row["logit_scale"] = float(logit_scale_value(run.model.logit_scale.detach()))
+    if step_spec is not run.spec:
+        row.update({f"input_size/{k}": v for k, v in _input_sizes(step_spec).items()})
+    if run.precision.scaler is not None:
+        row["loss_scale"] = float(run.precision.scaler.get_scale())
+    for objective in run.objectives:
+        if isinstance(objective, NextTokenObjective):
+            row["target_tokens"] = objective.targets
+            row["target_tokens_per_s"] = objective.targets / max(sum(times.values()), 1e-9)
+    return row
+
+
+def _record(run: _Run, row: dict[str, Any], on_step: Callable[[dict[str, Any]], None] | None):
+    run.metrics.write(run.step, row)
+    run.result.history.append({"step": run.step, **row})
+    if on_step is not None and run.rank == 0:
+        on_step({"step": run.step, **row})
+
+
 def forward_backward(
     trained: nn.Module,
-    model: MultimodalModel,
-    loss_fn: ContrastiveLoss | None,
+    objectives: Sequence[Objective],
     micro_batches: Sequence[dict[str, torch.Tensor]],
     precision: Precision,
-    fusion_weight: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Forward and backward over K micro-batches, with the gradient of ONE batch of all of them.
+    """Forward and backward over K micro-batches, with the gradient of ONE batch of all of them
+    (each objective normalises its share so; train/objectives.py says how).
 
-    A contrastive loss couples samples (every sample is a negative for every other), so summing
-    K independent micro-batch losses would train on K small batches. Instead (as OpenCLIP's
-    accum-freq): embed every micro-batch without gradient first, then recompute each micro-batch
-    with gradient and take the loss of the whole accumulated batch, the other micro-batches'
-    cached embeddings joining as `extra_negatives`. Each backward yields exactly that
-    micro-batch's share of the full-batch gradient; their sum (no division by K) is the
-    full-batch gradient. Costs one extra forward per micro-batch when K > 1.
-
-    A fusion head's loss (cross-entropy for `classify`, mean squared error for `regress`,
-    against `batch["label"]`) is per sample: each micro-batch adds its mean / K, so the sum is
-    the mean over the whole batch; `fusion_weight` scales it beside the contrastive loss.
-
-    `trained` is what runs the forward (the DDP/compiled wrapper), `model` the plain module
-    (for the logit scale and bias). Gradients accumulate in `.grad`; DDP synchronises them on
-    the last micro-batch only. Returns the total loss and the loss per pair and of the fusion
-    head ("fusion"), detached.
+    `trained` is what runs the forward (the DDP/compiled wrapper). Gradients accumulate in
+    `.grad`; DDP synchronises them on the last micro-batch only. Returns the step's total loss
+    and the named parts of the objectives (loss per pair, "fusion"), detached.
     """
-    spec = model.spec
-    # Sources of different modalities are mixed by step (train/data.py): every micro-batch of
-    # a step holds the same towers, and the step aligns the pairs it holds both towers of.
-    present = micro_batches[0].keys()
-    pairs = [p for p in spec.pairs if p[0] in present and p[1] in present]
-    pairs = pairs if loss_fn is not None else []
-    names = sorted({name for pair in pairs for name in pair})
-    scale = getattr(model, "logit_scale", None)
-    bias = getattr(model, "logit_bias", None)
+    for objective in objectives:
+        objective.prepare(trained, micro_batches, precision)
     k = len(micro_batches)
-    cached: list[dict[str, torch.Tensor]] = []
-    if pairs and k > 1:
-        with torch.no_grad(), precision.autocast():
-            cached = [_features(trained({n: b[n] for n in names}), names) for b in micro_batches]
-    contrastive = None
-    pair_losses: dict[str, torch.Tensor] = {}
-    head_total = torch.zeros(())
     for j, batch in enumerate(micro_batches):
-        inputs = {name: value for name, value in batch.items() if name != LABEL_KEY}
         sync = contextlib.nullcontext() if j == k - 1 else parallel.no_sync(trained)
         with sync:
             with precision.autocast():
-                out = trained(inputs)
-            loss = torch.zeros((), device=next(iter(inputs.values())).device)
-            if pairs:
-                extra = None
-                if k > 1:
-                    extra = {
-                        n: torch.cat([cached[i][n] for i in range(k) if i != j]) for n in names
-                    }
-                contrastive, pair_losses = loss_fn(
-                    _features(out, names), pairs, scale, bias, extra_negatives=extra
-                )
-                loss = loss + contrastive
-            if spec.fusion is not None:
-                head = fusion_loss(at_least_fp32(out["fusion"]), batch[LABEL_KEY], spec.fusion.task)
-                loss = loss + fusion_weight * head / k
-                head_total = head_total + head.detach().cpu() / k
-            if trained is not model:
-                # Embeddings no loss reads (a fused tower's projection): a zero term keeps their
+                out = trained(model_inputs(batch))
+            loss = torch.zeros((), device=next(iter(out.values())).device)
+            read: set[str] = set()
+            for objective in objectives:
+                loss = loss + objective.loss(out, batch, j)
+                read |= objective.reads(batch)
+            if trained is not _unwrap_model(trained):
+                # Outputs no loss reads (a fused tower's projection): a zero term keeps their
                 # parameters in the graph, so DDP's reducer gets a (zero) gradient for each.
-                for name in sorted(out.keys() - set(names) - {"fusion"}):
+                for name in sorted(out.keys() - read):
                     loss = loss + 0.0 * at_least_fp32(out[name]).sum()
             if precision.scaler is not None:
                 precision.scaler.scale(loss).backward()
             else:
                 loss.backward()
-    parts = {name: value.detach() for name, value in pair_losses.items()}
-    total = contrastive.detach() if contrastive is not None else torch.zeros(())
-    if spec.fusion is not None:
-        parts["fusion"] = head_total
-        total = total.cpu() + fusion_weight * head_total
+    total = torch.zeros(())
+    parts: dict[str, torch.Tensor] = {}
+    for objective in objectives:
+        for name, value in objective.report().items():
+            if name:
+                parts[name] = value
+            else:
+                total = total + value.cpu()
     return total, parts
 
 
-def fusion_loss(output: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
-    """Cross-entropy of class logits [B, C] against int64 labels [B] (`classify`), or the mean
-    squared error of values [B, C] against float targets [B, C] (`regress`)."""
-    if task == "classify":
-        return F.cross_entropy(output, labels)
-    return F.mse_loss(output, labels.to(output.dtype).reshape(output.shape))
-
-
-def _features(out: dict[str, torch.Tensor], names: Sequence[str]) -> dict[str, torch.Tensor]:
-    # The loss runs in fp32 whatever the autocast dtype: logits of a large batch need the range.
-    return {name: at_least_fp32(out[name]) for name in names}
+def _unwrap_model(trained: nn.Module) -> nn.Module:
+    """The module inside a DDP wrapper (FSDP2 and compile work in place: the module itself)."""
+    return trained.module if isinstance(trained, DistributedDataParallel) else trained
 
 
 def optimizer_step(
@@ -590,39 +588,164 @@ def optimizer_step(
     return float(norm), True
 
 
+# ----------------------------------------------------------------------------- checkpoint
+def _checkpoint_when_due(run: _Run) -> bool:
+    """Write a checkpoint when one is due (every N steps, every M minutes, the last step, a
+    signal); returns True when a signal asked the run to stop (the checkpoint is written)."""
+    config, step = run.config, run.step
+    due_by_steps = config.checkpoint.every_steps and step % config.checkpoint.every_steps == 0
+    due_by_time = config.checkpoint.every_minutes and (
+        time.monotonic() - run.last_save_time >= 60 * config.checkpoint.every_minutes
+    )
+    # Every rank must take the same branch: rank 0's clock and any rank's signal decide.
+    by_time, signalled = parallel.agree_any([bool(due_by_time), run.stop.requested])
+    if signalled or by_time or due_by_steps or step == run.t.steps:
+        started = time.monotonic()
+        _save_checkpoint(run)
+        run.last_save_time = time.monotonic()
+        run.checkpoint_s += run.last_save_time - started
+    if signalled:
+        log.warning("stopped by a signal after step %d; checkpoint written, exiting", step)
+        run.result.stopped_by_signal = True
+    return signalled
+
+
+def _save_checkpoint(run: _Run) -> None:
+    """Every rank takes part. Full: FSDP gathers the weights and optimizer state to rank 0,
+    which writes them. Sharded: each rank writes its own shards, in place (no gather)."""
+    model, optimizer, precision = run.model, run.optimizer, run.precision
+    if run.checkpoint_format == "sharded":
+        shards = parallel.sharded_state_dict(model, optimizer)
+        _check_finite_weights(shards["model"], sharded=True)
+    else:
+        weights = _full_weights(model, run.rank)
+        optimizer_state = parallel.optimizer_state_dict(model, optimizer)
+    state = {
+        "scheduler": run.scheduler.state_dict(),
+        "scaler": precision.scaler.state_dict() if precision.scaler is not None else {},
+        "loader": run.data.state_dict(),
+        "rng": _gather_rng_states(),  # one entry per rank
+        "counters": {
+            "step": run.step,
+            "samples_seen": run.samples_seen,
+            "skipped_steps": run.skipped,
+            "corrupt_samples": run.corrupt,
+            "rollbacks": run.rollbacks,
+        },
+    }
+    if run.ema is not None:
+        state["ema"] = run.ema.state_dict()
+    meta = {
+        "config": run.config.to_dict(),
+        "spec": run.spec.to_dict(),  # self-describing: `mmtrain eval` needs no run folder
+        "samples_seen": run.samples_seen,
+        "world_size": run.world,
+    }
+    keep, where = run.config.checkpoint.keep, run.out / CHECKPOINT_DIR
+    if run.checkpoint_format == "sharded":
+        save_sharded_checkpoint(where, run.step, shards, state, meta, keep)
+    elif run.rank == 0:
+        _check_finite_weights(weights)
+        state["optimizer"] = optimizer_state
+        save_checkpoint(where, run.step, weights, state, meta, keep)
+    parallel.barrier()
+
+
+# ----------------------------------------------------------------------------- rollback
+def _roll_back(run: _Run) -> None:
+    """After K non-finite steps in a row, every rank reloads the newest valid checkpoint from
+    before them (weights, optimizer, schedule, scaler, data position, RNG) and trains on."""
+    ckpt = _rollback_checkpoint(
+        run.out, run.step, run.nonfinite_in_a_row, run.rollbacks, run.config
+    )
+    if ckpt.format == "full":  # a sharded one's weights load in _restore_state
+        parallel.load_full_model_state_dict(run.model, ckpt.model)
+    rollbacks, skipped = run.rollbacks, run.skipped  # steps that happened, rolled back or not
+    _restore_state(run, ckpt)
+    run.skipped = skipped
+    if run.config.guards.rollback_lr_factor != 1.0:
+        scale_learning_rates(run.optimizer, run.scheduler, run.config.guards.rollback_lr_factor)
+    run.rollbacks = rollbacks + 1
+    run.nonfinite_in_a_row = 0
+    run.metrics.rewind(run.step)
+    run.result.history = [r for r in run.result.history if r["step"] <= run.step]
+
+
+# ----------------------------------------------------------------------------- finish
+def _halt(run: _Run) -> TrainResult:
+    """Stop dead (`halt_after_step`), as a crash would: nothing more written."""
+    run.metrics.close()
+    run.data.close()
+    if run.validation is not None:
+        run.validation.close()
+    run.result.step, run.result.samples_seen = run.step, run.samples_seen
+    return run.result
+
+
+def _finish(run: _Run) -> TrainResult:
+    """The final weights (OUT/model.safetensors + spec.yaml; LoRA: merged, and the adapters
+    alone in OUT/lora.safetensors; EMA in OUT/ema), the validation report, the summary."""
+    model, rank, result = run.model, run.rank, run.result
+    done = run.step >= run.t.steps
+    if done:
+        weights = _full_weights(model, rank)  # a collective under FSDP
+        if rank == 0:
+            _check_finite_weights(weights)
+            if run.lora_scale:
+                write_lora_file(adapter_weights(weights), lora_towers(run.t), run.out / LORA_FILE)
+                weights = merge_lora_state(weights, run.lora_scale)
+            save_model(model_with_weights(model.spec, weights), run.out)
+            if run.ema is not None:
+                save_model(run.ema.model(model), run.out / "ema")
+    if run.validation is not None:
+        if done:
+            result.eval = run.validation.write_report(run.spec)
+        run.validation.close()
+    parallel.barrier()
+    run.metrics.close()
+    result.step, result.samples_seen, result.skipped_steps = run.step, run.samples_seen, run.skipped
+    result.rollbacks = run.rollbacks
+    result.corrupt_samples = (
+        run.corrupt_before + _reduce_over_ranks([], run.data.corrupt_samples())[1]
+    )
+    result.last_loss = result.history[-1]["loss"] if result.history else math.nan
+    run.data.close()
+    # Free the DDP wrapper while the process group is still alive. Its C++ reducer frees
+    # without releasing the GIL; were it to hold the group's last reference, the group's
+    # destructor would join a gloo thread that waits for the GIL: a deadlock seen under load.
+    # (shutdown collects garbage first; the CLI then ends a rank without finalization.)
+    run.trained = None  # type: ignore[assignment]
+    parallel.shutdown(run.env)
+    return result
+
+
 # ----------------------------------------------------------------------------- state
-def _restore_state(
-    ckpt: Checkpoint,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    precision: Precision,
-    data: TrainData,
-    ema: _Ema | None,
-    config: RunConfig,
-    rank: int,
-) -> dict[str, int]:
-    """Load everything but a full checkpoint's weights from `ckpt`; returns its counters.
+def _restore_state(run: _Run, ckpt: Checkpoint) -> None:
+    """Load everything but a full checkpoint's weights from `ckpt` and set the run's counters.
 
     The optimizer state may have been saved under any strategy on any number of ranks; under
     FSDP each rank keeps its shard of it. A sharded checkpoint holds the weights beside the
     optimizer state: both load here, DCP reading for each rank what its shards cover.
     """
+    model, optimizer = run.model, run.optimizer
     if ckpt.format == "sharded":
         shards = parallel.sharded_state_dict(model, optimizer)  # this run's layout
         read_sharded(ckpt.path, shards)
         parallel.load_sharded_state_dict(model, optimizer, shards)
     else:
         parallel.load_optimizer_state_dict(model, optimizer, ckpt.state["optimizer"])
-    scheduler.load_state_dict(ckpt.state["scheduler"])
-    if precision.scaler is not None and ckpt.state.get("scaler"):
-        precision.scaler.load_state_dict(ckpt.state["scaler"])
-    data.load_state_dict(ckpt.state["loader"])
-    if ema is not None and "ema" in ckpt.state:
-        ema.load_state_dict(ckpt.state["ema"])
+    run.scheduler.load_state_dict(ckpt.state["scheduler"])
+    if run.precision.scaler is not None and ckpt.state.get("scaler"):
+        run.precision.scaler.load_state_dict(ckpt.state["scaler"])
+    run.data.load_state_dict(ckpt.state["loader"])
+    if run.ema is not None and "ema" in ckpt.state:
+        run.ema.load_state_dict(ckpt.state["ema"])
     counters = ckpt.state["counters"]
-    _restore_rng_states(ckpt.state["rng"], rank, config.seed, counters["step"])
-    return counters
+    _restore_rng_states(ckpt.state["rng"], run.rank, run.config.seed, counters["step"])
+    run.step, run.samples_seen = counters["step"], counters["samples_seen"]
+    run.skipped = counters["skipped_steps"]
+    run.corrupt_before = run.corrupt = counters["corrupt_samples"]
+    run.rollbacks = counters.get("rollbacks", 0)
 
 
 def _rollback_checkpoint(
@@ -691,6 +814,32 @@ def _pairs_held_by(path: str, spec: ModelSpec) -> list[tuple[str, str]] | None:
     return held
 
 
+def _conversation_settings(config: RunConfig, spec: ModelSpec) -> Any:
+    from mmtrain.data.conversation_batches import ConversationBatcher
+
+    return ConversationBatcher(config.data, spec)
+
+
+def _language_model_evaluator(
+    config: RunConfig, spec: ModelSpec, settings: Any, path: str, rank: int, world: int
+) -> Any:
+    """Perplexity and generated answers on validation conversations, with the run's tokenizer,
+    chat template and sequence length (`settings`: a ConversationBatcher)."""
+    from mmtrain.eval.generation import VLMEvaluator
+
+    return VLMEvaluator(
+        spec,
+        path,
+        batch_size=config.eval.batch_size,
+        tokenizer=settings.tokenizer,
+        chat_template=settings.template,
+        max_length=settings.sequence_length,
+        seed=config.seed,
+        rank=rank,
+        world_size=world,
+    )
+
+
 class _Validation:
     """Periodic evaluation on `data.val` with the eval package's `Evaluator`, on every rank
     (each embeds its share); rows get `val/...` metrics, the run folder gets eval.json."""
@@ -702,8 +851,16 @@ class _Validation:
         self.out, self.rank, self.world = out, rank, world
         self.sources = [source.path for source in config.data.val]
         self.evaluators = []
+        # A language model's settings (tokenizer, chat template) are checked once, naming
+        # their own fields; each evaluator then reads its conversations.
+        settings = _conversation_settings(config, spec) if spec.decoder is not None else None
         for i, path in enumerate(self.sources):
             try:
+                if settings is not None:
+                    self.evaluators.append(
+                        _language_model_evaluator(config, spec, settings, path, rank, world)
+                    )
+                    continue
                 self.evaluators.append(
                     Evaluator(
                         spec,
@@ -862,18 +1019,27 @@ def _sync(device: torch.device) -> None:
 
 class _StopOnSignal:
     """SIGTERM/SIGINT set `requested` (finish the step, checkpoint, exit 0); a second one exits
-    at once. Installed only in the main thread (signals cannot be handled elsewhere)."""
+    at once. Installed only in the main thread (signals cannot be handled elsewhere).
+
+    A copy that arrives within `ECHO_S` of the first is taken for the same request: under plain
+    torchrun on Slurm a rank gets Slurm's SIGTERM and torchrun's forwarded one milliseconds
+    apart, and must not lose its checkpoint to that echo (a person's second Ctrl-C is slower)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    ECHO_S = 1.0
 
     def __init__(self) -> None:
         self.requested = False
+        self._first_at = 0.0
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested:
+            if time.monotonic() - self._first_at < self.ECHO_S:
+                return
             raise SystemExit(128 + signum)
         self.requested = True
+        self._first_at = time.monotonic()
         log.warning(
             "received %s: finishing this step and writing a checkpoint", signal.Signals(signum).name
         )
@@ -914,7 +1080,7 @@ class _Ema:
         for name, value in state.items():
             self.shadow[name].copy_(value)
 
-    def model(self, model: MultimodalModel) -> MultimodalModel:
+    def model(self, model: nn.Module) -> nn.Module:
         """A copy of `model` (on the CPU) holding the averaged weights."""
         copy = create_model(model.spec, device="meta")
         state = {k: self.shadow.get(k, v).to("cpu", v.dtype) for k, v in model.state_dict().items()}

@@ -104,10 +104,23 @@ def _planned_model(plan_model: Any, spec: ModelSpec, config: RunConfig) -> Any:
             lora = tower.lora
             plan_model = plan_model.with_modes({name: "lora"}, lora.rank, tuple(lora.targets))
         elif tower.freeze_blocks or tower.unlocked_blocks is not None:
-            layers = spec.towers[name].layers
+            layers = spec.towers[name].layers if name in spec.towers else spec.decoder.layers
             blocks = tower.freeze_blocks or layers - (tower.unlocked_blocks or 0)
             plan_model = plan_model.with_frozen_blocks({name: blocks})
     return plan_model
+
+
+def _planned_rows(spec: ModelSpec, config: RunConfig) -> Any:
+    """A language model's rows as the run makes them, at their longest: `data.sequence_length`
+    positions (the decoder's max_positions when unset) with one image per row (None for other
+    models: their inputs have one size)."""
+    if spec.decoder is None:
+        return None
+    from mmtrain.plan.model import Rows
+
+    positions = config.data.sequence_length or spec.decoder.max_positions
+    images = 1 if spec.projector is not None else 0
+    return Rows(positions=positions, images=images, packed=config.data.pack)
 
 
 def planned_memory(
@@ -131,7 +144,7 @@ def planned_memory(
     from mmtrain.plan.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, comm_buffers, model_states
     from mmtrain.plan.model import from_spec
 
-    plan_model = _planned_model(from_spec(spec), spec, config)
+    plan_model = _planned_model(from_spec(spec, _planned_rows(spec, config)), spec, config)
     micro = config.micro_batch_for(world_size)
     precision = config.train.precision
     sharded = config.train.parallel == "fsdp" and world_size > 1
@@ -146,9 +159,12 @@ def planned_memory(
     options = activation_options(precision, "flash", "none", 1, False)
     saved = recompute_bytes = 0.0
     by_tower = {}
+    upstream = False  # a language model's stacks feed each other (image -> text), as in plan
     for stack in plan_model.stacks:
         mode = "full" if stack.name in recompute else "none"
-        a = stack_activations(stack, micro, dataclasses.replace(options, ac=mode))
+        options_here = dataclasses.replace(options, ac=mode)
+        a = stack_activations(stack, micro, options_here, input_grad=upstream)
+        upstream = plan_model.language_model and (upstream or stack.mode != "frozen")
         by_tower[stack.name] = int(a.saved)
         saved += a.saved
         recompute_bytes = max(recompute_bytes, a.recompute_bytes)  # one block at a time

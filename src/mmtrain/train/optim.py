@@ -75,9 +75,15 @@ def _frozen_by(tower: nn.Module, tc: TowerTrainConfig, path: str) -> list[nn.Par
     else:
         return []
     # The stem feeds the frozen blocks: training it alone would shift their inputs.
-    modules = [tower.stem, *([tower.norm_pre] if tower.norm_pre is not None else [])]
-    modules += list(tower.blocks[:count])
+    modules = [*_input_modules(tower), *tower.blocks[:count]]
     return [p for module in modules for p in module.parameters()]
+
+
+def _input_modules(tower: nn.Module) -> list[nn.Module]:
+    """What runs before a tower's first block: an encoder's stem and pre-norm, a decoder LM's
+    token embedding."""
+    names = ("stem", "norm_pre", "embed")
+    return [getattr(tower, n) for n in names if getattr(tower, n, None) is not None]
 
 
 def _check_blocks(path: str, value: int, layers: int) -> None:
@@ -91,9 +97,9 @@ def _no_decay(module: nn.Module, leaf: str, param: nn.Parameter) -> bool:
 
 def _layer_of(name: str, layers: int) -> tuple[int, str]:
     """(layer, label) of a tower parameter by its name inside the tower: the stem and norm_pre
-    are layer 0, block i layer i + 1, everything after the blocks layer L + 1."""
+    (a decoder's embedding) are layer 0, block i layer i + 1, everything after the blocks layer L + 1."""
     first, _, rest = name.partition(".")
-    if first in ("stem", "norm_pre"):
+    if first in ("stem", "norm_pre", "embed"):
         return 0, "stem"
     if first == "blocks":
         index = int(rest.partition(".")[0])

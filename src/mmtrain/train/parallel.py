@@ -243,7 +243,7 @@ def apply_fsdp(
     `fully_shard` cannot shard 0-d parameters (the logit scale and bias): they stay whole on
     every rank, in fp32, and their gradients are averaged over ranks by a hook, as DDP would.
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     if not dist.is_initialized():
         raise RuntimeError("FSDP needs a process group: launch with torchrun (WORLD_SIZE > 1)")
@@ -259,6 +259,11 @@ def apply_fsdp(
         reshard_after_forward=reshard_after_forward,
         ignored_params=scalars or None,
     )
+    # Methods other than forward that run the model (a language model's logits and
+    # generate) must gather the root's parameters (embedding, final norm, head) too.
+    for method in ("logits", "generate"):
+        if hasattr(model, method):
+            register_fsdp_forward_method(model, method)
     return model
 
 

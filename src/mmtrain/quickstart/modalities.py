@@ -20,7 +20,7 @@ recordings are captioned from templates ("someone running"), its 40 TEST recordi
 out. Nothing is downloaded: the speech engine and the sensor files come in pip packages
 (`modalities` extra; licences in the README and OUT/ATTRIBUTION.txt).
 
-Sizes were chosen to stay well within 5 minutes on 2 cores (module `quickstart` docstring for
+Sizes were chosen to stay well within 5 minutes on 2 cores (module `image_text` docstring for
 the image-text part): batches of 32 (the sensor set has only 40 recordings, and a batch larger
 than the set would repeat samples as each other's negatives), audio as 32 mel bands x 3 s in
 8x8 patches (72 tokens), sensors as 6 channels x 96 steps in patches of 8 (12 tokens).
@@ -35,7 +35,16 @@ from typing import Any
 
 import numpy as np
 
-from mmtrain.quickstart_data import (
+from mmtrain.quickstart.budget import fit_steps, time_steps
+from mmtrain.quickstart.common import (
+    QuickstartResult,
+    begin,
+    build_shards,
+    chance_levels,
+    run_config_dict,
+)
+from mmtrain.quickstart.config import QuickstartConfig
+from mmtrain.quickstart.emoji_data import (
     INSTALL_HINT,
     REQUIRED,
     Emoji,
@@ -43,12 +52,14 @@ from mmtrain.quickstart_data import (
     RawSplit,
     caption,
     is_validation,
+    list_emoji,
+    write_attribution,
+    write_raw,
 )
+from mmtrain.quickstart.image_text import quickstart_spec
 from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
 
-MODALITIES = ("image", "audio", "timeseries")  # text is always there: everything binds to it
-DEFAULT_MODALITIES = ("image",)  # the plain image-text quickstart
 # Import name -> pip requirement of the `modalities` extra, per modality.
 MODALITY_REQUIRED = {
     "audio": {"espeakng_loader": "espeakng-loader==0.2.4"},
@@ -80,26 +91,6 @@ Sensor time-series
 """
 
 
-def parse_modalities(text: str | None) -> tuple[str, ...]:
-    """`--modalities image,audio,timeseries` -> ("image", "audio", "timeseries") in that order.
-
-    `text` may be listed (it is always included) and nothing else besides MODALITIES.
-    """
-    if text is None:
-        return DEFAULT_MODALITIES
-    names = [n.strip().lower() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in (*MODALITIES, "text")]
-    if unknown:
-        raise FieldError(
-            "--modalities",
-            f"{unknown[0]!r} is not one of {', '.join(MODALITIES)} (text is always included)",
-        )
-    chosen = tuple(m for m in MODALITIES if m in names)
-    if not chosen:
-        raise FieldError("--modalities", f"name at least one of {', '.join(MODALITIES)}")
-    return chosen
-
-
 def check_modality_packages(modalities: tuple[str, ...]) -> None:
     """Raise MissingPackages naming every package the chosen modalities need that is not
     installed (the emoji names are needed for images and spoken captions alike)."""
@@ -120,7 +111,7 @@ def write_spoken(
 ) -> RawSplit:
     """`train|val/KEY.flac + KEY.txt` under `out_dir`: each emoji name spoken, split as the
     images are (by KEY), so held-out names are never heard in training."""
-    from mmtrain.quickstart_speech import Speaker, to_flac, voice_for
+    from mmtrain.quickstart.speech import Speaker, to_flac, voice_for
 
     split = RawSplit(out_dir / "train", out_dir / "val", 0, 0)
     split.train_dir.mkdir(parents=True, exist_ok=True)
@@ -143,7 +134,7 @@ def write_spoken(
 def write_motions(out_dir: Path) -> tuple[RawSplit, list[str]]:
     """`train|val/KEY.npy + KEY.txt + KEY.cls` from BasicMotions TRAIN and TEST; returns the
     split and the activity of each class index (what the `.cls` numbers mean)."""
-    from mmtrain.quickstart_series import ACTIVITIES, basic_motions_files, read_ts, series_caption
+    from mmtrain.quickstart.series import ACTIVITIES, basic_motions_files, read_ts, series_caption
 
     classes = list(ACTIVITIES)
     split = RawSplit(out_dir / "train", out_dir / "val", 0, 0)
@@ -178,7 +169,7 @@ def attribution_text(modalities: tuple[str, ...], sample_rate: int) -> str:
 
 def _espeak_version() -> str:
     """eSpeak NG's version from the library's file name (libespeak-ng.so.1.52.0), if shown."""
-    from mmtrain.quickstart_speech import _library_paths
+    from mmtrain.quickstart.speech import _library_paths
 
     folder = _library_paths()[0].parent
     names = sorted(p.name for p in folder.glob("libespeak-ng.so.*.*.*"))
@@ -251,7 +242,6 @@ def evaluate_held_out(
     from mmtrain import __version__, load_model
     from mmtrain.atomic import atomic_write_text
     from mmtrain.eval.run import Evaluator, ZeroShotConfig
-    from mmtrain.quickstart import chance_levels
 
     model = load_model(run_dir).eval()
     document: dict[str, Any] = {
@@ -308,27 +298,18 @@ def data_dir(out: Path, modality: str) -> Path:
     return out / "data" / modality
 
 
-def run_modalities(config: Any, on_phase: Any = None, on_step: Any = None) -> Any:
+def run_modalities(
+    config: QuickstartConfig, on_phase: Any = None, on_step: Any = None
+) -> QuickstartResult:
     """The `--modalities` quickstart: data per modality, calibration, one training run mixing
     the sources by step, held-out evaluation of every pair, report (see the module docstring).
 
-    `config` is a `QuickstartConfig`; returns a `QuickstartResult`. Raises MissingPackages
-    (before writing anything) when a package of a chosen modality is missing.
+    Raises MissingPackages (before writing anything) when a package of a chosen modality is
+    missing.
     """
     import shutil
 
-    from mmtrain.quickstart import (
-        QuickstartResult,
-        begin,
-        build_shards,
-        chance_levels,
-        fit_steps,
-        quickstart_spec,
-        run_config_dict,
-        time_steps,
-    )
-    from mmtrain.quickstart_data import list_emoji, write_attribution, write_raw
-    from mmtrain.quickstart_series import ZEROSHOT_TEMPLATES
+    from mmtrain.quickstart.series import ZEROSHOT_TEMPLATES
 
     modalities = tuple(config.modalities)
     config.validate()
@@ -424,8 +405,6 @@ def run_modalities(config: Any, on_phase: Any = None, on_step: Any = None) -> An
 
 
 __all__ = [
-    "DEFAULT_MODALITIES",
-    "MODALITIES",
     "MODALITIES_HINT",
     "MODALITY_REQUIRED",
     "STEP_WEIGHTS",
@@ -435,7 +414,6 @@ __all__ = [
     "check_modality_packages",
     "evaluate_held_out",
     "modalities_spec",
-    "parse_modalities",
     "run_modalities",
     "step_weights",
     "write_motions",

@@ -156,7 +156,7 @@ def caption(item: Emoji) -> str:
     Templates around the name ("an emoji of ...", one per emoji by hash) were tried: in a few
     hundred steps they only add bytes the text tower must learn to ignore and push the end of
     long names (the skin tone) past a short context; bare names in 48 bytes learned faster than
-    templates in 64 (measured together, see `mmtrain.quickstart`).
+    templates in 64 (measured together, see `mmtrain.quickstart.image_text`).
     """
     return item.name
 

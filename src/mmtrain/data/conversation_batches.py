@@ -1,0 +1,480 @@
+"""Conversation shards -> decoder-LM batches: one sample's ids, labels and images, then rows.
+
+A conversation shard sample (`mmtrain data build` on LLaVA / ShareGPT files) is `{key}.json`
+= {"id", "messages": [{"role", "content"}], "images": ["0.jpg", ...]} plus the members
+`{key}.0.jpg`, ... `ConversationDecoder` turns it into a `ConversationSample`: ids and labels
+from the chat template (`encode_conversation`: one `image_token_id` per image, labels on the
+assistant's answers only, truncated to `max_length` LM positions, an image counting
+`image_length`), and each image through the image tower's transform. A conversation that must
+not be trained on (every label masked, an image cut by truncation, ...) raises `SkippedSample`,
+whose `reason` is the refusal's kind: the streaming loader skips it and counts it under that
+kind, exactly like a corrupt image, so nothing is trained on silently and resume stays exact.
+
+Each sample's first label is masked: the loss scores the logits at t against labels[t + 1], so
+nothing ever predicts a sample's first id. Masking it here keeps "target tokens" (what a
+next-token loss is normalised by) equal to the labels actually scored, padded or packed.
+
+`conversation_batch` lays out the samples of one micro-batch as the VLM contract's batch:
+- padded: one row per sample, right-padded to the longest row; "attention_mask" is False on
+  padding (its labels are -100 and causal attention never lets a real token see it).
+- packed: `data.packing.pack_rows`, first-fit over the micro-batch's samples (all rows stay
+  open, so it is true first-fit), into as few rows of `row_length` LM positions as possible;
+  "document_ids" keep attention inside a sample (-1: padding), "position_ids" restart per
+  sample, no label crosses a sample boundary, and a sample (with its images) is never split.
+Both give "text" and "labels" int64 [R, T], "position_ids" int64 [R, T] (each id's first LM
+position, an image counting `image_tokens`), and "image" float [N, C, H, W] in reading order
+(row 0's placeholders left to right, then row 1's), absent for a text-only model.
+Tensors are in placeholder space: a row with images holds fewer ids than positions, so rows are
+padded to the most ids in the batch; each row's content is at most `row_length` positions and
+everything after it is padding (label -100, document -1 / attention_mask False).
+
+Why packing per micro-batch keeps resume exact: the micro-batch takes the next `micro_batch`
+valid samples of the loader's stream, as without packing, so the loader's position, the run's
+samples_seen and a resumed run's next samples are unchanged. Packing is then a pure function of
+those samples (no state carried between micro-batches, no look-ahead), so a resumed run packs
+the same rows. The cost: rows do not span micro-batches, so the last row of each is partly
+empty; with micro-batches of several rows that waste is a fraction of one row.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmtrain.config import DataConfig
+from mmtrain.data.chat_templates import (
+    IGNORE_INDEX,
+    ChatTemplate,
+    EncodedSample,
+    RefusedSample,
+    TextEncoder,
+    encode_conversation,
+    get_template,
+)
+from mmtrain.data.conversations import (
+    Conversation,
+    ConversationError,
+    Turn,
+    parse_conversation,
+)
+from mmtrain.data.media import DEFAULT_MAX_PIXELS, MediaError
+from mmtrain.data.packing import (
+    PAD_DOCUMENT,
+    PackedRow,
+    SampleTooLong,
+    pack_rows,
+    sample_positions,
+)
+from mmtrain.data.tokenizer import get_tokenizer
+from mmtrain.data.transforms import AugmentConfig, ImageTransform, make_transform
+from mmtrain.spec import ModelSpec
+from mmtrain.structured import FieldError
+
+__all__ = [
+    "NO_IMAGE_ID",
+    "SkippedSample",
+    "ConversationSample",
+    "ConversationDecoder",
+    "ConversationBatcher",
+    "conversation_batch",
+    "resolve_chat_template",
+    "check_template_fits",
+    "read_conversation",
+]
+
+# The placeholder id of a text-only LM: no tokenizer gives a negative id, so no text collides.
+NO_IMAGE_ID = -1
+
+
+class SkippedSample(ValueError):
+    """A sample the loader skips and counts. `reason` is a short kind (the loader's counter key:
+    no_targets, image_cut, image_count, ...); the message says what and where."""
+
+    def __init__(self, reason: str, message: str):
+        self.reason = reason
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.reason, str(self)))
+
+
+@dataclass(frozen=True, eq=False)
+class ConversationSample(EncodedSample):
+    """An encoded conversation and its images, float [n, C, H, W] in placeholder order
+    (n == count of the image token in `input_ids`); None for a text-only model."""
+
+    images: torch.Tensor | None = None
+
+
+# ----------------------------------------------------------------------------- one sample
+def read_conversation(sample: dict[str, Any]) -> tuple[Conversation, list[bytes]]:
+    """The conversation of a shard sample and the bytes of its images, in order."""
+    key = str(sample.get("__key__", "?"))
+    if "json" not in sample:
+        raise MediaError(f"{key}: no json member (a conversation shard sample needs one)")
+    try:
+        record = json.loads(sample["json"])
+    except ValueError as err:
+        raise MediaError(f"{key}.json: not valid JSON: {err}") from None
+    try:
+        conv = parse_conversation(record, file=f"{key}.json", origin=f"{key}.json")
+    except ConversationError as err:
+        raise SkippedSample(err.kind, f"{key}.json: {err.reason}") from None
+    missing = [name for name in conv.images if name not in sample]
+    if missing:
+        raise MediaError(f"{key}: json lists image member(s) {missing} that the sample lacks")
+    return conv, [sample[name] for name in conv.images]
+
+
+class ConversationDecoder:
+    """A conversation shard sample -> `ConversationSample` (`encode`), or the tensors the
+    streaming loader stacks (`__call__`: "input_ids", "labels" [L] and "image" [n, C, H, W]).
+
+    `image_transform` None: a text-only LM; a conversation with images is then skipped.
+    """
+
+    def __init__(
+        self,
+        template: ChatTemplate,
+        tokenizer: TextEncoder,
+        *,
+        max_length: int,
+        image_token_id: int,
+        image_length: int,
+        image_transform: ImageTransform | None,
+        max_pixels: int = DEFAULT_MAX_PIXELS,
+    ):
+        self.template = template
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.image_token_id = image_token_id
+        self.image_length = image_length
+        self.image_transform = image_transform
+        self.max_pixels = max_pixels
+
+    @classmethod
+    def for_spec(
+        cls,
+        spec: ModelSpec,
+        tokenizer: TextEncoder,
+        template: ChatTemplate,
+        sequence_length: int,
+        *,
+        train: bool = True,
+        augment: AugmentConfig | None = None,
+    ) -> ConversationDecoder:
+        """The decoder for a decoder-LM spec: image token and length from its projector, the
+        image tower's transform (train: random crop and flip; eval: centre crop)."""
+        if spec.decoder is None:
+            raise FieldError("decoder", "conversation batches are for a decoder LM spec")
+        transform = None
+        image_token_id = NO_IMAGE_ID
+        if spec.projector is not None:
+            name = spec.projector.tower
+            transform = make_transform(spec.towers[name], train, augment=augment, name=name)
+            if not isinstance(transform, ImageTransform):
+                raise FieldError(f"towers.{name}", "the projector's tower must take images")
+            image_token_id = spec.projector.image_token_id
+        return cls(
+            template,
+            tokenizer,
+            max_length=sequence_length,
+            image_token_id=image_token_id,
+            image_length=max(1, spec.image_tokens()),
+            image_transform=transform,
+        )
+
+    def encode(self, sample: dict[str, Any], rng: np.random.Generator | None) -> ConversationSample:
+        """Ids, labels and transformed images of one shard sample; raises `SkippedSample`
+        (refused conversation) or `MediaError` (broken member)."""
+        conv, images = read_conversation(sample)
+        if images and self.image_transform is None:
+            raise SkippedSample(
+                "images_without_tower",
+                f"{conv.key}: {len(images)} image(s), but the model has no image tower",
+            )
+        encoded = self._encode(conv)
+        pixels = None
+        if self.image_transform is not None:
+            pixels = self._images(conv.key, images, rng)
+        return ConversationSample(encoded.input_ids, encoded.labels, pixels)
+
+    def _encode(self, conv: Conversation) -> EncodedSample:
+        try:
+            encoded = encode_conversation(
+                conv,
+                self.template,
+                self.tokenizer,
+                self.max_length,
+                self.image_token_id,
+                image_length=self.image_length,
+            )
+        except RefusedSample as err:
+            raise SkippedSample(err.kind, err.reason) from None
+        except FieldError as err:  # text ids equal to the image token: this sample's text
+            raise SkippedSample(err.path, f"{conv.key}: {err.message}") from None
+        labels = [IGNORE_INDEX, *encoded.labels[1:]]  # nothing predicts the first id
+        if all(label == IGNORE_INDEX for label in labels):
+            raise SkippedSample(
+                "no_targets", f"{conv.key}: the only target is the first id, which nothing predicts"
+            )
+        return EncodedSample(encoded.input_ids, labels)
+
+    def _images(
+        self, key: str, images: Sequence[bytes], rng: np.random.Generator | None
+    ) -> torch.Tensor:
+        assert self.image_transform is not None
+        out = []
+        for n, data in enumerate(images):
+            try:
+                out.append(self.image_transform.decode(data, rng, self.max_pixels))
+            except MediaError as err:
+                raise MediaError(f"{key} image {n}: {err}") from None
+        if out:
+            return torch.stack(out)
+        t = self.image_transform
+        return torch.empty(0, t.channels, t.size, t.size)
+
+    def __call__(self, sample: dict[str, Any], rng: np.random.Generator) -> dict[str, torch.Tensor]:
+        encoded = self.encode(sample, rng)
+        out = {
+            "input_ids": torch.tensor(encoded.input_ids, dtype=torch.long),
+            "labels": torch.tensor(encoded.labels, dtype=torch.long),
+        }
+        if encoded.images is not None:
+            out["image"] = encoded.images
+        return out
+
+    @staticmethod
+    def from_tensors(batch: dict[str, Any]) -> list[ConversationSample]:
+        """The samples of a loader batch of `__call__` outputs (one sample per batch: their
+        lengths and image counts differ, so the loader cannot stack several)."""
+        rows = batch["input_ids"].shape[0]
+        images = batch.get("image")
+        return [
+            ConversationSample(
+                batch["input_ids"][r].tolist(),
+                batch["labels"][r].tolist(),
+                None if images is None else images[r],
+            )
+            for r in range(rows)
+        ]
+
+
+# ----------------------------------------------------------------------------- batches
+def conversation_batch(
+    samples: Sequence[ConversationSample],
+    *,
+    pack: bool,
+    row_length: int,
+    image_token_id: int,
+    image_tokens: int,
+    pad_id: int = 0,
+) -> dict[str, torch.Tensor]:
+    """One micro-batch of samples -> the model's batch, padded or packed (module docstring).
+
+    `row_length`: LM positions a row holds (a sample longer than that raises SampleTooLong);
+    `image_tokens`: positions one image takes; `pad_id` must not be `image_token_id`.
+    """
+    if not samples:
+        raise ValueError("no samples to batch")
+    if pad_id == image_token_id:
+        raise ValueError(f"pad_id {pad_id} is the image token id; padding would count as images")
+    length = max(1, image_tokens)
+    if pack:
+        packed = pack_rows(
+            samples,
+            row_length,
+            image_token_id=image_token_id,
+            image_length=length,
+            pad_id=pad_id,
+            open_rows=len(samples),
+        )
+        rows = [_content(row) for row in packed]
+    else:
+        rows = [
+            _single_row(i, s, row_length, image_token_id, length) for i, s in enumerate(samples)
+        ]
+    width = max(len(row.input_ids) for row in rows)
+    rows = [_pad(row, width, pad_id) for row in rows]
+    batch = {
+        "text": _tensor([row.input_ids for row in rows]),
+        "labels": _tensor([row.labels for row in rows]),
+        "position_ids": _tensor([row.position_ids for row in rows]),
+    }
+    documents = _tensor([row.document_ids for row in rows])
+    if pack:
+        batch["document_ids"] = documents
+    else:
+        batch["attention_mask"] = documents != PAD_DOCUMENT
+    images = _images_in_reading_order(samples, rows)
+    if images is not None:
+        batch["image"] = images
+    return batch
+
+
+def _single_row(
+    index: int, sample: EncodedSample, row_length: int, image_token_id: int, image_length: int
+) -> PackedRow:
+    size = sample_positions(sample, image_token_id, image_length)
+    if size > row_length:
+        raise SampleTooLong(
+            f"sample {index} takes {size} positions, more than a row's {row_length}; "
+            "truncate when encoding (max_length)"
+        )
+    if len(sample.input_ids) != len(sample.labels) or not sample.input_ids:
+        raise ValueError(
+            f"sample {index}: {len(sample.input_ids)} ids, {len(sample.labels)} labels"
+        )
+    positions, position = [], 0
+    for token in sample.input_ids:
+        positions.append(position)
+        position += image_length if token == image_token_id else 1
+    labels = [IGNORE_INDEX, *sample.labels[1:]]
+    return PackedRow(list(sample.input_ids), labels, [index] * len(sample.input_ids), positions)
+
+
+def _content(row: PackedRow) -> PackedRow:
+    """A packed row without its trailing padding (re-padded to the batch's width later)."""
+    end = len(row.document_ids)
+    while end and row.document_ids[end - 1] == PAD_DOCUMENT:
+        end -= 1
+    return PackedRow(
+        row.input_ids[:end], row.labels[:end], row.document_ids[:end], row.position_ids[:end]
+    )
+
+
+def _pad(row: PackedRow, width: int, pad_id: int) -> PackedRow:
+    """Right padding as a document of its own (positions from 0, as the decoder numbers one)."""
+    pad = width - len(row.input_ids)
+    return PackedRow(
+        row.input_ids + [pad_id] * pad,
+        row.labels + [IGNORE_INDEX] * pad,
+        row.document_ids + [PAD_DOCUMENT] * pad,
+        row.position_ids + list(range(pad)),
+    )
+
+
+def _tensor(rows: list[list[int]]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def _images_in_reading_order(
+    samples: Sequence[ConversationSample], rows: Sequence[PackedRow]
+) -> torch.Tensor | None:
+    if all(sample.images is None for sample in samples):
+        return None
+    order = [index for row in rows for index in row.samples]
+    images = [samples[i].images for i in order if samples[i].images is not None]
+    return torch.cat(images) if images else None
+
+
+# ----------------------------------------------------------------------------- settings
+class ConversationBatcher:
+    """The conversation settings of a decoder-LM run (data.chat_template, data.tokenizer,
+    data.sequence_length, data.pack), checked once: decoders and batch layout."""
+
+    def __init__(self, data: DataConfig, spec: ModelSpec):
+        if spec.decoder is None:
+            raise FieldError("decoder", "conversation batches are for a decoder LM spec")
+        try:
+            self.tokenizer = get_tokenizer(data.tokenizer, language_model=True)
+        except FieldError as err:
+            raise FieldError("data.tokenizer", err.message) from None
+        self.template = resolve_chat_template(data.chat_template, data.tokenizer)
+        self.sequence_length = _sequence_length(data, spec)
+        self.pack = data.pack
+        projector = spec.projector
+        self.image_token_id = NO_IMAGE_ID if projector is None else projector.image_token_id
+        check_template_fits(self.template, self.tokenizer, self.image_token_id)
+        # Padding is masked everywhere; its id only has to differ from the image placeholder.
+        self.pad_id = 0 if self.image_token_id != 0 else 1
+
+    def decoder(self, spec: ModelSpec, train: bool = True) -> ConversationDecoder:
+        """The decoder of `spec` (train: random crops and flips; eval: centre crops)."""
+        return ConversationDecoder.for_spec(
+            spec, self.tokenizer, self.template, self.sequence_length, train=train
+        )
+
+    def batch(
+        self, samples: Sequence[ConversationSample], spec: ModelSpec
+    ) -> dict[str, torch.Tensor]:
+        """`conversation_batch` with the run's settings (data.pack, data.sequence_length)."""
+        return conversation_batch(
+            samples,
+            pack=self.pack,
+            row_length=self.sequence_length,
+            image_token_id=self.image_token_id,
+            image_tokens=spec.image_tokens(),
+            pad_id=self.pad_id,
+        )
+
+
+def _sequence_length(data: DataConfig, spec: ModelSpec) -> int:
+    assert spec.decoder is not None
+    limit = spec.decoder.max_positions
+    if data.sequence_length is None:
+        return limit
+    if data.sequence_length < 1:
+        raise FieldError("data.sequence_length", f"must be at least 1, got {data.sequence_length}")
+    if data.sequence_length > limit:
+        raise FieldError(
+            "data.sequence_length",
+            f"{data.sequence_length} is more than the decoder's max_positions {limit}; lower it "
+            "or raise decoder.max_positions in the spec",
+        )
+    images = spec.image_tokens()
+    if images and data.sequence_length <= images:
+        raise FieldError(
+            "data.sequence_length",
+            f"{data.sequence_length} leaves no room for text beside one image of {images} "
+            "tokens; every image-bearing sample would be refused",
+        )
+    return data.sequence_length
+
+
+def resolve_chat_template(chat_template: str | None, tokenizer: str) -> ChatTemplate:
+    """`data.chat_template`: a name or a path; None takes the template stored with
+    `data.tokenizer` (the tokenizer_config.json / chat_template.jinja of its folder)."""
+    try:
+        if chat_template is not None:
+            return get_template(chat_template)
+        path = Path(tokenizer)
+        folder = path if path.is_dir() else path.parent
+        if tokenizer.lower() == "byte" or not (
+            (folder / "tokenizer_config.json").is_file()
+            or (folder / "chat_template.jinja").is_file()
+        ):
+            raise FieldError(
+                "data.chat_template",
+                f"not set, and data.tokenizer {tokenizer!r} has no chat template beside it "
+                "(tokenizer_config.json or chat_template.jinja); set one of plain, chatml, "
+                "llama-3, vicuna-v1 or a path",
+            )
+        return get_template(folder)
+    except FieldError as err:
+        if err.path == "data.chat_template":
+            raise
+        raise FieldError("data.chat_template", err.message) from None
+
+
+def check_template_fits(
+    template: ChatTemplate, tokenizer: TextEncoder, image_token_id: int
+) -> None:
+    """Fail at start-up, naming data.chat_template, when the tokenizer splits one of the
+    template's special tokens (otherwise every sample would be skipped one by one)."""
+    probe = Conversation("probe", [Turn("user", "Hi"), Turn("assistant", "Hello.")])
+    try:
+        encode_conversation(probe, template, tokenizer, 1 << 20, image_token_id)
+    except FieldError as err:
+        raise FieldError("data.chat_template", err.message) from None
+    except RefusedSample as err:
+        raise FieldError(
+            "data.chat_template", f"{template.name} trains nothing on a plain exchange: {err}"
+        ) from None

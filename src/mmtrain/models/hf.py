@@ -1,0 +1,112 @@
+"""Hugging Face folders of every architecture mmtrain reads, behind one pair of calls.
+
+`read_hf_model(folder)` picks the reader by config.json's `architectures` (or `model_type`):
+CLIP / SigLIP (`hf_clip`: towers `image`, `text`), Llama / Qwen2 (`hf_llama`: a language model,
+its decoder under the tower name `text`), LLaVA (`hf_llava`: image tower, projector, decoder).
+It returns a `ModelSpec` and a state dict in the names of the model `create_model(spec)` builds.
+`write_hf_model(model, folder)` is the reverse, the class chosen by the spec.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from mmtrain.decoder_spec import DecoderSpec
+from mmtrain.models import hf_clip, hf_llama, hf_llava
+from mmtrain.models.hf_clip import (
+    CONFIG_FILE,
+    HFFolderError,
+    NoHFCounterpart,
+    is_hf_folder,
+    read_json,
+)
+from mmtrain.spec import ModelSpec
+
+TEXT_TOWER = "text"  # the decoder's name among a LanguageModel's towers
+
+__all__ = [
+    "HFFolderError",
+    "NoHFCounterpart",
+    "family_of",
+    "hf_counterpart",
+    "is_hf_folder",
+    "language_model_spec",
+    "read_hf_model",
+    "write_hf_model",
+]
+
+
+def family_of(config: dict[str, Any], file: Path) -> str:
+    """ "clip" (CLIP / SigLIP), "llama" (Llama / Qwen2) or "llava" for a config.json; raises
+    HFFolderError listing what mmtrain reads otherwise."""
+    names, model_type = config.get("architectures"), config.get("model_type")
+    if hf_llava.is_llava_config(config):
+        return "llava"
+    if isinstance(names, list) and len(names) == 1:
+        if names[0] in hf_llama.ARCHITECTURES:
+            return "llama"
+        if names[0] in hf_clip.ARCHITECTURES:
+            return "clip"
+    if names is None and model_type in hf_llama.BY_MODEL_TYPE:
+        return "llama"
+    if names is None and model_type in hf_clip.BY_MODEL_TYPE:
+        return "clip"
+    supported = [*hf_clip.ARCHITECTURES, *hf_llama.ARCHITECTURES, hf_llava.ARCHITECTURE]
+    raise HFFolderError(
+        file, f"{names!r} is not supported; mmtrain reads {', '.join(supported)}", "architectures"
+    )
+
+
+def language_model_spec(decoder: DecoderSpec, name: str) -> ModelSpec:
+    """The ModelSpec of a decoder LM alone (no towers besides the decoder itself)."""
+    return ModelSpec(
+        name=name, embed_dim=decoder.width, towers={}, objective="next_token", decoder=decoder
+    )
+
+
+def read_hf_model(path: str | Path) -> tuple[ModelSpec, dict[str, Tensor]]:
+    """(spec, state dict) of a HF folder of any architecture mmtrain reads, the state dict in
+    the names of `create_model(spec)`'s model; dtypes are kept. Raises HFFolderError (a
+    FieldError) naming the file and the config field to blame."""
+    folder = Path(path)
+    if not is_hf_folder(folder):
+        raise HFFolderError(folder, f"is not a Hugging Face model folder (no {CONFIG_FILE})")
+    family = family_of(read_json(folder / CONFIG_FILE), folder / CONFIG_FILE)
+    if family == "clip":
+        return hf_clip.read_hf_folder(folder)
+    if family == "llava":
+        return hf_llava.read_hf_llava(folder)
+    decoder, state = hf_llama.read_hf_decoder(folder)
+    spec = language_model_spec(decoder, folder.resolve().name)
+    return spec, {f"towers.{TEXT_TOWER}.{k}": t for k, t in state.items()}
+
+
+def hf_counterpart(spec: ModelSpec) -> str:
+    """The transformers class that `write_hf_model` writes for `spec`; raises NoHFCounterpart
+    listing why there is none."""
+    if spec.decoder is None:
+        return hf_clip.hf_layout(spec).arch.name
+    if spec.projector is not None:
+        hf_llava.llava_layout(spec)  # raises where LLaVA cannot express the spec
+        return hf_llava.ARCHITECTURE
+    return hf_llama.hf_architecture(spec.decoder)  # a decoder alone (no towers: spec.py)
+
+
+def write_hf_model(model: nn.Module, out_dir: str | Path) -> str:
+    """Write `model` (a MultimodalModel or LanguageModel) as a HF folder; returns the class
+    written. Raises NoHFCounterpart when the spec has none."""
+    spec: ModelSpec = model.spec
+    arch = hf_counterpart(spec)
+    state = model.state_dict()
+    if spec.decoder is None:
+        hf_clip.write_hf_folder(model, out_dir)
+    elif spec.projector is not None:
+        hf_llava.write_hf_llava(spec, state, out_dir)
+    else:
+        prefix = f"towers.{TEXT_TOWER}."
+        decoder = {k[len(prefix) :]: t for k, t in state.items() if k.startswith(prefix)}
+        hf_llama.write_hf_decoder(spec.decoder, decoder, out_dir)
+    return arch

@@ -1,0 +1,394 @@
+"""LanguageModel: a decoder LM (models/decoder.py), alone or with images spliced into its text
+as LLaVA does (a vision tower's hidden states, a projector, one placeholder id per image).
+
+Read top to bottom: the projector, where each id lands among the LM's positions (`Layout`),
+the model (image features, the spliced embeddings, logits), generation.
+
+Batch contract (DESIGN.md section 4): "text" int64 [R, T] holds each image as ONE
+`projector.image_token_id`; "image" [N, 3, H, W] holds the batch's images in reading order. In
+the LM an image takes `spec.image_tokens()` = P positions, so a row of ids ("placeholder
+space") is longer in the LM ("position space"). The splice is a pure index computation: each id
+owns a span of positions (P for a placeholder, 1 otherwise), the embeddings of every position
+are gathered in one indexing op from [text embeddings; image tokens; a zero row for padding],
+and the logits are read back at each id's LAST position, so `logits(batch)` has one row per id
+of "text" (at a placeholder: the row of the image's last token, which predicts the next id).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mmtrain.models.decoder import Decoder, KVCache, document_positions, sample
+from mmtrain.models.towers import Tower
+from mmtrain.spec import ModelSpec, ProjectorSpec
+
+TEXT = "text"  # the decoder's name among the towers and the batch key of the token ids
+PAD_DOCUMENT = -1  # data/packing.py's document id of padding (models do not import data/)
+
+
+# ----------------------------------------------------------------------------- projector
+class Projector(nn.Module):
+    """Vision hidden states [N, P, vision_width] -> LM embeddings [N, P, lm_width]: one linear
+    layer ("linear", LLaVA-1) or linear, GELU, linear ("mlp", LLaVA-1.5's mlp2x_gelu)."""
+
+    def __init__(self, spec: ProjectorSpec, vision_width: int, lm_width: int):
+        super().__init__()
+        self.fc1 = nn.Linear(vision_width, lm_width)
+        self.fc2 = nn.Linear(lm_width, lm_width) if spec.kind == "mlp" else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.fc1(x)
+        return x if self.fc2 is None else self.fc2(F.gelu(x))
+
+
+# ----------------------------------------------------------------------------- the splice
+@dataclass(frozen=True)
+class Layout:
+    """Where the ids of a batch [R, T] land among the LM's positions [R, L].
+
+    Id t of row r owns positions `ends[r, t] - span + 1 .. ends[r, t]`. Position e of row r
+    belongs to id `owner[r, e]` at `offset[r, e]` within its span; `valid` is False for the
+    padding that makes every row L long (after a row's ids, or before them when the rows are
+    right-aligned for generation, so that they all end at position L - 1).
+    """
+
+    ends: Tensor  # [R, T] last position of each id
+    owner: Tensor  # [R, L] the id a position belongs to (clamped into 0..T-1 for padding)
+    offset: Tensor  # [R, L] index of a position within its id's span (0 for a text id)
+    valid: Tensor  # [R, L] False for padding
+
+    @property
+    def length(self) -> int:
+        return self.owner.shape[1]
+
+
+def make_layout(is_image: Tensor, image_tokens: int, right_align: bool = False) -> Layout:
+    """The layout of rows whose ids are images where `is_image` [R, T] (bool) is True."""
+    spans = torch.where(is_image, image_tokens, 1)
+    ends = spans.cumsum(dim=1) - 1
+    totals = ends[:, -1] + 1
+    length = int(totals.max())  # the only host sync: the expanded length is a shape
+    shift = length - totals if right_align else torch.zeros_like(totals)
+    e = torch.arange(length, device=is_image.device)[None, :] - shift[:, None]
+    valid = (e >= 0) & (e < totals[:, None])
+    e = e.clamp(min=0)
+    # ends is strictly increasing along a row: the owner of position e is the first id whose
+    # span ends at or after e.
+    owner = torch.searchsorted(ends, e).clamp(max=is_image.shape[1] - 1)
+    starts = (ends - spans + 1).gather(1, owner)
+    return Layout(ends=ends + shift[:, None], owner=owner, offset=e - starts, valid=valid)
+
+
+def splice(text_embeds: Tensor, image_embeds: Tensor, is_image: Tensor, layout: Layout) -> Tensor:
+    """The LM's input embeddings [R, L, W]: each text id's embedding at its position, the P
+    tokens of the k-th image (reading order) at the k-th placeholder's span, zeros for padding.
+
+    One gather from the stacked sources, so autograd scatters the gradient back to the text
+    embeddings and to the image tokens, even when there are none (the distributed rule in
+    `LanguageModel._image_embeds`).
+    """
+    r, t, w = text_embeds.shape
+    n, p = image_embeds.shape[:2]
+    # The k-th placeholder in reading order (row-major) takes image k.
+    slot = is_image.flatten().long().cumsum(0).view(r, t) - 1
+    rows = torch.arange(r, device=is_image.device)[:, None]
+    text_index = rows * t + layout.owner
+    image_index = r * t + slot.gather(1, layout.owner) * p + layout.offset
+    index = torch.where(is_image.gather(1, layout.owner), image_index, text_index)
+    index = torch.where(layout.valid, index, r * t + n * p)  # the zero row
+    sources = torch.cat(
+        [
+            text_embeds.reshape(r * t, w),
+            image_embeds.reshape(n * p, w).to(text_embeds.dtype),
+            text_embeds.new_zeros(1, w),
+        ]
+    )
+    return sources[index]
+
+
+def expand_per_id(values: Tensor, layout: Layout, fill: int | bool) -> Tensor:
+    """A per-id tensor [R, T] repeated over each id's span [R, L]; `fill` at padding."""
+    return torch.where(layout.valid, values.gather(1, layout.owner), fill)
+
+
+# ----------------------------------------------------------------------------- the model
+class LanguageModel(nn.Module):
+    """A decoder LM (`spec.decoder`), with an image tower and a projector when `spec.projector`
+    is set (a vision-language model). The decoder is the tower named "text", so per-tower
+    training settings, FSDP per block and activation checkpointing find it like any tower.
+
+    `logits(batch)` [R, T, vocab], `forward(batch)` {"logits": ...}, `generate(batch, n)`
+    [R, n] new tokens; see the module docstring for the batch.
+    """
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        if spec.decoder is None:
+            raise ValueError(f"model {spec.name!r} has no decoder; build a MultimodalModel")
+        self.spec = spec
+        self.projector_spec = spec.projector
+        towers: dict[str, nn.Module] = {}
+        self.projector: Projector | None = None
+        if spec.projector is not None:
+            name = spec.projector.tower
+            if name == TEXT:
+                raise ValueError(f"the image tower cannot be named {TEXT!r} (the decoder's name)")
+            tower = Tower(spec.towers[name], spec.embed_dim)
+            towers[name] = tower
+            self.feature_blocks = spec.projector.blocks_used(spec.towers[name])
+            self._freeze_unused(tower)
+        towers[TEXT] = Decoder(spec.decoder)  # after the image tower: named_parameters order
+        self.towers = nn.ModuleDict(towers)
+        if spec.projector is not None:
+            vision_width = spec.towers[spec.projector.tower].width
+            self.projector = Projector(spec.projector, vision_width, spec.decoder.width)
+
+    def _freeze_unused(self, tower: Tower) -> None:
+        # The blocks after the feature layer, the final norm and any pooling head or output
+        # projection never run (checkpoints hold them). They never get a gradient, so they are
+        # frozen: DDP would otherwise wait for their gradients (or need find_unused_parameters)
+        # and the optimizer would carry them.
+        unused = [*tower.blocks[self.feature_blocks :], tower.norm_final, tower.pool, tower.proj]
+        for module in unused:
+            if module is not None:
+                module.requires_grad_(False)
+
+    @property
+    def decoder(self) -> Decoder:
+        return self.towers[TEXT]
+
+    @property
+    def image_tower(self) -> Tower | None:
+        return None if self.projector_spec is None else self.towers[self.projector_spec.tower]
+
+    # ------------------------------------------------------------------------- images
+    def image_features(self, images: Tensor) -> Tensor:
+        """Images [N, C, H, W] -> LM embeddings [N, P, lm_width]: the tower's hidden states at
+        the feature layer (no final norm), class token dropped unless `keep_cls`, projected."""
+        tower = self.image_tower
+        x = tower.stem(images)
+        if tower.norm_pre is not None:
+            x = tower.norm_pre(x)
+        for block in tower.blocks[: self.feature_blocks]:
+            x = block(x)
+        if tower.spec.has_cls_token() and not self.projector_spec.keep_cls:
+            x = x[:, 1:]
+        return self.projector(x)
+
+    def _image_embeds(self, batch: Mapping[str, Tensor], placeholders: int) -> Tensor | None:
+        """The image tokens [N, P, W] of the batch, checked against the placeholder count;
+        None when the batch has no "image" key (a text-only batch)."""
+        key = "image" if self.projector_spec is None else self.projector_spec.tower
+        images = batch.get(key)
+        if images is None:
+            if placeholders:
+                raise ValueError(
+                    f"the text holds {placeholders} image placeholder(s) but the batch has no "
+                    f"{key!r} tensor; give the images in reading order"
+                )
+            return None
+        if self.projector_spec is None:
+            if images.shape[0]:
+                raise ValueError(
+                    f"this language model has no image tower; the batch holds "
+                    f"{images.shape[0]} image(s)"
+                )
+            return None
+        if images.shape[0] != placeholders:
+            raise ValueError(
+                f"the batch holds {images.shape[0]} image(s) but its text has {placeholders} "
+                f"placeholder(s) (image_token_id {self.projector_spec.image_token_id}); each "
+                "image needs exactly one placeholder, in reading order"
+            )
+        # Distributed rule: under FSDP2 every rank must all-gather (forward) and reduce-scatter
+        # (backward) the same sharded modules in the same order, and DDP waits for a gradient of
+        # every trained parameter. A VLM's collate therefore always emits "image", also with no
+        # image ([0, C, H, W]): the tower and projector then run on the empty batch (their hooks
+        # fire like on any rank with images) and `splice` concatenates the empty result into its
+        # sources, so backward reaches them with zero gradients. Only a batch with no "image" key
+        # skips the tower; that is for streams that are text-only on every rank.
+        return self.image_features(images)
+
+    # ------------------------------------------------------------------------- logits
+    def _is_image(self, batch: Mapping[str, Tensor]) -> Tensor:
+        """Bool [R, T]: the placeholders that take an image (not those in padding)."""
+        text = batch[TEXT]
+        if self.projector_spec is None:
+            return torch.zeros_like(text, dtype=torch.bool)
+        is_image = text == self.projector_spec.image_token_id
+        if "attention_mask" in batch:
+            is_image &= batch["attention_mask"].bool()
+        if "document_ids" in batch:
+            is_image &= batch["document_ids"] != PAD_DOCUMENT
+        return is_image
+
+    def _check_text(self, batch: Mapping[str, Tensor]) -> Tensor:
+        if TEXT not in batch:
+            raise KeyError(
+                f"a language model needs the token ids under {TEXT!r}; batch keys: "
+                f"{', '.join(map(str, batch)) or 'none'}"
+            )
+        text = batch[TEXT]
+        if text.dim() != 2 or text.shape[1] == 0:
+            raise ValueError(
+                f"{TEXT!r} must be int64 [rows, ids] with at least one id, got {list(text.shape)}"
+            )
+        for key in ("document_ids", "position_ids", "attention_mask"):
+            if key in batch and batch[key].shape != text.shape:
+                raise ValueError(
+                    f"{key!r} must have the shape of {TEXT!r} {list(text.shape)} (one entry "
+                    f"per id), got {list(batch[key].shape)}"
+                )
+        return text
+
+    def _decoder_inputs(
+        self, batch: Mapping[str, Tensor], right_align: bool = False
+    ) -> tuple[Tensor, Layout, dict[str, Tensor]]:
+        """The LM's input embeddings [R, L, W], the layout, and the keyword arguments of
+        `Decoder.hidden` (positions, masks) in position space."""
+        text = self._check_text(batch)
+        is_image = self._is_image(batch)
+        images = self._image_embeds(batch, int(is_image.sum()))
+        p = self.spec.image_tokens()
+        layout = make_layout(is_image, p, right_align)
+        text_embeds = self.decoder.embed(text)
+        if images is None:
+            images = text_embeds.new_zeros(0, max(p, 1), text_embeds.shape[-1])
+        embeds = splice(text_embeds, images, is_image, layout)
+        return embeds, layout, self._position_inputs(batch, layout)
+
+    def _position_inputs(self, batch: Mapping[str, Tensor], layout: Layout) -> dict[str, Tensor]:
+        """`position_ids`, `document_ids` and `attention_mask` of the expanded rows.
+
+        Positions: from "position_ids" (an image's j-th token at its placeholder's position
+        + j), else restarting at every document of "document_ids", else counting the unmasked
+        positions of "attention_mask" (left padding), else 0, 1, ... Padding added to make rows
+        L long is a padding document / a masked key."""
+        out: dict[str, Tensor] = {}
+        mask = None
+        if "attention_mask" in batch:
+            mask = expand_per_id(batch["attention_mask"].bool(), layout, False)
+        elif bool(layout.valid[:, 0].logical_not().any()):
+            mask = layout.valid  # right-aligned rows: their leading padding must not be seen
+        if "document_ids" in batch:
+            out["document_ids"] = expand_per_id(batch["document_ids"], layout, PAD_DOCUMENT)
+        if "position_ids" in batch:
+            first = expand_per_id(batch["position_ids"], layout, 0)
+            out["position_ids"] = torch.where(layout.valid, first + layout.offset, 0)
+        elif "document_ids" in out:
+            out["position_ids"] = document_positions(out["document_ids"])
+        elif mask is not None:
+            out["position_ids"] = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+        if mask is not None:
+            out["attention_mask"] = mask
+        return out
+
+    def logits(self, batch: Mapping[str, Tensor]) -> Tensor:
+        """[R, T, vocab]: one row per id of `batch["text"]`; at a placeholder the row of its
+        image's last token (it predicts the id after the image)."""
+        embeds, layout, kwargs = self._decoder_inputs(batch)
+        hidden = self.decoder.hidden(inputs_embeds=embeds, **kwargs)
+        index = layout.ends[..., None].expand(-1, -1, hidden.shape[-1])
+        return self.decoder.head(hidden.gather(1, index))
+
+    def forward(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        return {"logits": self.logits(batch)}
+
+    # ------------------------------------------------------------------------- generation
+    @torch.no_grad()
+    def generate(
+        self,
+        batch: Mapping[str, Tensor],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
+        eos_ids: tuple[int, ...] | None = None,
+        pad_id: int | None = None,
+    ) -> Tensor:
+        """Up to `max_new_tokens` new tokens per row [R, n] (the prompt not included), with a KV
+        cache: the prompt's spliced embeddings are prefilled, then one token at a time.
+
+        Prompts of different lengths are left-padded ("attention_mask" False); rows are
+        right-aligned in position space too (images make rows of equal ids unequal), so every
+        row's next token goes to the same cache slot. Sampling is `Decoder.generate`'s:
+        greedy at `temperature` 0, else nucleus sampling from `generator`; a row ends at any of
+        `eos_ids` (default the spec's), keeps it and is filled with `pad_id` (default the first
+        eos id) afterwards; generation stops when every row ended.
+        """
+        decoder = self.decoder
+        eos = tuple(decoder.spec.eos_ids if eos_ids is None else eos_ids)
+        pad = pad_id if pad_id is not None else (eos[0] if eos else 0)
+        text = self._check_text(batch)
+        packed = [key for key in ("document_ids", "position_ids") if key in batch]
+        if packed:
+            raise ValueError(
+                f"generate takes one prompt per row, left-padded (attention_mask); the batch "
+                f"has {', '.join(packed)} (packed training rows)"
+            )
+        embeds, layout, kwargs = self._decoder_inputs(batch, right_align=True)
+        rows, length = layout.owner.shape
+        cache = KVCache(decoder.spec, rows, length + max_new_tokens, text.device, embeds.dtype)
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(length, device=text.device).expand(rows, length)
+        mask = kwargs.get("attention_mask")
+        eos_tensor = torch.tensor(eos, dtype=text.dtype, device=text.device)
+        done = torch.zeros(rows, dtype=torch.bool, device=text.device)
+        new_tokens: list[Tensor] = []
+        hidden = decoder.hidden(
+            inputs_embeds=embeds, position_ids=positions, attention_mask=mask, cache=cache
+        )
+        for step in range(max_new_tokens):
+            new = sample(decoder.head(hidden[:, -1]), temperature, top_p, generator)
+            new = torch.where(done, torch.full_like(new, pad), new)
+            new_tokens.append(new)
+            done = done | torch.isin(new, eos_tensor)
+            if bool(done.all()) or step == max_new_tokens - 1:
+                break
+            positions = positions[:, -1:] + 1
+            if mask is not None:
+                mask = F.pad(mask, (0, 1), value=True)
+            hidden = decoder.hidden(
+                new[:, None], position_ids=positions, attention_mask=mask, cache=cache
+            )
+        if not new_tokens:
+            return text.new_zeros(rows, 0)
+        return torch.stack(new_tokens, dim=1)
+
+    # ------------------------------------------------------------------------- weights
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """Random init for training from scratch, in `named_parameters()` order from
+        `generator` (drawn on the CPU in float32: the same weights on any device): the image
+        tower and the projector by `models.build.init_rules` (the tower as in a
+        MultimodalModel; the projector fan-in, biases 0), the decoder by
+        `Decoder.init_weights`."""
+        # build.py imports this module (create_model builds a LanguageModel): import it here.
+        from mmtrain.models.build import apply_init_rules, init_rules
+
+        rules = init_rules(self)
+        prefix = f"towers.{TEXT}."
+        # named_parameters order is: image tower, decoder, projector (registration order).
+        before = [(n, p) for n, p in self.named_parameters() if n.startswith("towers.")]
+        apply_init_rules([(n, p) for n, p in before if not n.startswith(prefix)], rules, generator)
+        self.decoder.init_weights(generator)
+        if self.projector is not None:
+            apply_init_rules(
+                [(f"projector.{n}", p) for n, p in self.projector.named_parameters()],
+                rules,
+                generator,
+            )
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """Recompute derived (non-persistent) buffers of the submodules that have them."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_buffers"):
+                module.reset_buffers()

@@ -1,0 +1,281 @@
+"""Planning a language model from the data: a distribution of tokens per sample, laid out in
+rows padded or packed, as the loader will feed them.
+
+A sample is one conversation: `positions` LM positions (its text ids, plus `image_tokens - 1`
+more per image, since the placeholder id becomes the image's tokens) and `images` images.
+Two layouts, both simulated sample by sample on the real lengths (no averages), in a fixed
+shuffled order (seeded; the loader's order is another shuffle of the same samples):
+
+- padded: `micro_batch` samples per micro-batch, each row padded to the longest of its
+  micro-batch (`pad_to="longest"`, what a collate does) or to `sequence_length` ("max");
+- packed: rows of exactly `sequence_length` positions, filled first-fit over a window of
+  `open_rows` rows, the rule data/packing.py's `pack_rows` uses (held together by a test).
+
+Samples longer than `sequence_length` are truncated to it (as encoding with `max_length`
+does; the count is reported). Per row the module computes every position of the row: padding
+costs as much as text, and a packed row's attention is computed over the whole row (the
+block-diagonal mask is applied to a dense s x s score matrix), so "computed" FLOPs count whole
+rows and "useful" FLOPs only each sample alone. Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mmtrain.spec import ModelSpec
+from mmtrain.structured import FieldError
+
+LAYOUTS = ("padded", "packed")
+PAD_TO = ("longest", "max")
+OPEN_ROWS = 16  # data/packing.py's default window
+
+
+def percentile(sorted_values: Sequence[int], q: float) -> int:
+    """The nearest-rank percentile (a value that occurs in the data, never interpolated)."""
+    if not sorted_values:
+        return 0
+    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+def summarize(values: Sequence[int]) -> dict[str, float]:
+    """count, mean, p50, p90, p99 and max of a list of counts."""
+    ordered = sorted(values)
+    n = len(ordered)
+    return {
+        "count": n,
+        "mean": round(sum(ordered) / n, 2) if n else 0.0,
+        "p50": percentile(ordered, 50),
+        "p90": percentile(ordered, 90),
+        "p99": percentile(ordered, 99),
+        "max": ordered[-1] if n else 0,
+    }
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Per sample: LM positions (images spliced in) and images. `source` names where they
+    came from (shards, or a stated synthetic distribution)."""
+
+    positions: tuple[int, ...]
+    images: tuple[int, ...]
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.positions) != len(self.images):
+            raise ValueError(f"{len(self.positions)} lengths but {len(self.images)} image counts")
+        if not self.positions:
+            raise FieldError("--data", f"{self.source or 'the data'} holds no usable sample")
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {"positions": summarize(self.positions), "images": summarize(self.images)}
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """The rows one pass over the samples makes, and what they cost.
+
+    `rows` rows; per micro-batch at worst `max_positions` positions per row, `max_ids` ids per
+    row (placeholder space: the logits' rows) and `max_images` images in the micro-batch
+    (memory is planned for that worst micro-batch); `computed_flops` / `useful_flops` the
+    forward FLOPs of all rows (whole rows / each sample alone); `vision_flops` the image
+    tower's and projector's share (the same in both); `positions` real and computed."""
+
+    name: str
+    samples: int
+    rows: int
+    micro_batch: int
+    sequence_length: int
+    max_positions: int
+    max_ids: int
+    max_images: int
+    images: int
+    real_positions: int
+    computed_positions: int
+    computed_flops: float
+    useful_flops: float
+    vision_flops: float
+    truncated: int
+
+    @property
+    def samples_per_row(self) -> float:
+        return self.samples / self.rows
+
+    @property
+    def fill(self) -> float:
+        """Share of the computed positions that hold a sample (1 - padding)."""
+        return self.real_positions / self.computed_positions
+
+    def to_dict(self) -> dict:
+        return {
+            "layout": self.name,
+            "samples": self.samples,
+            "rows": self.rows,
+            "samples_per_row": round(self.samples_per_row, 3),
+            "micro_batch": self.micro_batch,
+            "sequence_length": self.sequence_length,
+            "max_positions": self.max_positions,
+            "max_ids": self.max_ids,
+            "max_images_per_micro_batch": self.max_images,
+            "fill": round(self.fill, 4),
+            "useful_flop_share": round(self.useful_flops / self.computed_flops, 4),
+            "forward_flops_per_row": self.computed_flops / self.rows,
+            "truncated_samples": self.truncated,
+        }
+
+
+def _image_extra(spec: ModelSpec) -> int:
+    return max(spec.image_tokens() - 1, 0)
+
+
+def _per_image_flops(spec: ModelSpec) -> int:
+    return spec.sequence_flops(1, 1) - spec.sequence_flops(1, 0) if spec.projector else 0
+
+
+def _shuffled(lengths: Lengths, seed: int) -> list[tuple[int, int]]:
+    order = list(range(len(lengths.positions)))
+    random.Random(seed).shuffle(order)
+    return [(lengths.positions[i], lengths.images[i]) for i in order]
+
+
+def _truncated(samples: list[tuple[int, int]], limit: int, extra: int) -> tuple[list, int]:
+    """Samples cut to `limit` positions; one whose images alone exceed it keeps its images
+    (encoding refuses to cut an image; such a sample is the user's to drop)."""
+    out, cut = [], 0
+    for positions, images in samples:
+        if positions > limit:
+            cut += 1
+            positions = max(limit, images * (extra + 1) + 1)
+        out.append((positions, images))
+    return out, cut
+
+
+def padded_layout(
+    spec: ModelSpec,
+    lengths: Lengths,
+    sequence_length: int,
+    micro_batch: int,
+    pad_to: str = "longest",
+    seed: int = 0,
+) -> RowLayout:
+    """One sample per row, `micro_batch` rows padded together (module docstring)."""
+    _check(sequence_length, micro_batch)
+    if pad_to not in PAD_TO:
+        raise FieldError("--pad-to", f"{pad_to!r} is not one of {', '.join(PAD_TO)}")
+    extra, image_flops = _image_extra(spec), _per_image_flops(spec)
+    samples, cut = _truncated(_shuffled(lengths, seed), sequence_length, extra)
+    lm = spec.decoder
+    worst = [0, 0, 0]
+    computed = useful = vision = 0.0
+    real = positions_total = images_total = 0
+    for start in range(0, len(samples), micro_batch):
+        batch = samples[start : start + micro_batch]
+        width = sequence_length if pad_to == "max" else max(p for p, _ in batch)
+        ids = max(p - i * extra for p, i in batch)
+        images = sum(i for _, i in batch)
+        worst = [max(worst[0], width), max(worst[1], ids), max(worst[2], images)]
+        computed += len(batch) * lm.forward_flops(width)
+        useful += sum(lm.forward_flops(p) for p, _ in batch)
+        vision += images * image_flops
+        real += sum(p for p, _ in batch)
+        positions_total += len(batch) * width
+        images_total += images
+    return RowLayout(
+        name="padded",
+        samples=len(samples),
+        rows=len(samples),
+        micro_batch=micro_batch,
+        sequence_length=sequence_length,
+        max_positions=worst[0],
+        max_ids=worst[1],
+        max_images=worst[2],
+        images=images_total,
+        real_positions=real,
+        computed_positions=positions_total,
+        computed_flops=computed + vision,
+        useful_flops=useful + vision,
+        vision_flops=vision,
+        truncated=cut,
+    )
+
+
+def first_fit_rows(
+    sizes: Sequence[int], row_length: int, open_rows: int = OPEN_ROWS
+) -> list[list[int]]:
+    """Sample indices per row, placed first-fit over a window of `open_rows` open rows, rows
+    emitted when full or pushed out of the window (data/packing.py's `pack_rows` rule)."""
+    window: list[list] = []  # [free, members]
+    rows: list[list[int]] = []
+    for index, size in enumerate(sizes):
+        if size > row_length:
+            raise ValueError(
+                f"sample {index} takes {size} positions, more than a row's {row_length}"
+            )
+        row = next((r for r in window if r[0] >= size), None)
+        if row is None:
+            if len(window) == open_rows:
+                rows.append(window.pop(0)[1])
+            row = [row_length, []]
+            window.append(row)
+        row[1].append(index)
+        row[0] -= size
+        if row[0] == 0:
+            window.remove(row)
+            rows.append(row[1])
+    rows += [r[1] for r in window]
+    return rows
+
+
+def packed_layout(
+    spec: ModelSpec,
+    lengths: Lengths,
+    sequence_length: int,
+    micro_batch: int,
+    seed: int = 0,
+    open_rows: int = OPEN_ROWS,
+) -> RowLayout:
+    """Rows of `sequence_length` positions packed first-fit (module docstring)."""
+    _check(sequence_length, micro_batch)
+    extra, image_flops = _image_extra(spec), _per_image_flops(spec)
+    samples, cut = _truncated(_shuffled(lengths, seed), sequence_length, extra)
+    rows = first_fit_rows([p for p, _ in samples], sequence_length, open_rows)
+    lm = spec.decoder
+    row_ids, row_images = [], []
+    for members in rows:
+        row_ids.append(sum(samples[i][0] - samples[i][1] * extra for i in members))
+        row_images.append(sum(samples[i][1] for i in members))
+    max_ids = max_images = 0
+    for start in range(0, len(rows), micro_batch):
+        # the collate pads the ids of a micro-batch's rows to the longest (placeholder space)
+        max_ids = max(max_ids, max(row_ids[start : start + micro_batch]))
+        max_images = max(max_images, sum(row_images[start : start + micro_batch]))
+    images_total = sum(row_images)
+    vision = images_total * image_flops
+    real = sum(p for p, _ in samples)
+    return RowLayout(
+        name="packed",
+        samples=len(samples),
+        rows=len(rows),
+        micro_batch=micro_batch,
+        sequence_length=sequence_length,
+        max_positions=sequence_length,
+        max_ids=max_ids,
+        max_images=max_images,
+        images=images_total,
+        real_positions=real,
+        computed_positions=len(rows) * sequence_length,
+        computed_flops=len(rows) * lm.forward_flops(sequence_length) + vision,
+        useful_flops=sum(lm.forward_flops(p) for p, _ in samples) + vision,
+        vision_flops=vision,
+        truncated=cut,
+    )
+
+
+def _check(sequence_length: int, micro_batch: int) -> None:
+    if sequence_length < 2:
+        raise FieldError("--sequence-length", f"must be at least 2, got {sequence_length}")
+    if micro_batch < 1:
+        raise FieldError("--micro-batch", f"must be at least 1, got {micro_batch}")

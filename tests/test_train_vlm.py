@@ -1,0 +1,247 @@
+"""`train` on a vision-language model (presets/tiny-vlm.yaml): the loop's machinery for the
+next-token objective — stages through `init` and frozen towers, exact resume with packing,
+LoRA and frozen decoder blocks, and 2 ranks (FSDP2 + activation checkpointing) against 1.
+
+Real parts: JPEG images, tar shards of conversations, the streaming loader, the byte tokenizer
+with the "plain" template, real gloo processes. Exact comparisons run in float64
+(`train.precision: fp64`): ~1e4 roundings of ~1e-16 per value and step keep differences below
+~1e-11, so rtol 1e-9 holds on any CPU while a lost micro-batch or a wrong normalisation shows
+at ~1e-3.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from PIL import Image
+
+from dist_helpers import run_distributed
+from mmtrain.config import config_from_dict
+from mmtrain.data.shards import ShardWriter, write_manifest
+from mmtrain.data.tokenizer import train_bpe
+from mmtrain.models import LanguageModel
+from mmtrain.spec import load_spec
+from mmtrain.train.loop import train
+
+EXACT = {"rtol": 1e-9, "atol": 1e-12}
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (30, 60, 220), "black": (0, 0, 0)}
+
+
+def _jpeg(rgb: tuple[int, int, int], seed: int) -> bytes:
+    image = Image.new("RGB", (72, 72), rgb)
+    image.putpixel((seed % 72, (7 * seed) % 72), (255, 255, 255))  # no two files alike
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def _record(i: int) -> tuple[dict, list[bytes]]:
+    """A caption per image ("<image>" then its colour), every fourth one text-only."""
+    name = list(COLOURS)[i % len(COLOURS)]
+    if i % 4 == 3:
+        messages = [
+            {"role": "user", "content": f"Say {name}."},
+            {"role": "assistant", "content": f"{name} " * (1 + i % 3)},
+        ]
+        return {"id": str(i), "messages": messages, "images": []}, []
+    messages = [
+        {"role": "user", "content": "<image>"},
+        {"role": "assistant", "content": f"a {name} square"},
+    ]
+    return {"id": str(i), "messages": messages, "images": ["0.jpg"]}, [_jpeg(COLOURS[name], i)]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    """The shards, beside them a byte-level BPE of their words and a smaller tiny-vlm with that
+    vocabulary plus one id for the image placeholder."""
+    folder = tmp_path_factory.mktemp("vlm-shards")
+    words = [f"Say {name}. a {name} square {name}" for name in COLOURS] * 4
+    image_id = train_bpe(words, vocab_size=280, out_path=folder / "tokenizer.json").vocab_size
+    spec = load_spec("tiny-vlm").to_dict()  # smaller still: 16 image tokens, width 64
+    spec.update(embed_dim=64)
+    spec["towers"]["image"].update(stem={"image_size": 32, "patch_size": 8}, width=64, layers=3)
+    spec["decoder"].update(
+        vocab_size=image_id + 1, width=64, mlp_hidden=160, bos_id=None, eos_ids=[]
+    )
+    spec["projector"]["image_token_id"] = image_id
+    (folder / "spec.json").write_text(json.dumps(spec))
+    with ShardWriter(folder, max_samples=8) as writer:
+        for i in range(24):
+            record, images = _record(i)
+            sample = {"__key__": f"{i:09d}", "json": json.dumps(record)}
+            sample |= {f"{n}.jpg": data for n, data in enumerate(images)}
+            writer.write(sample)
+    write_manifest(folder, writer.shards, modalities=["image", "text"])
+    return folder
+
+
+def _config(out: Path, shards: Path, *, data=None, train=None, **top):
+    return config_from_dict(
+        {
+            "model": str(shards / "spec.json"),
+            "data": {
+                "train": str(shards),
+                "tokenizer": str(shards / "tokenizer.json"),
+                "chat_template": "plain",
+                "sequence_length": 96,
+                **(data or {}),
+            },
+            "train": {
+                "steps": 4,
+                "batch_size": 4,
+                "micro_batch": 2,
+                "precision": "fp64",
+                "lr": 1e-3,
+                "warmup_steps": 0,
+                **(train or {}),
+            },
+            "checkpoint": {"every_steps": 2, "keep": 3},
+            "metrics": {"tensorboard": False},
+            "out": str(out),
+            **top,
+        }
+    )
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(str(folder / "model.safetensors"))
+
+
+def _changed(before: dict, after: dict, prefix: str) -> bool:
+    names = [n for n in before if n.startswith(prefix)]
+    assert names, prefix
+    return any(not torch.equal(before[n], after[n]) for n in names)
+
+
+def test_stage_one_then_stage_two(tmp_path, shards):
+    """Stage 1 trains the projector only; stage 2 starts from stage 1's run folder through
+    `init` and trains the projector and the LM, the vision tower still frozen."""
+    frozen = {"image": {"freeze": True}, "text": {"freeze": True}}
+    one = train(_config(tmp_path / "one", shards, train={"towers": frozen}))
+    assert one.step == 4 and all(torch.isfinite(torch.tensor(r["loss"])) for r in one.history)
+    assert all(r["target_tokens"] > 0 for r in one.history)
+    start = train(_config(tmp_path / "zero", shards, train={"steps": 1, "lr": 0.0}))
+    before, after = _weights(tmp_path / "zero"), _weights(tmp_path / "one")
+    assert not _changed(before, after, "towers.image.")
+    assert not _changed(before, after, "towers.text.")
+    assert _changed(before, after, "projector.")
+    del start
+
+    two_towers = {"image": {"freeze": True}}
+    two = train(
+        _config(
+            tmp_path / "two",
+            shards,
+            data={"val": str(shards)},
+            train={"towers": two_towers},
+            init=str(tmp_path / "one"),
+        )
+    )
+    assert two.step == 4
+    # validation: perplexity and generated answers, in the rows and in eval.json
+    assert math.isfinite(two.history[-1]["val/perplexity"])
+    report = json.loads((tmp_path / "two" / "eval.json").read_text())
+    assert report["generation"]["n"] > 0 and 0.0 <= report["generation"]["token_f1"] <= 1.0
+    final = _weights(tmp_path / "two")
+    assert not _changed(after, final, "towers.image.")
+    assert _changed(after, final, "towers.text.blocks.")
+    assert _changed(after, final, "projector.")
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["padded-crash", "packed-sigterm"])
+def test_resume_is_exact(tmp_path, shards, pack, monkeypatch):
+    """Stopped after step 3, then rerun: the same weights as a run never stopped. Padded rows
+    stop dead (a crash: the checkpoint of step 2 resumes); packed rows get a SIGTERM during
+    step 3's forward (the step finishes, its checkpoint is written, the run exits)."""
+    whole = train(_config(tmp_path / "whole", shards, data={"pack": pack}, train={"steps": 6}))
+    config = _config(tmp_path / "stopped", shards, data={"pack": pack}, train={"steps": 6})
+    if pack:
+        forward, calls = LanguageModel.forward, []
+
+        def forward_then_signal(self, batch):
+            calls.append(1)
+            if len(calls) == 5:  # step 3's first micro-batch (2 per step)
+                os.kill(os.getpid(), signal.SIGTERM)
+            return forward(self, batch)
+
+        monkeypatch.setattr(LanguageModel, "forward", forward_then_signal)
+        assert train(config).stopped_by_signal
+        monkeypatch.undo()
+    else:
+        train(config, halt_after_step=3)
+    resumed = train(config)
+    assert resumed.resumed_from == (3 if pack else 2)
+    a, b = _weights(tmp_path / "whole"), _weights(tmp_path / "stopped")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    done = resumed.resumed_from
+    assert [r["loss"] for r in resumed.history] == [r["loss"] for r in whole.history[done:]]
+
+
+def test_lora_and_frozen_decoder_blocks(tmp_path, shards):
+    """LoRA on the LM leaves its base weights alone and writes the adapters; freeze_blocks
+    keeps the embedding and the first decoder block as they were."""
+    base = train(_config(tmp_path / "base", shards, train={"steps": 1, "lr": 0.0}))
+    del base
+    start = _weights(tmp_path / "base")
+    lora = {"image": {"freeze": True}, "text": {"lora": {"rank": 4, "targets": ["attn", "mlp"]}}}
+    train(_config(tmp_path / "lora", shards, train={"towers": lora}, init=str(tmp_path / "base")))
+    adapters = safetensors.torch.load_file(str(tmp_path / "lora" / "lora.safetensors"))
+    assert adapters and all(name.startswith("towers.text.") for name in adapters)
+    merged = _weights(tmp_path / "lora")
+    assert _changed(start, merged, "towers.text.blocks.")  # the adapters, merged
+    assert not _changed(start, merged, "towers.text.embed.")
+
+    blocks = {"image": {"freeze": True}, "text": {"freeze_blocks": 1}}
+    train(_config(tmp_path / "fb", shards, train={"towers": blocks}, init=str(tmp_path / "base")))
+    after = _weights(tmp_path / "fb")
+    assert not _changed(start, after, "towers.text.embed.")
+    assert not _changed(start, after, "towers.text.blocks.0.")
+    assert _changed(start, after, "towers.text.blocks.1.")
+
+
+def _train_rank(rank: int, world: int, config) -> list[float]:
+    return [row["loss"] for row in train(config).history]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_with_checkpointing_follow_one(tmp_path, shards, parallel):
+    """2 ranks (DDP or FSDP2, activation checkpointing per decoder block) and 1 rank, same
+    global batch: the same losses and final weights (text-only and image rows mixed)."""
+    towers = {"text": {"activation_checkpointing": True}}
+    one = train(_config(tmp_path / "one", shards, train={"towers": towers}))
+    config = _config(tmp_path / "two", shards, train={"towers": towers, "parallel": parallel})
+    losses = run_distributed(_train_rank, world_size=2, args=(config,))
+    for got in losses:
+        torch.testing.assert_close(
+            torch.tensor(got), torch.tensor([r["loss"] for r in one.history]), **EXACT
+        )
+    a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], **EXACT, msg=name)
+
+
+def test_bf16_and_a_rollback(tmp_path, shards):
+    """bf16 autocast trains the VLM; two NaN steps in a row (NaN images) roll back to the
+    last checkpoint and the run ends with finite weights."""
+    config = _config(
+        tmp_path / "bf16",
+        shards,
+        train={"precision": "bf16", "steps": 6},
+        guards={"inject_nan_steps": [3, 4], "max_nonfinite_in_a_row": 2},
+    )
+    result = train(config)
+    assert result.step == 6 and result.rollbacks == 1 and result.skipped_steps == 2
+    weights = _weights(tmp_path / "bf16")
+    assert all(torch.isfinite(w).all() for w in weights.values())
