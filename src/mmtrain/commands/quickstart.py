@@ -1,12 +1,13 @@
-"""`mmtrain quickstart [--out DIR] [--steps N] [--minutes N] [--modalities LIST]`: the offline
-demo of the README.
+"""`mmtrain quickstart [--out DIR] [--steps N] [--minutes N] [--modalities LIST | --vlm]`: the
+offline demos of the README (code: `mmtrain.quickstart`).
 
 Builds the Twemoji image-caption set from the `quickstart` extra's packages, trains tiny-clip
 on the CPU for a fixed number of steps (fewer if they do not fit the time budget), evaluates
 retrieval on held-out emoji, writes the report and prints where to look. `--modalities
 image,audio,timeseries` adds spoken captions and sensor time-series (the `modalities` extra)
-as further towers bound to text. Without an extra it stops (exit 2) with the command that
-installs it.
+as further towers bound to text. `--vlm` then trains a small vision-language model on the
+emoji in LLaVA's two stages and scores its answers to "What is this?" on held-out emoji.
+Without an extra it stops (exit 2) with the command that installs it.
 """
 
 from __future__ import annotations
@@ -34,17 +35,21 @@ def register(sub: argparse._SubParsersAction) -> None:
             "OUT/run/report.html. Nothing is downloaded."
         ),
     )
-    p.add_argument("--out", type=Path, default=Path("runs/quickstart"), help="output folder")
+    p.add_argument(
+        "--out", type=Path, help="output folder (default runs/quickstart, runs/quickstart-vlm)"
+    )
     p.add_argument(
         "--steps",
         type=int,
-        help="training steps (default 450; fixed, so the result does not depend on machine load)",
+        help="training steps (default 450; fixed, so the result does not depend on machine load;"
+        " with --vlm: the VLM's steps over both stages, default 600)",
     )
     p.add_argument(
         "--minutes",
         type=float,
         help="upper bound on training time: the steps are timed on this machine first and cut "
-        "to fit (default 5; building the data and the report add about a minute)",
+        "to fit (default 5; building the data and the report add about a minute; with --vlm: "
+        "default 4, for the CLIP and for the two VLM stages each)",
     )
     p.add_argument(
         "--batch-size", type=int, help="pairs per step (default 64; 32 with --modalities)"
@@ -56,17 +61,39 @@ def register(sub: argparse._SubParsersAction) -> None:
         "image). audio: the emoji names spoken by eSpeak NG; timeseries: BasicMotions smartwatch "
         "sensors. Needs pip install 'mmtrain[modalities]'; default steps 900 of 32",
     )
+    p.add_argument(
+        "--vlm",
+        action="store_true",
+        help="a small vision-language model in LLaVA's two stages (projector, then projector "
+        "+ LM) on a vision tower from the image-text quickstart; answers 'What is this?' about "
+        "held-out emoji, scored by token F1 with their own and with shuffled images",
+    )
+    p.add_argument(
+        "--clip",
+        type=Path,
+        help="with --vlm: the --out folder (or run folder) of an image-text quickstart whose "
+        "image tower to use; default: train one first, into OUT/clip",
+    )
+    p.add_argument(
+        "--clip-steps",
+        type=int,
+        help="with --vlm and no --clip: steps of the image-text model trained first (default 450)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from mmtrain.quickstart import make_config, run_quickstart
-    from mmtrain.quickstart_data import MissingPackages
-    from mmtrain.quickstart_modalities import parse_modalities
+    from mmtrain.quickstart.config import parse_modalities
+    from mmtrain.quickstart.emoji_data import MissingPackages
 
+    if args.vlm:
+        return run_vlm(args)
+    if args.clip is not None or args.clip_steps is not None:
+        raise UsageError("--clip and --clip-steps go with --vlm")
     config = make_config(
         parse_modalities(args.modalities),
-        out=args.out,
+        out=args.out or Path("runs/quickstart"),
         steps=args.steps,  # None: the default of the modalities chosen
         minutes=args.minutes,
         batch_size=args.batch_size,
@@ -81,6 +108,32 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_vlm(args: argparse.Namespace) -> int:
+    """`--vlm`: the two-stage vision-language demo (`mmtrain.quickstart.vlm`)."""
+    from mmtrain.quickstart.emoji_data import MissingPackages
+    from mmtrain.quickstart.vlm import VlmConfig, run_vlm
+
+    if args.modalities is not None:
+        raise UsageError("--vlm and --modalities are two demos; give one of them")
+    given = {
+        "out": args.out or Path("runs/quickstart-vlm"),
+        "steps": args.steps,
+        "minutes": args.minutes,
+        "batch_size": args.batch_size,
+        "limit": args.limit,
+        "clip": args.clip,
+        "clip_steps": args.clip_steps,
+    }
+    config = VlmConfig(**{name: value for name, value in given.items() if value is not None})
+    progress = _Progress()
+    try:
+        result = run_vlm(config, on_phase=progress.phase, on_step=progress.step)
+    except MissingPackages as err:
+        raise UsageError(str(err)) from None
+    print(vlm_summary(result))
+    return 0
+
+
 class _Progress:
     """A line per stage and one every 10 training steps (or a live line on a terminal)."""
 
@@ -88,8 +141,11 @@ class _Progress:
         "data": "building the emoji data set (mmtrain data build)",
         "calibrate": "timing a few steps against the time budget",
         "train": "training (mmtrain train)",
-        "evaluate": "evaluating held-out retrieval (mmtrain eval)",
+        "evaluate": "evaluating on the held-out data (mmtrain eval)",
         "report": "writing the report (mmtrain report)",
+        "clip": "stage 0, the vision tower: the image-text quickstart",
+        "stage1": "stage 1, training the projector (mmtrain train)",
+        "stage2": "stage 2, training the projector and the LM (mmtrain train)",
     }
 
     def __init__(self) -> None:
@@ -98,7 +154,9 @@ class _Progress:
 
     def phase(self, name: str, detail: str) -> None:
         when = _clock(time.monotonic() - self.start)
-        print(f"[{when}] {self.NAMES.get(name, name)}: {detail}", flush=True)
+        stage, _, inner = name.rpartition(":")  # "clip:train": a stage of the CLIP's run
+        title = self.NAMES.get(inner, inner)
+        print(f"[{when}] {f'{stage}: ' if stage else ''}{title}: {detail}", flush=True)
 
     def step(self, row: dict[str, Any]) -> None:
         text = f"  step {row['step']}/{row['total_steps']}  loss {row['loss']:.3f}"
@@ -175,6 +233,51 @@ def modalities_summary(result: Any) -> str:
     paths = result.paths
     data = f"{paths.out / 'data'}  (licences: {paths.out / 'ATTRIBUTION.txt'})"
     return "\n".join(lines + _where(result, data))
+
+
+def vlm_summary(result: Any) -> str:
+    """The --vlm ending: held-out answer scores with own and shuffled images, a few answers,
+    then where to look."""
+    seconds = result.seconds
+    stages = ", ".join(f"{name} {_clock(s)}" for name, s in seconds.items())
+    steps = result.steps
+    clip = f"CLIP {steps['clip']} steps" if steps["clip"] else f"CLIP from {result.clip_run}"
+    generation = result.generation
+    lines = [
+        "",
+        f"done in {_clock(sum(seconds.values()))} ({stages}); {clip}, projector "
+        f"{steps['stage1']} steps, projector + LM {steps['stage2']} steps, on {result.n_train} "
+        "training emoji",
+        "",
+    ]
+    if "token_f1" not in generation:
+        lines.append(f"no answers were generated: {generation.get('skipped', 'see eval.json')}")
+    else:
+        lines += [
+            f'answers to "What is this?" about {generation["n"]} held-out emoji never seen in '
+            "training, against their names:",
+            f"  token F1 {_pct(generation['token_f1'])} with their own images, "
+            f"{_pct(generation['token_f1_shuffled_images'])} with images shuffled between "
+            f"samples; exact match {_pct(generation['exact_match'])}",
+        ]
+    for example in result.examples[:5]:
+        shuffled = example.get("generated_shuffled_images")
+        lines.append(
+            f"  {example['reference']!r} -> {example['generated']!r}"
+            + (f"  (shuffled image: {shuffled!r})" if shuffled is not None else "")
+        )
+    run = result.paths.run
+    return "\n".join(
+        lines
+        + [
+            "",
+            f"eval.json   {result.eval_json}",
+            f"run folder  {run}  (config.yaml, metrics.jsonl, model.safetensors); stage 1 in "
+            f"{result.paths.stage1}",
+            f"data        {result.paths.out / 'data'}, tokenizer {result.paths.tokenizer}  "
+            f"(licence: {result.paths.out / 'ATTRIBUTION.txt'})",
+        ]
+    )
 
 
 def _where(result: Any, data: str) -> list[str]:
