@@ -460,6 +460,8 @@ def test_eval_command_writes_generation_block_and_report_shows_gallery(run_dir, 
     assert generation["n"] == 4
     assert generation["token_f1"] > generation["token_f1_shuffled_images"]
     assert report["model_name"] == "tiny-vlm" and report["examples"]
+    # examples name the source record too (the build keys samples by position)
+    assert {e["id"] for e in report["examples"]} <= {f"q{i}" for i in range(4)}
     assert np.isfinite(report["perplexity"])
     # CLIP-only options are refused for a language model.
     assert main(["eval", str(run_dir), "--data", str(built_val), "--probe"]) == 2

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +173,7 @@ class EvalSample:
     prompt_ids: list[int]
     reference: str
     question: str  # the last user turn's text, for eyes (examples, the report's gallery)
+    id: str = ""  # the conversation's own "id" (the source record's), for readers
 
 
 class _Encoder:
@@ -222,8 +223,9 @@ def _read_samples(shards: ShardSet, encoder: _Encoder) -> tuple[list[EvalSample]
         sample = shards.read(index)
         try:
             conv, _ = read_conversation(sample)
+            record_id = conv.key
             conv.key = sample["__key__"]  # the shard key: unique, and what reports name
-            samples.append(encoder(index, conv))
+            samples.append(replace(encoder(index, conv), id=record_id))
         except (MediaError, RefusedSample, SkippedSample) as err:
             refused += 1
             log.warning("validation sample %s skipped: %s", sample["__key__"], err)
@@ -509,6 +511,7 @@ class VLMEvaluator:
                 continue
             example = {
                 "key": sample.key,
+                "id": sample.id,
                 "images": sample.images,
                 "question": sample.question,
                 "prompt": sample.prompt,

@@ -55,8 +55,9 @@ Captions
 
 Split
   A sample is held out for validation when the first 8 bytes of sha256(KEY), read as an
-  unsigned integer, are below the fraction of 2**64 given in quickstart.json; KEY is the
-  emoji's code points in lower-case hex, joined by "-" (the PNG's file name).
+  unsigned integer, are below val_fraction x 2**64 (the quickstart's val_fraction, 0.1 by
+  default); KEY is the emoji's code points in lower-case hex, joined by "-" (the PNG's file
+  name).
 """
 
 
