@@ -129,3 +129,26 @@ def micro_run(
     for name, values in sections.items():
         config[name] = {**config.get(name, {}), **values}
     return config_from_dict(config)
+
+
+class BuildCrash(Exception):
+    """What `crash_at_write` raises: a build that dies mid-way, as a killed process would."""
+
+
+def crash_at_write(monkeypatch, n: int):
+    """Make the n-th sample a data build writes raise BuildCrash (samples before it, and the
+    shards they completed, are written as usual). Returns the function that ends it (and only
+    it: the test's other patches, such as environment variables, stay)."""
+    from mmtrain.data import ingest
+
+    real_write = ingest.ShardWriter.write
+    writes = [0]
+
+    def crashing_write(self, sample):
+        writes[0] += 1
+        if writes[0] == n:
+            raise BuildCrash
+        return real_write(self, sample)
+
+    monkeypatch.setattr(ingest.ShardWriter, "write", crashing_write)
+    return lambda: monkeypatch.setattr(ingest.ShardWriter, "write", real_write)

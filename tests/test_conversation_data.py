@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 from tokenizers import Tokenizer as RawTokenizer
 
+from micro import BuildCrash, crash_at_write
 from mmtrain.config import config_from_dict
 from mmtrain.data.chat_templates import IGNORE_INDEX, get_template
 from mmtrain.data.conversation_batches import (
@@ -578,7 +579,6 @@ def test_messages_jsonl_builds_and_trains(tmp_path, tok_dir, raw):
 
 
 def test_conversation_build_resumes_to_identical_output_and_dedups(tmp_path, monkeypatch):
-    from mmtrain.data import ingest
     from mmtrain.data.shards import read_manifest
 
     image_folder(tmp_path)
@@ -594,23 +594,11 @@ def test_conversation_build_resumes_to_identical_output_and_dedups(tmp_path, mon
     assert len(metas) == 3 and read_manifest(clean)["counts"]["filtered"] == 7
     assert metas[0]["image_sizes"] == [[16, 13]]  # re-encoded at the maximum side
 
-    class Crash(Exception):
-        pass
-
-    writes = {"n": 0}
-    real_write = ingest.ShardWriter.write
-
-    def crashing_write(self, sample):
-        writes["n"] += 1
-        if writes["n"] == 3:  # the first sample of the second shard
-            raise Crash
-        return real_write(self, sample)
-
     out = tmp_path / "out"
-    monkeypatch.setattr(ingest.ShardWriter, "write", crashing_write)
-    with pytest.raises(Crash):
+    end_crash = crash_at_write(monkeypatch, 3)  # the first sample of the second shard
+    with pytest.raises(BuildCrash):
         build(src, "--out", out, *flags)
-    monkeypatch.undo()
+    end_crash()
     assert build(src, "--out", out, *flags) == 0
     assert {p.name: p.read_bytes() for p in out.glob("*.tar")} == {
         p.name: p.read_bytes() for p in clean.glob("*.tar")

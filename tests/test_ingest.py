@@ -16,8 +16,8 @@ import pytest
 import soundfile
 from PIL import Image, ImageFilter
 
+from micro import BuildCrash, crash_at_write
 from mmtrain.commands.data import run_build
-from mmtrain.data import ingest
 from mmtrain.data.build_args import add_build_arguments
 from mmtrain.data.shards import read_manifest, read_shard
 from mmtrain.structured import FieldError
@@ -420,23 +420,11 @@ def test_interrupted_build_resumes_to_identical_output(tmp_path, monkeypatch):
     clean = tmp_path / "clean"
     assert build(src, "--out", clean, *flags) == 0
 
-    class Crash(Exception):
-        pass
-
-    writes = {"n": 0}
-    real_write = ingest.ShardWriter.write
-
-    def crashing_write(self, sample):
-        writes["n"] += 1
-        if writes["n"] == 6:  # in the middle of the third shard
-            raise Crash
-        return real_write(self, sample)
-
     out = tmp_path / "out"
-    monkeypatch.setattr(ingest.ShardWriter, "write", crashing_write)
-    with pytest.raises(Crash):
+    end_crash = crash_at_write(monkeypatch, 6)  # in the middle of the third shard
+    with pytest.raises(BuildCrash):
         build(src, "--out", out, *flags)
-    monkeypatch.undo()
+    end_crash()
     assert sorted(p.name for p in out.glob("*.tar")) == ["shard-000000.tar", "shard-000001.tar"]
     assert not (out / "manifest.json").exists()
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from moto.server import ThreadedMotoServer
 
-from micro import make_shards, micro_run
+from micro import BuildCrash, crash_at_write, make_shards, micro_run
 from mmtrain.atomic import sha256_file
 from mmtrain.cli import main as cli
 from mmtrain.data.loader import StreamingLoader, planned_samples
@@ -293,7 +293,6 @@ def test_data_order_and_inspect_accept_s3_urls(aws, local_shards, capsys):
 def test_build_to_s3_uploads_each_shard_then_the_manifest_and_resumes(
     aws, tmp_path, monkeypatch, capsys
 ):
-    from mmtrain.data import ingest
     from test_ingest import build, image_text_folder
 
     src = image_text_folder(tmp_path / "src", 7)
@@ -312,22 +311,10 @@ def test_build_to_s3_uploads_each_shard_then_the_manifest_and_resumes(
             for o in listing
         }
 
-    class Crash(Exception):
-        pass
-
-    writes = {"n": 0}
-    real_write = ingest.ShardWriter.write
-
-    def crashing_write(self, sample):
-        writes["n"] += 1
-        if writes["n"] == 6:  # in the middle of the third shard
-            raise Crash
-        return real_write(self, sample)
-
-    monkeypatch.setattr(ingest.ShardWriter, "write", crashing_write)
-    with pytest.raises(Crash):
+    end_crash = crash_at_write(monkeypatch, 6)  # in the middle of the third shard
+    with pytest.raises(BuildCrash):
         build(src, "--out", url, *flags)
-    monkeypatch.setattr(ingest.ShardWriter, "write", real_write)
+    end_crash()
     # Each shard went up when it was complete; no manifest names shards that are not there.
     assert sorted(remote()) == ["shard-000000.tar", "shard-000001.tar"]
 

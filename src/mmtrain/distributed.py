@@ -51,6 +51,21 @@ def world_size(group: Any = None) -> int:
     return dist.get_world_size(group) if is_initialized() else 1
 
 
+def sum_over_ranks(
+    values: list[float], device: Any = None, dtype: torch.dtype = torch.float64
+) -> list[float]:
+    """Element-wise sums of `values` over the ranks (one all-reduce; the values alone without
+    a process group). `device` defaults to the one the backend reduces on (CUDA for nccl)."""
+    if world_size() == 1:
+        return list(values)
+    if device is None:
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    total = torch.tensor(values, dtype=dtype, device=device)
+    with timed_collective():
+        dist.all_reduce(total)
+    return total.tolist()
+
+
 def leave_process_group() -> None:
     """Destroy the default process group now, so that gloo's worker threads end while the
     interpreter is fully alive. Call it last in a rank, with every collective finished.

@@ -568,11 +568,14 @@ class ModelSpec:
         """Forward FLOPs of a language model for one sequence of `positions` positions (image
         tokens included) holding `images` images."""
         assert self.decoder is not None
-        total = self.decoder.forward_flops(positions)
-        if images and self.projector is not None:
-            tower = self.towers[self.projector.tower]
-            total += images * self.projector.flops(tower, self.decoder.width)
-        return total
+        return self.decoder.forward_flops(positions) + images * self.image_flops()
+
+    def image_flops(self) -> int:
+        """Forward FLOPs of one image: the vision tower to the feature layer and the projector
+        (0 without a projector)."""
+        if self.projector is None or self.decoder is None:
+            return 0
+        return self.projector.flops(self.towers[self.projector.tower], self.decoder.width)
 
     # -- counts
     def fused_towers(self) -> list[str]:

@@ -460,7 +460,9 @@ class VLMEvaluator:
         model.eval()
         try:
             nll, tokens, broken = self._nll(model, device)
-            nll, tokens, broken_count = _sum_over_ranks(model, [nll, tokens, len(broken)])
+            nll, tokens, broken_count = distributed.sum_over_ranks(
+                [nll, tokens, len(broken)], _model_parts(model)[0]
+            )
             report: dict[str, Any] = {
                 "n_samples": len(self.samples),
                 "target_tokens": int(tokens),
@@ -533,16 +535,6 @@ class VLMEvaluator:
     def close(self) -> None:
         """Close the shard files."""
         self.shards.close()
-
-
-def _sum_over_ranks(model: nn.Module, values: list[float]) -> list[float]:
-    """Element-wise sums over ranks, in float64 (NLL sums of many tokens)."""
-    if distributed.world_size() == 1:
-        return values
-    device, _ = _model_parts(model)
-    total = torch.tensor(values, dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(total)
-    return total.tolist()
 
 
 def _gather_by_key(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -656,6 +656,32 @@ def _vision_prefix(arch: Architecture, state: Mapping[str, Tensor]) -> str:
     return ""
 
 
+def open_hf_folder(path: str | Path) -> tuple[Path, Path, dict[str, Any]]:
+    """(folder, its config.json path, the parsed config) of a HF model folder; HFFolderError
+    naming the folder when it has no config.json."""
+    folder = Path(path)
+    if not is_hf_folder(folder):
+        raise HFFolderError(folder, f"is not a Hugging Face model folder (no {CONFIG_FILE})")
+    config_path = folder / CONFIG_FILE
+    return folder, config_path, read_json(config_path)
+
+
+def write_hf_files(
+    out_dir: str | Path, tensors: dict[str, Tensor], config: dict[str, Any], name: str
+) -> Path:
+    """model.safetensors, then config.json, each atomically (config.json last: a folder that
+    has it has its weights); `name` (the architecture) is for the log. Returns the folder."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: t.contiguous() for k, t in tensors.items()}
+    atomic_write_bytes(
+        out / WEIGHTS_FILE, safetensors.torch.save(tensors, metadata={"format": "pt"})
+    )
+    atomic_write_text(out / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    log.info("wrote %s (%s, %d tensors)", out, name, len(tensors))
+    return out
+
+
 def read_hf_folder(path: str | Path) -> tuple[ModelSpec, dict[str, Tensor]]:
     """(spec, state dict) of a HF CLIP/SigLIP folder: the state dict is in mmtrain's names, ready
     for `MultimodalModel(spec).load_state_dict(state, strict=True)`; dtypes are kept.
@@ -663,11 +689,8 @@ def read_hf_folder(path: str | Path) -> tuple[ModelSpec, dict[str, Tensor]]:
     Raises HFFolderError (a FieldError) naming the file, and the config field where one is to
     blame, for anything it cannot read.
     """
-    folder = Path(path)
-    if not is_hf_folder(folder):
-        raise HFFolderError(folder, f"is not a Hugging Face model folder (no {CONFIG_FILE})")
-    config_path = folder / CONFIG_FILE
-    spec, arch = spec_from_config(read_json(config_path), config_path, folder.resolve().name)
+    folder, config_path, config = open_hf_folder(path)
+    spec, arch = spec_from_config(config, config_path, folder.resolve().name)
     weights = read_hf_weights(folder)
     layout = HFLayout(
         arch, text="text" if arch.text else None, vision_prefix=_vision_prefix(arch, weights)
@@ -843,13 +866,6 @@ def write_hf_folder(model: nn.Module, out_dir: str | Path) -> Path:
     spec: ModelSpec = model.spec
     layout = hf_layout(spec)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    tensors = {k: v.contiguous() for k, v in mmtrain_to_hf(state, spec, layout).items()}
+    tensors = mmtrain_to_hf(state, spec, layout)
     dtype = next(iter(tensors.values())).dtype
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    weights = safetensors.torch.save(tensors, metadata={"format": "pt"})
-    atomic_write_bytes(out / WEIGHTS_FILE, weights)
-    config = json.dumps(hf_config(spec, layout, dtype), indent=2, sort_keys=True)
-    atomic_write_text(out / CONFIG_FILE, config + "\n")
-    log.info("wrote %s (%s, %d tensors)", out, layout.arch.name, len(tensors))
-    return out
+    return write_hf_files(out_dir, tensors, hf_config(spec, layout, dtype), layout.arch.name)

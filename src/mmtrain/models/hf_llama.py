@@ -20,28 +20,24 @@ default / linear / llama3, partial rotary embeddings.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
 from torch import Tensor
 
-from mmtrain.atomic import atomic_write_bytes, atomic_write_text
 from mmtrain.decoder_spec import ROPE_TYPES, DecoderSpec, RopeScaling
 from mmtrain.models.convert import CheckpointMismatch
 from mmtrain.models.decoder import Decoder
 from mmtrain.models.hf_clip import (
     CONFIG_FILE,
-    WEIGHTS_FILE,
     HFFolderError,
     check_keys,
-    is_hf_folder,
+    open_hf_folder,
     read_hf_weights,
-    read_json,
+    write_hf_files,
 )
 from mmtrain.structured import FieldError
 
@@ -382,10 +378,8 @@ def read_hf_decoder(path: str | Path) -> tuple[DecoderSpec, dict[str, Tensor]]:
     Raises HFFolderError (a FieldError) naming the file, and the config field where one is to
     blame, for anything it cannot read.
     """
-    folder = Path(path)
-    if not is_hf_folder(folder):
-        raise HFFolderError(folder, f"is not a Hugging Face model folder (no {CONFIG_FILE})")
-    spec = spec_from_config(read_json(folder / CONFIG_FILE), folder / CONFIG_FILE)
+    folder, config_path, config = open_hf_folder(path)
+    spec = spec_from_config(config, config_path)
     weights = read_hf_weights(folder)
     if spec.tie_embeddings and "lm_head.weight" in weights:
         check_tied(weights, folder)
@@ -485,15 +479,7 @@ def write_hf_decoder(spec: DecoderSpec, state: dict[str, Tensor], out_dir: str |
     state = {k: t.detach().cpu() for k, t in state.items()}
     tensors = mmtrain_to_hf(state, spec)
     dtype = tensors["model.embed_tokens.weight"].dtype
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(
-        out / WEIGHTS_FILE, safetensors.torch.save(tensors, metadata={"format": "pt"})
-    )
-    config = json.dumps(hf_config(spec, dtype), indent=2, sort_keys=True)
-    atomic_write_text(out / CONFIG_FILE, config + "\n")
-    log.info("wrote %s (%s, %d tensors)", out, hf_architecture(spec), len(tensors))
-    return out
+    return write_hf_files(out_dir, tensors, hf_config(spec, dtype), hf_architecture(spec))
 
 
 def save_hf_decoder(model: Decoder, out_dir: str | Path) -> Path:

@@ -23,27 +23,22 @@ list of feature layers, a feature selection other than "default" (drop the class
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
 from torch import Tensor
 
-from mmtrain.atomic import atomic_write_bytes, atomic_write_text
 from mmtrain.decoder_spec import DecoderSpec
 from mmtrain.models import hf_clip, hf_llama
 from mmtrain.models.convert import CheckpointMismatch
 from mmtrain.models.hf_clip import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
     HFFolderError,
     NoHFCounterpart,
-    is_hf_folder,
+    open_hf_folder,
     read_hf_weights,
-    read_json,
+    write_hf_files,
 )
 from mmtrain.spec import ModelSpec, ProjectorSpec, TowerSpec
 from mmtrain.structured import FieldError
@@ -355,11 +350,8 @@ def read_hf_llava(path: str | Path) -> tuple[ModelSpec, dict[str, Tensor]]:
     Raises HFFolderError (a FieldError) naming the file, and the config field where one is to
     blame, for anything it cannot read.
     """
-    folder = Path(path)
-    if not is_hf_folder(folder):
-        raise HFFolderError(folder, f"is not a Hugging Face model folder (no {CONFIG_FILE})")
-    config_path = folder / CONFIG_FILE
-    spec = spec_from_config(read_json(config_path), config_path, folder.resolve().name)
+    folder, config_path, config = open_hf_folder(path)
+    spec = spec_from_config(config, config_path, folder.resolve().name)
     weights = read_hf_weights(folder)
     weights = {k: t for k, t in weights.items() if not k.endswith(hf_clip.IGNORED_SUFFIXES)}
     weights = {k: t for k, t in weights.items() if not k.endswith(hf_llama.IGNORED_SUFFIXES)}
@@ -450,14 +442,5 @@ def write_hf_llava(spec: ModelSpec, state: dict[str, Tensor], out_dir: str | Pat
     Raises NoHFCounterpart when LLaVA cannot express `spec`."""
     llava_layout(spec)
     state = {k: t.detach().cpu() for k, t in state.items()}
-    tensors = {k: t.contiguous() for k, t in mmtrain_to_hf(state, spec).items()}
     dtype = state[f"towers.{TEXT_TOWER}.embed.weight"].dtype
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(
-        out / WEIGHTS_FILE, safetensors.torch.save(tensors, metadata={"format": "pt"})
-    )
-    config = json.dumps(hf_config(spec, dtype), indent=2, sort_keys=True)
-    atomic_write_text(out / CONFIG_FILE, config + "\n")
-    log.info("wrote %s (%s, %d tensors)", out, ARCHITECTURE, len(tensors))
-    return out
+    return write_hf_files(out_dir, mmtrain_to_hf(state, spec), hf_config(spec, dtype), ARCHITECTURE)

@@ -136,10 +136,10 @@ class TrainData:
         self, config: RunConfig, spec: ModelSpec, *, rank: int, world_size: int, micro_batch: int
     ):
         sources = []
-        cache = _shard_cache(config)
+        self.cache = _shard_cache(config)
         for i, source in enumerate(config.data.train):
             try:
-                sources.append(ShardSet.open(source.path, cache=cache))
+                sources.append(ShardSet.open(source.path, cache=self.cache))
             except (FileNotFoundError, ValueError) as err:
                 raise FieldError(f"data.train[{i}].path", f"{source.path!r}: {err}") from None
         weights = [s.weight for s in config.data.train] if len(sources) > 1 else None
@@ -282,16 +282,9 @@ class TrainData:
         self.spec = spec
 
     def cache_stats(self) -> dict[str, float]:
-        """Shard-cache counters of s3:// sources (cumulative, this process); {} when all local."""
-        return cache_stats(
-            [
-                shard.cache
-                for loader in self.loaders
-                for shard_set in loader.plan.sources
-                for shard in shard_set.shards
-                if shard.remote
-            ]
-        )
+        """Shard-cache counters of s3:// sources (cumulative, this process); {} when all local.
+        Every remote source reads through the run's one cache, which keeps the counters."""
+        return cache_stats([self.cache] if self.cache is not None else [])
 
     def corrupt_samples(self) -> int:
         """Corrupt samples this rank skipped since this object was made or last rewound."""

@@ -48,10 +48,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mmtrain import __version__
+from mmtrain import __version__, distributed
 from mmtrain.atomic import atomic_write_text
 from mmtrain.config import RunConfig, diff_configs, parse_yaml
 from mmtrain.data.shards import ShardSet
+from mmtrain.distributed import sum_over_ranks
 from mmtrain.losses import logit_scale_value
 from mmtrain.models import create_model, save_model
 from mmtrain.models.build import model_with_weights
@@ -66,7 +67,7 @@ from mmtrain.train.checkpoint import (
     save_checkpoint,
     save_sharded_checkpoint,
 )
-from mmtrain.train.comm_timing import CommTimer, timed_collective
+from mmtrain.train.comm_timing import CommTimer
 from mmtrain.train.data import LABEL_KEY, TrainData, source_towers
 from mmtrain.train.init import start_from_init
 from mmtrain.train.lora import (
@@ -380,10 +381,9 @@ def _train_step(run: _Run) -> dict[str, Any]:
     run.optimizer.zero_grad(set_to_none=True)
     loss, part_losses = forward_backward(run.trained, run.objectives, micro_batches, precision)
     # One all-reduce: mean losses over ranks (each holds its share), summed corrupt counts.
-    with timed_collective():
-        losses, corrupt_now = _reduce_over_ranks(
-            [loss, *part_losses.values()], run.data.corrupt_samples()
-        )
+    losses, corrupt_now = _reduce_over_ranks(
+        [loss, *part_losses.values()], run.data.corrupt_samples()
+    )
     run.corrupt = run.corrupt_before + corrupt_now
     _sync(device)
     t2 = time.perf_counter()
@@ -479,7 +479,7 @@ def _language_model_flops(spec: ModelSpec, batch: dict[str, torch.Tensor]) -> in
     per_row = (ids == spec.projector.image_token_id).sum(dim=1).tolist()
     extra = spec.image_tokens() - 1
     rows = sum(spec.decoder.forward_flops(ids.shape[1] + n * extra) for n in per_row)
-    return rows + spec.sequence_flops(0, images) - spec.sequence_flops(0)
+    return rows + images * spec.image_flops()
 
 
 def _model_metrics(run: _Run, step_spec: ModelSpec, times: dict[str, float]) -> dict[str, float]:
@@ -999,16 +999,9 @@ def _check_finite_weights(weights: dict[str, torch.Tensor], sharded: bool = Fals
 
 def _reduce_over_ranks(means: list[torch.Tensor], count: int) -> tuple[list[float], int]:
     """Means over ranks of scalar tensors and the sum of an integer count, in one all-reduce."""
-    values = torch.tensor([*(float(m) for m in means), float(count)], dtype=torch.float64)
-    world = 1
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        world = dist.get_world_size()
-        if dist.get_backend() == "nccl":
-            values = values.cuda()
-        dist.all_reduce(values)
-        values = values.cpu()
-    out = values.tolist()
-    return [v / world for v in out[:-1]], int(round(out[-1]))
+    *sums, total = sum_over_ranks([*(float(m) for m in means), float(count)])
+    world = distributed.world_size()
+    return [v / world for v in sums], int(round(total))
 
 
 def _sync(device: torch.device) -> None:

@@ -33,14 +33,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from mmtrain.data.chat_templates import IGNORE_INDEX
+from mmtrain.distributed import sum_over_ranks
 from mmtrain.losses import ContrastiveLoss
 from mmtrain.spec import ModelSpec
-from mmtrain.train.comm_timing import timed_collective
 from mmtrain.train.data import LABEL_KEY  # the fusion head's targets
 from mmtrain.train.precision import at_least_fp32
 
@@ -167,7 +166,7 @@ class NextTokenObjective:
 
     def prepare(self, trained: nn.Module, micro_batches: Sequence[Batch], precision: Any) -> None:
         local = sum(int(count_targets(b[LABELS_KEY])) for b in micro_batches)
-        self.targets = _sum_over_ranks(local)
+        self.targets = int(sum_over_ranks([local], dtype=torch.int64)[0])
         self.total = torch.zeros((), dtype=torch.float64)
 
     def reads(self, batch: Batch) -> set[str]:
@@ -197,17 +196,6 @@ def token_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     shifted = labels[:, 1:].reshape(-1)
     scores = at_least_fp32(logits[:, :-1]).reshape(shifted.numel(), -1)
     return F.cross_entropy(scores, shifted, ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def _sum_over_ranks(count: int) -> int:
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return count
-    value = torch.tensor([count], dtype=torch.int64)
-    if dist.get_backend() == "nccl":
-        value = value.cuda()
-    with timed_collective():
-        dist.all_reduce(value)
-    return int(value.item())
 
 
 def _zero(out: Mapping[str, torch.Tensor]) -> torch.Tensor:
