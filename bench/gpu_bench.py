@@ -35,6 +35,7 @@ from mmtrain.spec import load_spec
 from mmtrain.train.checkpoint import save_checkpoint
 from mmtrain.train.loop import forward_backward, optimizer_step
 from mmtrain.train.metrics import detect_peak_flops, train_flops_per_sample
+from mmtrain.train.objectives import ContrastiveObjective
 from mmtrain.train.parallel import apply_activation_checkpointing
 from mmtrain.train.precision import convert_to_fp8, make_precision
 
@@ -67,7 +68,7 @@ def mmtrain_case(args, device, precision: str, batch: int, ac: str = "none") -> 
     apply_activation_checkpointing(model, ac)
     prec = make_precision(precision, device) if device.type == "cuda" else _cpu(precision)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    loss_fn = ContrastiveLoss.from_spec(spec, distributed=False)
+    objectives = [ContrastiveObjective(model, ContrastiveLoss.from_spec(spec, distributed=False))]
     data = {
         k: v.to(device)
         for k, v in random_batch(spec, batch, torch.Generator().manual_seed(0)).items()
@@ -75,7 +76,7 @@ def mmtrain_case(args, device, precision: str, batch: int, ac: str = "none") -> 
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        forward_backward(model, model, loss_fn, [data], prec)
+        forward_backward(model, objectives, [data], prec)
         optimizer_step(model, optimizer, prec, 1.0)
 
     if device.type == "cuda":

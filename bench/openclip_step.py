@@ -42,6 +42,7 @@ from mmtrain.losses import ContrastiveLoss  # noqa: E402
 from mmtrain.models.convert import key_map, mmtrain_to_openclip  # noqa: E402
 from mmtrain.spec import ModelSpec, load_spec  # noqa: E402
 from mmtrain.train.loop import forward_backward, optimizer_step  # noqa: E402
+from mmtrain.train.objectives import ContrastiveObjective  # noqa: E402
 from mmtrain.train.optim import make_optimizer  # noqa: E402
 from mmtrain.train.precision import make_precision  # noqa: E402
 
@@ -97,7 +98,9 @@ class MmtrainStep:
     def __init__(self, spec: ModelSpec, train_config) -> None:
         self.model = mmtrain.create_model(spec, seed=0)
         self.optimizer = make_optimizer(self.model, train_config, torch.device("cpu"))
-        self.loss_fn = ContrastiveLoss.from_spec(spec, distributed=False)
+        self.objectives = [
+            ContrastiveObjective(self.model, ContrastiveLoss.from_spec(spec, distributed=False))
+        ]
         self.precision = make_precision("fp32", torch.device("cpu"))
         self.grad_clip = train_config.grad_clip
 
@@ -112,7 +115,7 @@ class MmtrainStep:
 
     def __call__(self, batch: dict) -> float:
         self.optimizer.zero_grad(set_to_none=True)
-        loss, _ = forward_backward(self.model, self.model, self.loss_fn, [batch], self.precision)
+        loss, _ = forward_backward(self.model, self.objectives, [batch], self.precision)
         optimizer_step(self.model, self.optimizer, self.precision, self.grad_clip)
         return float(loss.detach())
 

@@ -42,6 +42,7 @@ from mmtrain.losses import ContrastiveLoss
 from mmtrain.plan.measure import random_batch
 from mmtrain.spec import ModelSpec, load_spec
 from mmtrain.train.loop import forward_backward, optimizer_step, train
+from mmtrain.train.objectives import ContrastiveObjective
 from mmtrain.train.parallel import apply_activation_checkpointing
 from mmtrain.train.precision import make_precision
 
@@ -81,13 +82,13 @@ def measure(spec: ModelSpec, precision: str, ac: str, batch: int, steps: int) ->
     apply_activation_checkpointing(model, ac)
     prec = make_precision(precision, torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    loss_fn = ContrastiveLoss.from_spec(spec, distributed=False)
+    objectives = [ContrastiveObjective(model, ContrastiveLoss.from_spec(spec, distributed=False))]
     data = random_batch(spec, batch, torch.Generator().manual_seed(0))
     times = []
     for i in range(steps + 2):
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        forward_backward(model, model, loss_fn, [data], prec)
+        forward_backward(model, objectives, [data], prec)
         optimizer_step(model, optimizer, prec, 1.0)
         if i >= 2:
             times.append(time.perf_counter() - start)
