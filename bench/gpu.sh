@@ -2,7 +2,9 @@
 # One GPU benchmark, well under 8 minutes on an H100/H200 (torch 2.11+, no internet):
 # ViT-B-16 CLIP training in bf16 on synthetic data -- samples/s and MFU of mmtrain's step beside
 # OpenCLIP's same model in the same run, peak memory vs the planner at 3 batch sizes (with and
-# without activation checkpointing), fp8 through torchao, checkpoint save time.
+# without activation checkpointing), compiled vs eager, fp8 through torchao vs bf16 (loss
+# beside), device->host syncs per step (torch.cuda.set_sync_debug_mode), a 1B LM's tokens/s,
+# MFU and peak memory, checkpoint save time.
 #
 #   bash bench/gpu.sh                 # results in $OUT (default /tmp/mmtrain-gpu-bench): gpu_results.{md,json}
 #   bash bench/gpu.sh --dry-run       # tiny sizes on the CPU: proves the script runs

@@ -1,10 +1,15 @@
-"""The GPU benchmark behind bench/gpu.sh: ViT-B-16 CLIP training in bf16 on synthetic data.
+"""The GPU benchmark behind bench/gpu.sh: ViT-B-16 CLIP training in bf16 on synthetic data,
+and a 1B-parameter Llama-shaped LM on packed-length rows.
 
 Measured in one run: samples/s and MFU of mmtrain's training step (the trainer's own
 `forward_backward` + `optimizer_step`), the same for OpenCLIP's ViT-B-16 when open_clip is
-importable, peak CUDA memory beside the planner's prediction at several batch sizes, fp8
-matmuls through torchao when importable, and the time to write a checkpoint. Writes
-OUT/gpu_results.json and OUT/gpu_results.md and prints the table.
+importable, peak CUDA memory beside the planner's prediction at several batch sizes, compiled
+(per block, `train.compile`) against eager, fp8 matmuls through torchao when importable (loss
+after the timed steps beside bf16's), the device->host synchronisations of a step (counted
+under `torch.cuda.set_sync_debug_mode("warn")`), the LM's tokens/s, MFU and peak memory, and
+the time to write a checkpoint. MFU uses the trainer's definition (`spec.train_flops`: every
+part trained here, 3x the forward; recomputation not counted). Writes OUT/gpu_results.json and
+OUT/gpu_results.md and prints the table.
 
     python bench/gpu_bench.py --out DIR [--batch 256] [--steps 20]
     python bench/gpu_bench.py --out DIR --dry-run     # tiny-clip, tiny sizes, on the CPU
@@ -34,9 +39,9 @@ from mmtrain.plan.workloads import load_model
 from mmtrain.spec import load_spec
 from mmtrain.train.checkpoint import save_checkpoint
 from mmtrain.train.loop import forward_backward, optimizer_step
-from mmtrain.train.metrics import detect_peak_flops, train_flops_per_sample
-from mmtrain.train.objectives import ContrastiveObjective
-from mmtrain.train.parallel import apply_activation_checkpointing
+from mmtrain.train.metrics import detect_peak_flops
+from mmtrain.train.objectives import LABELS_KEY, ContrastiveObjective, NextTokenObjective
+from mmtrain.train.parallel import apply_activation_checkpointing, apply_compile
 from mmtrain.train.precision import convert_to_fp8, make_precision
 
 
@@ -59,13 +64,39 @@ def _time_steps(step, steps: int, warmup: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def mmtrain_case(args, device, precision: str, batch: int, ac: str = "none") -> dict:
+def model_flops(spec) -> float:
+    """Model FLOPs per sample of training every part (the trainer's MFU definition)."""
+    return spec.train_flops(spec.forward_flops_by_part())
+
+
+def count_syncs(step, device: torch.device) -> int | None:
+    """Device->host synchronisations one step makes (torch's sync debug mode warns at each)."""
+    if device.type != "cuda":
+        return None
+    import warnings
+
+    torch.cuda.synchronize(device)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in seen)
+
+
+def mmtrain_case(
+    args, device, precision: str, batch: int, ac: str = "none", compiled: bool = False
+) -> dict:
     """mmtrain's step for args.model at `batch`: step time, samples/s, MFU, peak memory."""
     spec = load_spec(args.model)
     model = mmtrain.create_model(spec, seed=0).to(device)
     if precision == "fp8":
         convert_to_fp8(model)
     apply_activation_checkpointing(model, ac)
+    if compiled:
+        apply_compile(model)
     prec = make_precision(precision, device) if device.type == "cuda" else _cpu(precision)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     objectives = [ContrastiveObjective(model, ContrastiveLoss.from_spec(spec, distributed=False))]
@@ -74,18 +105,22 @@ def mmtrain_case(args, device, precision: str, batch: int, ac: str = "none") -> 
         for k, v in random_batch(spec, batch, torch.Generator().manual_seed(0)).items()
     }
 
+    losses = []
+
     def step():
         optimizer.zero_grad(set_to_none=True)
-        forward_backward(model, objectives, [data], prec)
+        losses.append(forward_backward(model, objectives, [data], prec)[0])
         optimizer_step(model, optimizer, prec, 1.0)
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     step_s = _time_steps(step, args.steps, args.warmup, device)
-    flops = train_flops_per_sample(spec.forward_flops(), recompute=ac != "none")
+    flops = model_flops(spec)
     peak = detect_peak_flops(device, precision)
     row = {
-        "impl": "mmtrain",
+        "impl": "mmtrain" + (" compiled" if compiled else ""),
+        "syncs": count_syncs(step, device),
+        "loss": float(losses[-1]),
         "model": spec.name,
         "precision": precision,
         "ac": ac,
@@ -149,7 +184,7 @@ def openclip_case(args, device, batch: int) -> dict | None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     step_s = _time_steps(step, args.steps, args.warmup, device)
-    flops = train_flops_per_sample(load_spec(name).forward_flops())
+    flops = model_flops(load_spec(name))
     peak = detect_peak_flops(device, "bf16")
     return {
         "impl": f"open_clip {open_clip.__version__}",
@@ -167,6 +202,51 @@ def openclip_case(args, device, batch: int) -> dict | None:
     }
 
 
+def language_model_case(args, device, batch: int, positions: int) -> dict:
+    """A random-init Llama-shaped LM of ~1B parameters (width 2048, 16 blocks, GQA 16/8 heads,
+    128k ids, untied head) on rows of `positions` random ids, every one a target, bf16, the
+    chunked next-token loss: tokens/s, MFU, peak memory against the planner."""
+    from mmtrain.decoder_spec import DecoderSpec
+    from mmtrain.spec import ModelSpec
+
+    if args.dry_run:
+        decoder = DecoderSpec(vocab_size=512, width=64, layers=2, heads=4, kv_heads=2,
+                              mlp_hidden=160, max_positions=positions, tie_embeddings=False)  # fmt: skip
+    else:
+        decoder = DecoderSpec(vocab_size=128_256, width=2048, layers=16, heads=16, kv_heads=8,
+                              mlp_hidden=8192, max_positions=positions, tie_embeddings=False)  # fmt: skip
+    spec = ModelSpec(name="lm-1b", embed_dim=decoder.width, towers={}, objective="next_token",
+                     decoder=decoder)  # fmt: skip
+    model = mmtrain.create_model(spec, seed=0).to(device)
+    apply_activation_checkpointing(model, "full")
+    prec = make_precision("bf16", device) if device.type == "cuda" else _cpu("bf16")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, decoder.vocab_size, (batch, positions), generator=g)
+    data = {"text": ids.to(device), LABELS_KEY: ids.to(device)}
+    objectives = [NextTokenObjective()]
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        forward_backward(model, objectives, [data], prec)
+        optimizer_step(model, optimizer, prec, 1.0)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    step_s = _time_steps(step, max(args.steps // 4, 2), 2, device)
+    flops = spec.train_flops(spec.sequence_flops_by_part([positions] * batch, 0))
+    peak = detect_peak_flops(device, "bf16")
+    return {
+        "impl": "mmtrain LM", "model": f"{spec.params() / 1e9:.2f}B LM x {positions}",
+        "precision": "bf16", "ac": "full", "batch": batch, "step_s": step_s,
+        "samples_s": batch / step_s, "tokens_s": batch * positions / step_s,
+        "mfu": flops / step_s / peak if peak else None, "syncs": count_syncs(step, device),
+        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30
+        if device.type == "cuda" else None,
+        "predicted_gib": None,
+    }  # fmt: skip
+
+
 def checkpoint_seconds(model, optimizer) -> float:
     """Seconds to write one full checkpoint (weights, optimizer, manifest) to local disk."""
     with tempfile.TemporaryDirectory() as folder:
@@ -177,10 +257,14 @@ def checkpoint_seconds(model, optimizer) -> float:
         return time.perf_counter() - start
 
 
+def _or_dash(value, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
 def table(rows: list[dict]) -> list[str]:
     out = [
-        "| impl | model | precision | AC | batch | step ms | samples/s | MFU | peak GiB | plan GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| impl | model | precision | AC | batch | step ms | samples/s | MFU | peak GiB | plan GiB | syncs/step | loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
@@ -188,7 +272,8 @@ def table(rows: list[dict]) -> list[str]:
         plan = f"{r['predicted_gib']:.2f}" if r.get("predicted_gib") is not None else "-"
         out.append(
             f"| {r['impl']} | {r['model']} | {r['precision']} | {r['ac']} | {r['batch']} "
-            f"| {1e3 * r['step_s']:.1f} | {r['samples_s']:.1f} | {mfu} | {peak} | {plan} |"
+            f"| {1e3 * r['step_s']:.1f} | {r['samples_s']:.1f} | {mfu} | {peak} | {plan} "
+            f"| {_or_dash(r.get('syncs'), '{}')} | {_or_dash(r.get('loss'), '{:.4f}')} |"
         )
     return out
 
@@ -245,6 +330,13 @@ def main() -> int:
             row = run(f"memory b={batch} ac={ac}", mmtrain_case, args, device, "bf16", batch, ac)
             if row is not None:
                 row.pop("_model"), row.pop("_optimizer")
+    row = run("mmtrain compiled", mmtrain_case, args, device, "bf16", args.batch, compiled=True)
+    if row is not None:
+        row.pop("_model"), row.pop("_optimizer")
+    positions = 64 if args.dry_run else 2048
+    lm = run("LM", language_model_case, args, device, 2 if args.dry_run else 8, positions)
+    if lm is not None:
+        notes.append(f"LM: {lm['tokens_s']:,.0f} tokens/s")
     import importlib.util
 
     if importlib.util.find_spec("torchao") is None:

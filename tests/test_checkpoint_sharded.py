@@ -132,7 +132,7 @@ def _runs(rank: int, world_size: int, configs: dict, folders: dict) -> dict:
 
 def _nonfinite_error(rank: int) -> str | None:
     """The error of a sharded save's weight check when only rank 1's shard holds a NaN."""
-    from mmtrain.train.loop import _check_finite_weights
+    from mmtrain.train.checkpointer import check_finite_weights
 
     model = parallel.apply_fsdp(mmtrain.create_model(ModelSpec.from_dict(MICRO_SPEC)))
     if rank == 1:
@@ -140,7 +140,7 @@ def _nonfinite_error(rank: int) -> str | None:
             model.towers["image"].blocks[0].mlp.fc1.weight.to_local().fill_(float("nan"))
     shards = parallel.sharded_state_dict(model, torch.optim.AdamW(model.parameters()))
     try:
-        _check_finite_weights(shards["model"], sharded=True)
+        check_finite_weights(shards["model"], sharded=True)
     except FloatingPointError as err:
         return str(err)
     return None

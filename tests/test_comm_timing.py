@@ -15,6 +15,7 @@ from torch import nn
 import mmtrain
 from dist_helpers import run_distributed
 from micro import micro_spec
+from mmtrain.distributed import timed_collective
 from mmtrain.losses import ContrastiveLoss
 from mmtrain.plan.measure import random_batch
 from mmtrain.report.plots import step_time_plot
@@ -26,7 +27,6 @@ from mmtrain.train.comm_timing import (
     EXPOSED_ALL,
     EXPOSED_UNKNOWN,
     CommTimer,
-    timed_collective,
     union_length,
 )
 from mmtrain.train.loop import forward_backward
@@ -120,6 +120,7 @@ def two_ranks(tmp_path_factory):
     """One spawn of 2 gloo ranks for every check here (starting processes is the slow part)."""
     folder = tmp_path_factory.mktemp("comm")
     config = make_config(folder / "two", make_shards(folder / "shards", 16), steps=2, micro_batch=2)
+    config.metrics.comm_timing = True  # off by default
     return folder / "two" / "run", run_distributed(
         _two_ranks, world_size=2, args=(config,), timeout_s=240
     )

@@ -20,6 +20,8 @@ normalise in the input's precision for the float64 comparison only.
 from __future__ import annotations
 
 import json
+import weakref
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -28,10 +30,12 @@ from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 
 from mmtrain.cli import main
-from mmtrain.models import load_model
-from mmtrain.models.hf import read_hf_model
+from mmtrain.models import load_model, save_model
+from mmtrain.models.build import read_model_folder
+from mmtrain.models.hf import read_hf_model, write_hf_state
 from mmtrain.models.hf_clip import HFFolderError
 from mmtrain.models.hf_llava import read_hf_llava
+from mmtrain.models.safetensors_files import INDEX_FILE, WEIGHTS_FILE
 from mmtrain.spec import ModelSpec
 from test_decoder import randomize, rms_norm_in_input_precision
 
@@ -274,6 +278,59 @@ def test_language_model_folders_convert_both_ways(tmp_path, case, float64_refere
     assert (got - expected).abs().max().item() < FP64_ATOL
 
 
+class RecordingReader(Mapping):
+    """A lazy reader that records which tensors were read, and how many of the tensors it had
+    handed out still had their memory alive (a view keeps it) when the next was asked for."""
+
+    def __init__(self, reader):
+        self.reader, self.reads, self.handed, self.most_alive = reader, [], [], 0
+
+    def __getitem__(self, name):
+        alive = sum(ref() is not None for ref in self.handed)
+        self.most_alive = max(self.most_alive, alive)
+        tensor = self.reader[name]
+        self.handed.append(weakref.ref(tensor.untyped_storage()))
+        self.reads.append(name)
+        return tensor
+
+    def __iter__(self):
+        return iter(self.reader)
+
+    def __len__(self):
+        return len(self.reader)
+
+    def meta_state(self):
+        return self.reader.meta_state()
+
+
+@pytest.mark.parametrize("case", ["lm", "llava"])
+def test_sharded_folders_export_one_tensor_at_a_time(tmp_path, case):
+    # A model folder in shards (save_model past max_shard_bytes) is read back bitwise and
+    # exported to HF shards reading each of its tensors once, none kept while the next is read
+    # (a decoder's tensors each map to their own HF tensors); transformers loads the shards.
+    hf = hf_lm("llama-sharded") if case == "lm" else llava("clip-llama-default")
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_model_from_hf(tmp_path / "hf")
+    save_model(ours, tmp_path / "mm", max_shard_bytes=10_000)
+    index = json.loads((tmp_path / "mm" / INDEX_FILE).read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert not (tmp_path / "mm" / WEIGHTS_FILE).exists()
+    for path in (tmp_path / "mm", tmp_path / "mm" / INDEX_FILE):
+        again = load_model(path)
+        assert all(torch.equal(again.state_dict()[k], v) for k, v in ours.state_dict().items())
+
+    spec, reader = read_model_folder(tmp_path / "mm")
+    recording = RecordingReader(reader)
+    write_hf_state(spec, recording, tmp_path / "back", max_shard_bytes=10_000)
+    assert sorted(recording.reads) == sorted(ours.state_dict())
+    assert len(recording.reads) == len(set(recording.reads))
+    # LLaVA's CLIP tower: q/k/v come from one tensor too, so nothing is held across reads
+    assert recording.most_alive == 0
+    assert (tmp_path / "back" / INDEX_FILE).exists()
+    assert not (tmp_path / "back" / WEIGHTS_FILE).exists()
+    assert_loads_back(type(hf), tmp_path / "back", hf)
+
+
 def test_convert_names_an_unsupported_architecture(tmp_path, capsys):
     folder = tmp_path / "hf"
     folder.mkdir()
@@ -362,7 +419,7 @@ def test_image_token_id_is_read_under_either_name(tmp_path):
 
 
 def test_export_refuses_what_llava_cannot_hold(tmp_path, capsys):
-    from mmtrain.models import create_model, save_model
+    from mmtrain.models import create_model
 
     spec, _ = read_hf_llava_folder(tmp_path)
     linear = spec.to_dict()

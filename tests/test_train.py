@@ -124,6 +124,7 @@ def test_crash_and_resume_ends_bitwise_identical(tmp_path, shards):
 def test_sigterm_finishes_the_step_checkpoints_and_returns(tmp_path, shards):
     config = make_config(tmp_path, shards, steps=20)
     config.checkpoint.every_steps = 100
+    config.metrics.log_every = 1  # rows (and on_step) every step: the signal comes at step 2
 
     def preempt(row):
         if row["step"] == 2:
@@ -164,7 +165,7 @@ def test_fp16_overflow_is_skipped_and_counted():
     )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     model.towers["text"].proj.weight.grad[0, 0] = math.inf  # an fp16 overflow
-    _, stepped = optimizer_step(model, optimizer, precision, grad_clip=1.0)
+    _, stepped, _ = optimizer_step(model, optimizer, precision, grad_clip=1.0)
     assert not stepped and precision.scaler.get_scale() < 65536.0
     for name, param in model.named_parameters():
         assert torch.equal(param, before[name]), name
@@ -177,7 +178,7 @@ def test_non_finite_gradient_skips_the_step():
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     model.logit_scale.grad = torch.tensor(math.nan)
-    norm, stepped = optimizer_step(
+    norm, stepped, _ = optimizer_step(
         model, optimizer, make_precision("fp32", torch.device("cpu")), 1.0
     )
     assert not stepped and math.isnan(norm)

@@ -23,11 +23,11 @@ from mmtrain.spec import FusionSpec, ModelSpec, load_spec
 from mmtrain.structured import FieldError
 from mmtrain.train.checkpoint import latest_checkpoint, load_checkpoint
 from mmtrain.train.data import read_label
-from mmtrain.train.loop import _restore_rng_states, train
+from mmtrain.train.loop import train
 from mmtrain.train.metrics import planned_memory
 from mmtrain.train.optim import lr_factor
 from mmtrain.train.resolution import allow_any_resolution, resize_grid, resize_time, spec_at
-from mmtrain.train.rng import capture_rng_state
+from mmtrain.train.rng import capture_rng_state, restore_rank_rng_state
 from test_train import make_config
 
 WORDS = ("idle", "running", "overheating", "failing")
@@ -204,13 +204,13 @@ def test_rng_states_are_saved_per_rank_and_restored_by_rank():
     first = capture_rng_state()
     torch.manual_seed(2)
     second = capture_rng_state()
-    _restore_rng_states([first, second], rank=1, seed=0, step=5)
+    restore_rank_rng_state([first, second], rank=1, seed=0, step=5)
     assert torch.equal(torch.get_rng_state(), second["torch"])
-    _restore_rng_states(first, rank=0, seed=0, step=5)  # a single state (older checkpoints)
+    restore_rank_rng_state(first, rank=0, seed=0, step=5)  # a single state (older checkpoints)
     assert torch.equal(torch.get_rng_state(), first["torch"])
-    _restore_rng_states([first], rank=1, seed=0, step=5)  # more ranks than saved: seeded
+    restore_rank_rng_state([first], rank=1, seed=0, step=5)  # more ranks than saved: seeded
     seeded = torch.get_rng_state()
-    _restore_rng_states([second], rank=1, seed=0, step=5)
+    restore_rank_rng_state([second], rank=1, seed=0, step=5)
     assert torch.equal(torch.get_rng_state(), seeded)  # a function of (seed, rank, step)
 
 

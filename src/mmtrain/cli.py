@@ -23,7 +23,8 @@ def command_modules(only: str | None = None) -> list:
     starts without importing what the others need (torch, for instance)."""
     import mmtrain.commands as package
 
-    names = [m.name for m in pkgutil.iter_modules(package.__path__)]
+    # `_name` modules are helpers the commands share (argument types), not commands.
+    names = [m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_")]
     if only in names:
         names = [only]
     modules = [importlib.import_module(f"{package.__name__}.{name}") for name in names]
@@ -38,7 +39,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser; given `argv`, only the command it names is registered (see command_modules)."""
     parser = argparse.ArgumentParser(prog="mmtrain", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"mmtrain {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log debug messages, and other libraries' info messages",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     command = next((a for a in argv or [] if not a.startswith("-")), None)
     for module in command_modules(command):
@@ -46,14 +52,23 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def configure_logging(verbose: bool) -> None:
+    """mmtrain's loggers at INFO (DEBUG with -v); everyone else's at WARNING (INFO with -v).
+
+    Libraries log their own INFO lines (botocore's "Found credentials in environment
+    variables", httpx's requests) that would otherwise interleave with mmtrain's output; a user
+    debugging with -v wants them back. The root logger's level is what third-party loggers
+    inherit; mmtrain's own tree gets its level on the `mmtrain` logger."""
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")  # a no-op if set already
+    logging.getLogger().setLevel(logging.INFO if verbose else logging.WARNING)
+    logging.getLogger("mmtrain").setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.verbose)
     try:
         code = int(args.func(args) or 0)
     except (UsageError, FieldError, FileNotFoundError) as err:

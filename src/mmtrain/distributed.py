@@ -12,16 +12,46 @@ the step's `comm_s` / `comm_exposed_s` (mmtrain.train.comm_timing); elsewhere th
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from mmtrain.train.comm_timing import timed_collective
+# The timer of the training step in progress (train/comm_timing.py's CommTimer registers itself
+# while it is entered); the collectives below time themselves against it. A hook, so that this
+# low layer does not import the trainer.
+_timer: Any = None
+EXPOSED_ALL = "all"  # a blocking collective: the caller waited for all of it
+
+
+def set_collective_timer(timer: Any, only_if: Any = None) -> None:
+    """Register `timer` (an object with `in_step`, `begin(exposure)` and `stamp()`), or clear
+    it (None; with `only_if`, only when that timer is the registered one)."""
+    global _timer
+    if only_if is None or _timer is only_if:
+        _timer = timer
+
+
+@contextlib.contextmanager
+def timed_collective() -> Iterator[None]:
+    """Time the blocking collective(s) issued inside this block as exposed communication of the
+    current step; a no-op outside a timed step (one process, eval, checkpoints, tests)."""
+    timer = _timer
+    if timer is None or not timer.in_step:
+        yield
+        return
+    span = timer.begin(EXPOSED_ALL)
+    try:
+        yield
+    finally:
+        span.end = timer.stamp()
+
 
 _MAX_DIMS = 8
 
@@ -64,6 +94,17 @@ def sum_over_ranks(
     with timed_collective():
         dist.all_reduce(total)
     return total.tolist()
+
+
+def sum_tensor_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` summed over the ranks, on its own device, without reading it on the host (the
+    caller reads it when it must); `tensor` itself without a process group."""
+    if world_size() == 1:
+        return tensor
+    total = tensor.clone()
+    with timed_collective():
+        dist.all_reduce(total)
+    return total
 
 
 def leave_process_group() -> None:

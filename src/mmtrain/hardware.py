@@ -6,8 +6,14 @@ twice: the vendor label (`memory_nominal_gb`, decimal GB as marketed) and what a
 allocate (`memory_usable_gib`, as nvidia-smi reports it). The planner uses only the usable figure.
 
 Names are matched case-insensitively, ignoring spaces, dashes and underscores, against the key,
-its aliases and the full name, so `B300`, `hgx-b300` and `NVIDIA B300 SXM (Blackwell Ultra)` are
-one GPU. A user YAML (`--hardware FILE`) adds or overrides GPUs and interconnects.
+its aliases, the full name and its `device_names`, so `B300`, `hgx-b300`, `NVIDIA B300 SXM
+(Blackwell Ultra)` and `NVIDIA B300 SXM6 AC` are one GPU. `device_names` are the product names the
+CUDA driver reports (what `torch.cuda.get_device_name()` and `nvidia-smi --query-gpu=name` print,
+e.g. `NVIDIA H100 80GB HBM3` for the SXM part and `NVIDIA H100 PCIe` for the PCIe one): each is
+listed on the one row it names, never guessed from a substring, because the variants of a chip
+differ in clocks, memory and links. Two rows claiming one name is an error. On a MIG instance the
+driver appends ` MIG 1g.10gb`; `resolve_device` splits that off and returns the instance's share
+of the GPU's compute. A user YAML (`--hardware FILE`) adds or overrides GPUs and interconnects.
 
 Prices (`price_per_gpu_hour`) are indicative on-demand list prices in US dollars per GPU-hour,
 rounded, as set for this catalog in 2026-11 from public cloud list prices (no single provider's
@@ -81,6 +87,7 @@ class GPU:
     price_per_gpu_hour: float | None = None  # USD, indicative; override with --price-per-gpu-hour
     price_source: str = PRICE_SOURCE  # where the price comes from, printed beside costs
     aliases: tuple[str, ...] = ()
+    device_names: tuple[str, ...] = ()  # as torch.cuda.get_device_name() prints them
     source: str = ""
     notes: str = ""
 
@@ -122,8 +129,12 @@ class Catalog:
         self.links = links
         self._index: dict[str, str] = {}
         for key, gpu in gpus.items():
-            for name in (key, gpu.name, *gpu.aliases):
-                self._index[normalise(name)] = key
+            for name in (key, gpu.name, *gpu.aliases, *gpu.device_names):
+                other = self._index.setdefault(normalise(name), key)
+                if other != key:
+                    raise FieldError(
+                        f"gpus.{key}", f"name {name!r} already names GPU {other!r}; drop one"
+                    )
 
     def gpu(self, name: str) -> GPU:
         """The GPU called `name` (key, alias or full name, any case); errors list the closest."""
@@ -134,6 +145,20 @@ class Catalog:
                 f"unknown GPU {name!r}{closest(name, self.gpus)}; known: {', '.join(self.gpus)}",
             )
         return self.gpus[key]
+
+    def resolve_device(self, device_name: str) -> tuple[GPU, float]:
+        """The GPU a driver-reported name stands for, and the share of its compute the device has:
+        1 for a whole GPU, `g / slices` for a MIG instance (`NVIDIA A100-SXM4-40GB MIG 3g.20gb`
+        has 3 of the 7 compute slices, the most any of the GPU's profiles has)."""
+        base, mig, profile = device_name.partition(" MIG ")
+        gpu = self.gpu(base.strip())
+        if not mig:
+            return gpu, 1.0
+        slices = max((int(p.name.split("g.")[0]) for p in gpu.mig_profiles), default=0)
+        match = re.fullmatch(r"(\d+)g\.\d+gb(\+me)?", profile.strip())
+        if not match or not slices:
+            raise FieldError("--gpu", f"unknown MIG profile {profile!r} of {gpu.name}")
+        return gpu, int(match.group(1)) / slices
 
     def link(self, key: str, field_name: str = "network") -> Interconnect:
         if key not in self.links:
@@ -179,8 +204,9 @@ def _gpu_from_yaml(key: str, row: Any, base: GPU | None, path: str) -> GPU:
         row["mig_profiles"] = tuple(
             from_dict(MigProfile, m, f"{path}.mig_profiles") for m in row["mig_profiles"]
         )
-    if "aliases" in row:
-        row["aliases"] = tuple(row["aliases"])
+    for listed in ("aliases", "device_names"):
+        if listed in row:
+            row[listed] = tuple(row[listed])
     if base is not None:
         known = {f.name for f in fields(GPU)}
         unknown = set(row) - known
@@ -230,6 +256,7 @@ def _gpu_from_csv(row: dict[str, str]) -> GPU:
         tdp_w=_number(row["tdp_w"]),
         price_per_gpu_hour=_number(row["price_per_gpu_hour"]),
         aliases=tuple(a for a in row["aliases"].split(";") if a),
+        device_names=tuple(a for a in row["device_names"].split(";") if a),
         source=row["source"],
         notes=row["notes"],
     )

@@ -8,12 +8,15 @@ Counting conventions (shared by the builder and the planner):
 - FLOPs are 2 x multiply-adds of matmuls and attention (bias adds, norms and softmax are left
   out), as fvcore-based profiles such as OpenCLIP's model profile count them.
 - Attention is counted in full also when causal (kernels that skip the masked half do less).
+- Training FLOPs (`train_flops`, what MFU divides by peak) are counted here once for the planner
+  and the trainer, part by part, from each part's forward FLOPs and how it trains.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +33,9 @@ POOLINGS = ("cls", "mean", "map", "eot", "last")
 OBJECTIVES = ("clip", "siglip", "triplet", "next_token")
 PROJECTORS = ("linear", "mlp")
 DECODER_TOWER = "text"  # the decoder LM's name among a model's towers (and its batch key)
+PROJECTOR_PART = "projector"  # a VLM's projector among the parts FLOPs are counted by
+FUSION_PART = "fusion"  # the fusion head among them
+TRAIN_MODES = ("train", "frozen", "lora")  # how a part trains (the planner's stack modes)
 FUSION_TASKS = ("classify", "regress")
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -437,11 +443,17 @@ class ProjectorSpec:
 
     def flops(self, tower: TowerSpec, lm_width: int) -> int:
         """Forward FLOPs per image: the vision tower up to the feature layer, then the projector."""
-        w = tower.width
-        stem = 2 * tower.stem.patches() * tower.stem.patch_dim() * w
-        vision = stem + self.blocks_used(tower) * tower.block_flops()
-        mats = w * lm_width + (lm_width * lm_width if self.kind == "mlp" else 0)
-        return vision + 2 * self.image_tokens(tower) * mats
+        return self.vision_flops(tower) + self.mapping_flops(tower, lm_width)
+
+    def vision_flops(self, tower: TowerSpec) -> int:
+        """Forward FLOPs per image of the vision tower's stem and blocks up to the feature layer."""
+        stem = 2 * tower.stem.patches() * tower.stem.patch_dim() * tower.width
+        return stem + self.blocks_used(tower) * tower.block_flops()
+
+    def mapping_flops(self, tower: TowerSpec, lm_width: int) -> int:
+        """Forward FLOPs per image of the projector's own matmuls."""
+        mats = tower.width * lm_width + (lm_width * lm_width if self.kind == "mlp" else 0)
+        return 2 * self.image_tokens(tower) * mats
 
     def validate(self, path: str, towers: dict[str, TowerSpec], decoder: DecoderSpec) -> None:
         check_choice(f"{path}.kind", self.kind, PROJECTORS)
@@ -467,6 +479,54 @@ class ProjectorSpec:
                 f"{path}.image_token_id",
                 f"{self.image_token_id} is not an id of the {decoder.vocab_size}-token vocabulary",
             )
+
+
+# ----------------------------------------------------------------------------- training FLOPs
+@dataclass(frozen=True)
+class PartTraining:
+    """How one part trains: `mode` (train, frozen, lora) and, for partial freezing (frozen
+    stem and first blocks), the share of its blocks that train."""
+
+    mode: str = "train"
+    trained_share: float = 1.0
+
+
+def train_flops(
+    forward: Mapping[str, float],
+    modes: Mapping[str, str | PartTraining] | None = None,
+    *,
+    chained: bool = False,
+    recompute: Collection[str] = (),
+) -> float:
+    """Model FLOPs of one training pass over parts whose forward FLOPs are `forward` (in
+    forward order); the one definition the planner's MFU and the trainer's share.
+
+    Backward costs about twice the forward, once for the input gradients and once for the
+    weight gradients (PaLM App. B's 6N per token). So a trained part costs 3x its forward; a
+    frozen part 1x, or 2x when a gradient must pass through it to a trained part before it
+    (`chained`: each part feeds the next, as in a VLM); a LoRA part 2x (forward and input
+    gradients down to its first adapter; the adapters' own FLOPs are negligible); the frozen
+    front of a partially frozen part like a frozen part. Parts missing from `modes` train.
+
+    Recomputation is not model work (MFU excludes it): `recompute` names the parts whose
+    blocks run their forward again in backward, and the result then counts hardware FLOPs
+    (HFU), one more forward of each such part's trained blocks (frozen parts keep nothing).
+    """
+    modes = modes or {}
+    total = 0.0
+    upstream = False  # an earlier part trains, so a gradient flows back through this one
+    for name, flops in forward.items():
+        part = modes.get(name, PartTraining())
+        part = PartTraining(part) if isinstance(part, str) else part
+        check_choice(f"train.towers.{name}.mode", part.mode, TRAIN_MODES)
+        passes = 2 if upstream else 1  # forward, and the input gradient when one flows
+        share = part.trained_share if part.mode == "train" else 0.0
+        factor = {"train": 3 * share + passes * (1 - share), "lora": 2, "frozen": passes}
+        total += factor[part.mode] * flops
+        if name in recompute and part.mode != "frozen":
+            total += flops * (share if part.mode == "train" else 1.0)
+        upstream = chained and (upstream or part.mode != "frozen")
+    return total
 
 
 # ----------------------------------------------------------------------------- model
@@ -615,16 +675,46 @@ class ModelSpec:
         """Forward FLOPs per sample (one input per tower), fusion head included; a language
         model: one sequence of `decoder.max_positions` positions with one image per image
         tower (the loop counts a step's real positions instead)."""
+        return sum(self.forward_flops_by_part().values())
+
+    def forward_flops_by_part(self) -> dict[str, int]:
+        """`forward_flops()` split by the parts that train differently, in forward order:
+        each tower and the fusion head (`fusion`); a language model: its vision tower,
+        `projector` and the decoder (`text`)."""
         if self.decoder is not None:
-            return self.sequence_flops(self.decoder.max_positions, len(self.towers))
-        total = sum(self.tower_flops().values())
+            images = len(self.towers) if self.projector is not None else 0
+            return self.sequence_flops_by_part([self.decoder.max_positions], images)
+        parts = dict(self.tower_flops())
         if self.fusion is not None:
             fused = self.fused_towers()
-            total += self.fusion.flops(
+            parts[FUSION_PART] = self.fusion.flops(
                 {n: self.towers[n].tokens() for n in fused},
                 {n: self.towers[n].width for n in fused},
             )
-        return total
+        return parts
+
+    def sequence_flops_by_part(self, positions: list[int], images: int) -> dict[str, int]:
+        """Forward FLOPs of a language model's rows of `positions` positions each (image tokens
+        included) holding `images` images in all, by part (see forward_flops_by_part)."""
+        assert self.decoder is not None
+        parts = {}
+        if self.projector is not None:
+            tower = self.towers[self.projector.tower]
+            parts[self.projector.tower] = images * self.projector.vision_flops(tower)
+            parts[PROJECTOR_PART] = images * self.projector.mapping_flops(tower, self.decoder.width)
+        parts[DECODER_TOWER] = sum(self.decoder.forward_flops(n) for n in positions)
+        return parts
+
+    def train_flops(
+        self,
+        forward: Mapping[str, float],
+        modes: Mapping[str, str | PartTraining] | None = None,
+        recompute: Collection[str] = (),
+    ) -> float:
+        """Training FLOPs of this model's parts (`forward`: forward FLOPs by part, from
+        forward_flops_by_part or sequence_flops_by_part); see `train_flops`. A language
+        model's parts feed each other in order (vision -> projector -> decoder)."""
+        return train_flops(forward, modes, chained=self.is_language_model(), recompute=recompute)
 
     # -- (de)serialisation
     def to_dict(self) -> dict[str, Any]:

@@ -57,11 +57,11 @@ def _nan_gradient_at(monkeypatch, steps: set[int], value: float = math.nan) -> N
     hit = _on_calls(steps, None)
     original = loop.optimizer_step
 
-    def optimizer_step(model, optimizer, precision, grad_clip, skip=False):
+    def optimizer_step(model, optimizer, precision, grad_clip, **kwargs):
         if hit():
             param = next(p for p in model.parameters() if p.grad is not None)
             param.grad.view(-1)[0] = value
-        return original(model, optimizer, precision, grad_clip, skip=skip)
+        return original(model, optimizer, precision, grad_clip, **kwargs)
 
     monkeypatch.setattr(loop, "optimizer_step", optimizer_step)
 

@@ -5,7 +5,9 @@
     mmtrain convert --from hf HF_DIR --out DIR
     mmtrain convert --to hf DIR --out HF_DIR
 
-DIR holds model.safetensors + spec.yaml (what `mmtrain.load_model(DIR)` reads). The OpenCLIP file
+DIR holds spec.yaml + model.safetensors, or shards listed in model.safetensors.index.json past
+5 GB (what `mmtrain.load_model(DIR)` reads). `--to hf` reads DIR one tensor at a time and writes
+HF_DIR the same way (shards past 5 GB), so a model bigger than memory converts. The OpenCLIP file
 written by `--to` is a bare state dict that OpenCLIP's `CLIP` loads with `strict=True`. HF_DIR is a
 transformers folder (config.json + model.safetensors, or shards with model.safetensors.index.json)
 of CLIPModel, SiglipModel, CLIPVisionModel, CLIPVisionModelWithProjection, SiglipVisionModel,
@@ -92,15 +94,22 @@ def _from_hf(source: Path, out: Path) -> int:
 
 
 def _to_hf(source: Path, out: Path) -> int:
-    from mmtrain.models.build import load_model
-    from mmtrain.models.hf import NoHFCounterpart, hf_counterpart, write_hf_model
+    from mmtrain.models.build import read_model_folder
+    from mmtrain.models.convert import CheckpointMismatch
+    from mmtrain.models.hf import NoHFCounterpart, hf_counterpart, write_hf_state
 
-    model = load_model(source)
-    try:
-        arch = hf_counterpart(model.spec)
-    except NoHFCounterpart as err:
-        raise UsageError(f"{source}: {err}") from None
-    write_hf_model(model, out)
+    # The folder is read one tensor at a time and written shard by shard: a 70B model never
+    # needs its whole state dict in memory.
+    spec, weights = read_model_folder(source)
+    with weights:
+        try:
+            arch = hf_counterpart(spec)
+        except NoHFCounterpart as err:
+            raise UsageError(f"{source}: {err}") from None
+        try:
+            write_hf_state(spec, weights, out)
+        except CheckpointMismatch as err:
+            raise UsageError(f"{weights.source}: {err}") from None
     print(f"wrote {out} ({arch} for transformers, from {source})")
     return 0
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mmtrain.cli import UsageError
+from mmtrain.commands._args import count
 from mmtrain.data import ingest
 from mmtrain.data.build_args import add_build_arguments, config_from_args
 from mmtrain.data.inspect import contact_sheet, inspect_shards, open_shards
@@ -60,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--contact-sheet", metavar="FILE.png", help="write a PNG grid of a few samples with keys"
     )
     inspect.add_argument(
-        "--sheet-samples", type=int, default=16, help="samples on the contact sheet (default 16)"
+        "--sheet-samples", type=count, default=16, help="samples on the contact sheet (default 16)"
     )
     inspect.add_argument(
         "--tokenizer", help="conversation shards: count tokens with this tokenizer.json / folder"
@@ -71,7 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     inspect.add_argument(
         "--image-tokens",
-        type=int,
+        type=count,
         default=1,
         help="LM positions one image takes (the model's; e.g. 576 for LLaVA-1.5), default 1",
     )
@@ -81,15 +82,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     order.add_argument("shards", nargs="+", help="shard folder, .tar file, glob or brace pattern")
     order.add_argument("--seed", type=int, required=True)
     order.add_argument("--epoch", type=int, required=True)
-    order.add_argument("--world-size", type=int, default=1)
+    order.add_argument("--world-size", type=count, default=1)
     order.add_argument("--rank", type=int, default=0)
-    order.add_argument("--skip", type=int, default=0, help="global samples already consumed")
-    order.add_argument("--limit", type=int, default=None, help="print at most N keys")
+    order.add_argument("--skip", type=count, default=0, help="global samples already consumed")
+    order.add_argument("--limit", type=count, default=None, help="print at most N keys")
     order.add_argument(
-        "--batch-size", type=int, default=1, help="per-rank batch (sets the padding)"
+        "--batch-size", type=count, default=1, help="per-rank batch (sets the padding)"
     )
     order.add_argument("--drop-tail", action="store_true", help="drop the tail instead of padding")
-    order.add_argument("--shuffle-window", type=int, default=1000)
+    order.add_argument("--shuffle-window", type=count, default=1000)
     order.add_argument("--no-shuffle", action="store_true", help="shard order, no shuffling")
     order.add_argument("--with-shard", action="store_true", help="print 'position shard key'")
     order.set_defaults(func=run_order)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mmtrain.cli import UsageError
+from mmtrain.commands._args import count
 
 ORDER = 40
 EVAL_FILE = "eval.json"
@@ -48,7 +49,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--json", action="store_true", help="print the report as JSON instead of a table"
     )
     p.add_argument(
-        "--batch-size", type=int, default=64, help="samples per forward pass per rank (default 64)"
+        "--batch-size",
+        type=count,
+        default=64,
+        help="samples per forward pass per rank (default 64)",
     )
     p.add_argument(
         "--pairs",
@@ -93,17 +97,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-new-tokens",
-        type=int,
+        type=count,
         default=32,
         help="language models: length limit of each generated answer (default 32)",
     )
     p.add_argument(
         "--examples",
-        type=int,
+        type=count,
         default=8,
         help="language models: generated answers kept in the report (default 8)",
     )
-    p.add_argument("--workers", type=int, default=0, help="decode processes per rank (default 0)")
+    p.add_argument("--workers", type=count, default=0, help="decode processes per rank (default 0)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when available)")
     p.add_argument(
         "--out",

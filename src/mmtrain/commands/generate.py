@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mmtrain.cli import UsageError
+from mmtrain.commands._args import count
 
 ORDER = 45
 IMAGE_TAG = "<image>"  # mmtrain.data.conversations.IMAGE_TAG (not imported: --help stays fast)
@@ -45,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--system", help="system prompt (default: the template's own)")
     p.add_argument(
-        "--max-new-tokens", type=int, default=128, help="answer length limit (default 128)"
+        "--max-new-tokens", type=count, default=128, help="answer length limit (default 128)"
     )
     p.add_argument(
         "--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampling"

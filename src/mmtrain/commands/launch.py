@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mmtrain.commands._args import count
 from mmtrain.structured import FieldError
 
 ORDER = 35
@@ -32,11 +33,11 @@ def _common(p: argparse.ArgumentParser, *, gpus: bool = True) -> None:
     p.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides for every rank"
     )
-    p.add_argument("--nodes", type=int, required=True, help="nodes (one torchrun agent each)")
+    p.add_argument("--nodes", type=count, required=True, help="nodes (one torchrun agent each)")
     ranks = p.add_mutually_exclusive_group()
     if gpus:
-        ranks.add_argument("--gpus-per-node", type=int, help="GPUs per node = ranks per node")
-    ranks.add_argument("--procs-per-node", type=int, help="ranks per node (CPU jobs: gloo)")
+        ranks.add_argument("--gpus-per-node", type=count, help="GPUs per node = ranks per node")
+    ranks.add_argument("--procs-per-node", type=count, help="ranks per node (CPU jobs: gloo)")
     p.add_argument(
         "--signal-seconds",
         type=int,
@@ -84,7 +85,7 @@ def _k8s(kinds) -> None:
         "--workdir", help="the container's working directory (default: --mount with --pvc)"
     )
     p.add_argument("--elastic", action="store_true", help="elasticPolicy with c10d rendezvous")
-    p.add_argument("--max-restarts", type=int, default=3)
+    p.add_argument("--max-restarts", type=count, default=3)
     p.add_argument("--jobset", action="store_true", help="a JobSet instead of a PyTorchJob")
     p.add_argument("--shm-gb", type=float, default=None, help="size limit of /dev/shm")
     p.set_defaults(func=run_k8s)

@@ -12,6 +12,7 @@ import json
 from dataclasses import replace
 
 from mmtrain.cli import UsageError
+from mmtrain.commands._args import count
 from mmtrain.hardware import GIB, PRICE_SOURCE, load_catalog
 from mmtrain.plan.config import AC_MODES, ATTENTION, OPTIMIZERS, PRECISIONS, PlanConfig
 from mmtrain.plan.estimate import Plan, make_plan
@@ -34,8 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="GPU name or alias (b300, h100, a100-40g, ...; default h100); with --recommend a comma list (default: every GPU)",
     )
-    p.add_argument("--gpus", type=int, default=1, help="total GPUs")
-    p.add_argument("--gpus-per-node", type=int, default=None)
+    p.add_argument("--gpus", type=count, default=1, help="total GPUs")
+    p.add_argument("--gpus-per-node", type=count, default=None)
     p.add_argument("--precision", default="bf16", choices=PRECISIONS)
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument(
@@ -52,9 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel stages")
     p.add_argument("--ac", default="none", choices=AC_MODES, help="activation checkpointing")
     p.add_argument("--attention", default="flash", choices=ATTENTION)
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--global-batch", type=int, default=None)
-    p.add_argument("--samples", type=int, default=0, help="samples to train (time and cost)")
+    p.add_argument("--micro-batch", type=count, default=1)
+    p.add_argument("--global-batch", type=count, default=None)
+    p.add_argument("--samples", type=count, default=0, help="samples to train (time and cost)")
     p.add_argument(
         "--price-per-gpu-hour",
         type=float,
@@ -98,7 +99,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="TOWER=N",
         help="freeze all but a tower's last N blocks (LiT), as train.towers.TOWER.unlocked_blocks",
     )
-    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-rank", type=count, default=16)
     p.add_argument(
         "--lora-targets",
         default="attn,mlp",
@@ -109,13 +110,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--frames", type=int, default=None)
     p.add_argument(
         "--context",
-        type=int,
+        type=count,
         default=None,
         help="text/decoder context (with --inference: tokens per sequence)",
     )
     p.add_argument(
         "--images",
-        type=int,
+        type=count,
         default=None,
         help="language models: images per row (default 1 for a vision-language model)",
     )
@@ -140,7 +141,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--data-samples",
-        type=int,
+        type=count,
         default=None,
         metavar="N",
         help="with --data: count N samples spread over the shards (default all)",
@@ -153,7 +154,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--sequence-length",
-        type=int,
+        type=count,
         default=None,
         help="with --data: row length in LM positions (default the decoder's max_positions)",
     )
@@ -175,11 +176,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="HOURS",
         help=f"--recommend: keep strategies that train --samples within HOURS (default {DEFAULT_DEADLINE_H:g} when ranking by cost)",
     )
-    p.add_argument("--max-gpus", type=int, default=512)
+    p.add_argument("--max-gpus", type=count, default=512)
     p.add_argument(
         "--inference", action="store_true", help="serving memory: weights, KV cache, max batch, MIG"
     )
-    p.add_argument("--batch", type=int, default=1, help="sequences served at once (--inference)")
+    p.add_argument("--batch", type=count, default=1, help="sequences served at once (--inference)")
     p.add_argument(
         "--measure",
         action="store_true",

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mmtrain.cli import UsageError
+from mmtrain.commands._args import count
 
 ORDER = 5  # the first command a new user runs
 
@@ -40,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--steps",
-        type=int,
+        type=count,
         help="training steps (default 450; fixed, so the result does not depend on machine load;"
         " with --vlm: the VLM's steps over both stages, default 600)",
     )
@@ -52,9 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "default 4, for the CLIP and for the two VLM stages each)",
     )
     p.add_argument(
-        "--batch-size", type=int, help="pairs per step (default 64; 32 with --modalities)"
+        "--batch-size", type=count, help="pairs per step (default 64; 32 with --modalities)"
     )
-    p.add_argument("--limit", type=int, help="use only N emoji, evenly spaced (a faster demo)")
+    p.add_argument("--limit", type=count, help="use only N emoji, evenly spaced (a faster demo)")
     p.add_argument(
         "--modalities",
         help="towers besides text, comma-separated from image, audio, timeseries (default "
@@ -76,7 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--clip-steps",
-        type=int,
+        type=count,
         help="with --vlm and no --clip: steps of the image-text model trained first (default 450)",
     )
     p.set_defaults(func=run)

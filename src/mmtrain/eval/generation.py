@@ -64,6 +64,7 @@ from mmtrain.data.tokenizer import Tokenizer, get_tokenizer
 from mmtrain.data.transforms import ImageTransform
 from mmtrain.eval.answers import exact_match, token_f1
 from mmtrain.eval.run import flatten_metrics, spec_of
+from mmtrain.models.build import unwrap_model
 from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
 
@@ -266,11 +267,9 @@ def _model_parts(
 
 def _generating_module(model: nn.Module) -> nn.Module:
     """The module with `generate` inside torch.compile / DDP wrappers."""
-    inner: Any = model
-    while not hasattr(inner, "generate"):
-        inner = getattr(inner, "_orig_mod", None) or getattr(inner, "module", None)
-        if inner is None:
-            raise TypeError(f"{type(model).__name__} has no generate (not a language model?)")
+    inner = unwrap_model(model)
+    if not hasattr(inner, "generate"):
+        raise TypeError(f"{type(model).__name__} has no generate (not a language model?)")
     return inner
 
 

@@ -58,6 +58,7 @@ from mmtrain.eval.clipscore import clip_score, clip_score_summary
 from mmtrain.eval.probe import ProbeConfig, linear_probe, macro_f1
 from mmtrain.eval.retrieval import DEFAULT_CHUNK_ELEMENTS, DEFAULT_KS, retrieval_metrics
 from mmtrain.eval.zeroshot import DEFAULT_TEMPLATES, class_embeddings, zeroshot_metrics
+from mmtrain.models.build import unwrap_model
 from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
 from mmtrain.train.precision import at_least_fp32
@@ -249,11 +250,9 @@ class Embedded:
 
 def spec_of(model: nn.Module) -> ModelSpec:
     """The `ModelSpec` of a model, also inside DDP / torch.compile wrappers."""
-    inner: Any = model
-    while not hasattr(inner, "spec"):
-        inner = getattr(inner, "_orig_mod", None) or getattr(inner, "module", None)
-        if inner is None:
-            raise TypeError(f"{type(model).__name__} has no model spec (not an mmtrain model?)")
+    inner = unwrap_model(model)
+    if not hasattr(inner, "spec"):
+        raise TypeError(f"{type(model).__name__} has no model spec (not an mmtrain model?)")
     return inner.spec
 
 

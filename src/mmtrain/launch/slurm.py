@@ -18,7 +18,7 @@ What the script does, and why:
   every process of a step (pre-emption, `scancel`, the time limit, the trap above), so each
   rank already gets it once from Slurm; torchrun forwarding it again would be a second signal,
   which the trainer takes as "exit now, without a checkpoint" (mmtrain.train.loop's
-  _StopOnSignal), and torchrun would kill the ranks after its shutdown timeout. With torchrun
+  StopOnSignal), and torchrun would kill the ranks after its shutdown timeout. With torchrun
   out of the way, the ranks stop on their own, exit 0, and torchrun ends with them. The ranks
   run through `mmtrain.launch.worker`, which restores SIGTERM's default action the ignore would
   otherwise pass down.

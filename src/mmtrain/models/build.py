@@ -2,26 +2,38 @@
 head; plus `create_model`, `save_model` and `load_model`, which also build, save and load a
 `LanguageModel` (models/vlm.py) when the spec has a decoder.
 
-A model folder (run folder or converted checkpoint) holds exactly two files: `model.safetensors`
-(the state dict) and `spec.yaml` (the `ModelSpec`). Both are written atomically.
+A model folder (run folder or converted checkpoint) holds `spec.yaml` (the `ModelSpec`) and the
+state dict: `model.safetensors`, or, past `MAX_SHARD_BYTES`, shards listed in
+`model.safetensors.index.json` (models/safetensors_files.py). Every file is written atomically.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import safetensors.torch
 import torch
 import torch.nn.functional as F
 import yaml
 from torch import nn
 
-from mmtrain.atomic import atomic_write_bytes, atomic_write_text
+from mmtrain.atomic import atomic_write_text
 from mmtrain.models.decoder import Decoder
 from mmtrain.models.heads import FusionHead
+from mmtrain.models.materialize import copy_full_, initialised_parameters, is_sharded
+from mmtrain.models.safetensors_files import (
+    INDEX_FILE,
+    MAX_SHARD_BYTES,
+    SafetensorsReader,
+    TensorEntry,
+    WeightsFileError,
+    entries_of,
+    has_weights,
+    open_weights,
+    write_tensors,
+)
 from mmtrain.models.towers import Tower
 from mmtrain.models.vlm import LanguageModel
 from mmtrain.spec import ModelSpec, load_spec
@@ -103,7 +115,7 @@ class MultimodalModel(nn.Module):
         `named_parameters()` order, and copied, so the same generator state gives the same weights
         on any device.
         """
-        apply_init_rules(list(self.named_parameters()), init_rules(self), generator)
+        apply_init_rules(initialised_parameters(self), init_rules(self), generator)
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
@@ -122,17 +134,19 @@ def apply_init_rules(
     for name, param in named:
         rule = rules.get(name) or _fallback_rule(name, param)
         if rule.std is None:
-            param.fill_(rule.value)
+            # Rounded to float32 like the drawn values: a model built in another dtype (on the
+            # meta device, then materialised) starts from the same numbers.
+            param.fill_(float(torch.tensor(rule.value, dtype=torch.float32)))
         else:
             _normal_(param, rule.std, generator)
 
 
 def _normal_(param: torch.Tensor, std: float, generator: torch.Generator) -> None:
     """Fill `param` with N(0, std) drawn on the CPU in float32 (in place when it lives there)."""
-    if param.device.type == "cpu" and param.dtype == torch.float32:
+    if param.device.type == "cpu" and param.dtype == torch.float32 and not is_sharded(param):
         param.normal_(0.0, std, generator=generator)
-    else:
-        param.copy_(torch.empty(param.shape).normal_(0.0, std, generator=generator))
+    else:  # another device or dtype, or a shard: the full value drawn, this rank's rows kept
+        copy_full_(param, torch.empty(param.shape).normal_(0.0, std, generator=generator))
 
 
 # ----------------------------------------------------------------------------- initialisation
@@ -342,30 +356,59 @@ def create_model(
     return model
 
 
-def _unwrap(model: nn.Module) -> MultimodalModel | LanguageModel:
-    """The MultimodalModel or LanguageModel inside torch.compile / DDP wrappers."""
-    while not isinstance(model, (MultimodalModel, LanguageModel)):
-        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module inside torch.compile (`_orig_mod`) and DDP (`module`) wrappers; FSDP2 and
+    per-block compile work in place, so their model is the module itself."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None and isinstance(model, nn.parallel.DistributedDataParallel):
+            inner = model.module
         if inner is None:
-            raise TypeError(
-                f"expected a MultimodalModel or LanguageModel, got {type(model).__name__}"
-            )
+            return model
         model = inner
-    return model
 
 
-def save_model(model: nn.Module, directory: str | Path) -> Path:
-    """Write `directory/model.safetensors` and `directory/spec.yaml` (each atomically).
+def _unwrap(model: nn.Module) -> MultimodalModel | LanguageModel:
+    """The MultimodalModel or LanguageModel inside its wrappers."""
+    inner = unwrap_model(model)
+    if not isinstance(inner, (MultimodalModel, LanguageModel)):
+        raise TypeError(f"expected a MultimodalModel or LanguageModel, got {type(model).__name__}")
+    return inner
 
-    Returns the folder. Tensors are saved as they are (dtype kept), moved to the CPU.
+
+def save_model(
+    model: nn.Module, directory: str | Path, *, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> Path:
+    """Write `model`'s weights (`model.safetensors`, or shards of at most `max_shard_bytes` and
+    `model.safetensors.index.json`) and `spec.yaml` into `directory`, atomically.
+
+    Returns the folder. Tensors are saved as they are (dtype kept), moved to the CPU one at a time.
     """
     model = _unwrap(model)
+    state = model.state_dict()
+    return write_model_folder(
+        directory, model.spec, entries_of(state), state.items(), max_shard_bytes=max_shard_bytes
+    )
+
+
+def write_model_folder(
+    directory: str | Path,
+    spec: ModelSpec,
+    layout: Sequence[TensorEntry],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> Path:
+    """Write a model folder from tensors that arrive one at a time: `layout` lists every
+    (name, dtype, shape) up front, in the order `tensors` yields them, and each tensor is
+    written and released before the next is asked for. A model whose weights do not fit one
+    process (FSDP) is exported by gathering one parameter at a time into this iterator.
+
+    The weights go first, spec.yaml last; a writer that fails leaves the folder as it was.
+    """
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    weights = safetensors.torch.save(state, metadata={"format": "pt"})
-    atomic_write_bytes(directory / WEIGHTS_FILE, weights)
-    atomic_write_text(directory / SPEC_FILE, yaml.safe_dump(model.spec.to_dict(), sort_keys=False))
+    write_tensors(directory, layout, tensors, max_shard_bytes=max_shard_bytes)
+    atomic_write_text(directory / SPEC_FILE, yaml.safe_dump(spec.to_dict(), sort_keys=False))
     return directory
 
 
@@ -417,35 +460,49 @@ def model_with_weights(
     return model
 
 
+def read_model_folder(path: str | Path) -> tuple[ModelSpec, SafetensorsReader]:
+    """(spec, lazy reader of the weights) of a model folder, or of the path of its
+    model.safetensors or model.safetensors.index.json; no tensor is read yet. Raises
+    FileNotFoundError naming a missing file and ModelFileError for an unreadable one."""
+    path = Path(path)
+    is_weights = path.is_file() and (path.suffix == ".safetensors" or path.name == INDEX_FILE)
+    folder = path.parent if is_weights else path
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder {folder} does not exist")
+    expected = f"{WEIGHTS_FILE} (or shards listed in {INDEX_FILE}) and {SPEC_FILE}"
+    if not (folder / SPEC_FILE).is_file():
+        raise FileNotFoundError(
+            f"{folder / SPEC_FILE} is missing: a model folder holds {expected} "
+            "(written by mmtrain.save_model, a training run or `mmtrain convert`)"
+        )
+    if not is_weights and not has_weights(folder):
+        raise FileNotFoundError(
+            f"{folder / WEIGHTS_FILE} is missing: a model folder holds {expected}"
+        )
+    spec = ModelSpec.load(folder / SPEC_FILE)
+    try:
+        return spec, open_weights(path)
+    except WeightsFileError as err:
+        raise ModelFileError(err.path, err.message) from None
+
+
 def load_model(
     path: str | Path,
     *,
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
 ) -> MultimodalModel | LanguageModel:
-    """Load a model folder (run folder or converted checkpoint: model.safetensors + spec.yaml),
-    or the path of its model.safetensors. Raises FileNotFoundError naming a missing file and
-    ModelFileError for a corrupt file or weights that do not fit the spec."""
-    path = Path(path)
-    folder = path.parent if path.is_file() and path.suffix == ".safetensors" else path
-    weights_path = path if folder is not path else folder / WEIGHTS_FILE
-    if not folder.is_dir():
-        raise FileNotFoundError(f"model folder {folder} does not exist")
-    for needed in (folder / SPEC_FILE, weights_path):
-        if not needed.is_file():
-            raise FileNotFoundError(
-                f"{needed} is missing: a model folder holds {WEIGHTS_FILE} and {SPEC_FILE} "
-                "(written by mmtrain.save_model, a training run or `mmtrain convert`)"
-            )
-    spec = ModelSpec.load(folder / SPEC_FILE)
-    try:
-        state = safetensors.torch.load_file(weights_path, device="cpu")
-    except Exception as err:  # safetensors raises its own error types for corrupt headers
-        raise ModelFileError(
-            weights_path,
-            f"is not a readable safetensors file ({err}); it may be truncated or corrupt",
-        ) from None
-    model = model_with_weights(spec, state, weights_path)
+    """Load a model folder (run folder or converted checkpoint: spec.yaml and model.safetensors
+    or shards with model.safetensors.index.json), or the path of its weights file. Raises
+    FileNotFoundError naming a missing file and ModelFileError for a corrupt file or weights
+    that do not fit the spec."""
+    spec, reader = read_model_folder(path)
+    with reader:
+        try:
+            state = {name: reader[name] for name in reader}
+        except WeightsFileError as err:
+            raise ModelFileError(err.path, err.message) from None
+    model = model_with_weights(spec, state, reader.source)
     if device is not None or dtype is not None:
         model = model.to(device=device, dtype=dtype)
     return model

@@ -1,8 +1,9 @@
 """A decoder-only language model of the Llama / Qwen2 family, in plain PyTorch.
 
-Read top to bottom: rotary positions, RMSNorm, the attention mask, the KV cache, attention, the
-gated MLP, the block, the model, sampling. The shape comes from a `DecoderSpec`
-(mmtrain.decoder_spec), so the planner counts what this module holds.
+Read top to bottom: rotary positions, RMSNorm, positions of packed documents, the KV cache,
+attention (its kernels and masks: models/attention.py), the gated MLP, the block, the model,
+sampling. The shape comes from a `DecoderSpec` (mmtrain.decoder_spec), so the planner counts what
+this module holds.
 
 Parameter names follow the encoder blocks of layers.py (`norm1`, `attn.qkv`, `attn.out`, `norm2`,
 `mlp.fc1`, `mlp.fc2`), so LoRA targets, activation checkpointing and the planner's per-block
@@ -23,6 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mmtrain.decoder_spec import DecoderSpec
+from mmtrain.models.attention import Mask, attend, attention_inputs
+from mmtrain.models.materialize import copy_full_, initialised_parameters
 
 ROTARY_DTYPE = torch.float32  # angle tables, as Meta's and HF's Llama compute them
 
@@ -88,14 +91,7 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-# ----------------------------------------------------------------------------- masks and positions
-def document_runs(document_ids: Tensor) -> Tensor:
-    """[B, T] index of each token's document within its row: a new document starts wherever the
-    id changes, so two packed documents never share a run even if their ids repeat later."""
-    changed = document_ids[:, 1:] != document_ids[:, :-1]
-    return F.pad(changed, (1, 0)).long().cumsum(dim=1)
-
-
+# ----------------------------------------------------------------------------- positions
 def document_positions(document_ids: Tensor) -> Tensor:
     """[B, T] positions that restart at 0 at every document of a packed row."""
     t = document_ids.shape[1]
@@ -103,50 +99,6 @@ def document_positions(document_ids: Tensor) -> Tensor:
     changed = F.pad(document_ids[:, 1:] != document_ids[:, :-1], (1, 0), value=True)
     starts = torch.where(changed, index, 0).cummax(dim=1).values
     return index - starts
-
-
-def build_attention_mask(
-    queries: int,
-    past: int,
-    device: torch.device,
-    key_mask: Tensor | None = None,
-    document_ids: Tensor | None = None,
-) -> tuple[Tensor | None, bool]:
-    """The (attn_mask, is_causal) pair for `scaled_dot_product_attention`: `queries` new tokens
-    after `past` cached ones, causal, AND the optional masks:
-
-    - `key_mask` bool [B, past + queries] (False: a padding key) or [B, queries, past + queries]
-      (per query);
-    - `document_ids` [B, queries]: packed documents attend only within themselves.
-
-    Without extra masks, SDPA's `is_causal` fast path is used (or no mask at all for one token
-    after a cache, which sees every key). A token always sees itself: a left-padding query whose
-    every key is masked would otherwise make SDPA return NaN (its output is never read).
-    """
-    if key_mask is None and document_ids is None:
-        if past == 0:
-            return None, True
-        if queries == 1:
-            return None, False
-    total = past + queries
-    q_pos = torch.arange(past, total, device=device)[:, None]
-    k_pos = torch.arange(total, device=device)[None, :]
-    mask = (k_pos <= q_pos)[None, None]  # [1, 1, T, S]
-    if key_mask is not None:
-        per_key, per_query = (total,), (queries, total)
-        if tuple(key_mask.shape[1:]) not in (per_key, per_query):
-            raise ValueError(
-                f"attention_mask: expected [B, {total}] or [B, {queries}, {total}] "
-                f"({past} cached + {queries} new tokens), got {list(key_mask.shape)}"
-            )
-        key_mask = key_mask.bool()
-        mask = mask & (key_mask[:, None, None, :] if key_mask.dim() == 2 else key_mask[:, None])
-    if document_ids is not None:
-        if past:
-            raise ValueError("document_ids: packed documents are for whole sequences, not a cache")
-        runs = document_runs(document_ids)
-        mask = mask & (runs[:, :, None] == runs[:, None, :])[:, None]
-    return mask | (k_pos == q_pos)[None, None], False
 
 
 # ----------------------------------------------------------------------------- KV cache
@@ -188,7 +140,8 @@ class KVCache:
 # ----------------------------------------------------------------------------- the block
 class DecoderAttention(nn.Module):
     """Causal self-attention with grouped-query attention: `heads` query heads share
-    `kv_heads` key/value heads in consecutive groups (query head h reads kv head h // group)."""
+    `kv_heads` key/value heads in consecutive groups (query head h reads kv head h // group).
+    The kernel and mask are `models/attention.py`'s, chosen once per forward."""
 
     def __init__(self, spec: DecoderSpec, layer: int):
         super().__init__()
@@ -202,7 +155,7 @@ class DecoderAttention(nn.Module):
         x: Tensor,
         cos: Tensor,
         sin: Tensor,
-        mask: Tensor | None,
+        mask: Mask,
         is_causal: bool,
         cache: KVCache | None = None,
     ) -> Tensor:
@@ -215,12 +168,7 @@ class DecoderAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.write(self.layer, k, v)
-        # Each kv head serves `group` query heads; repeat it in place of SDPA's enable_gqa
-        # (torch >= 2.5 only).
-        group = self.heads // self.kv_heads
-        if group > 1:
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        y = attend(q, k, v, mask, is_causal)
         return self.out(y.transpose(1, 2).reshape(b, t, self.heads * d))
 
 
@@ -252,7 +200,7 @@ class DecoderBlock(nn.Module):
         x: Tensor,
         cos: Tensor,
         sin: Tensor,
-        mask: Tensor | None,
+        mask: Mask,
         is_causal: bool,
         cache: KVCache | None = None,
     ) -> Tensor:
@@ -279,9 +227,13 @@ class Decoder(nn.Module):
             None if spec.tie_embeddings else nn.Linear(spec.width, spec.vocab_size, bias=False)
         )
 
+    @property
+    def head_weight(self) -> Tensor:
+        """The LM head's weight [vocab, width] (the embedding's when tied)."""
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
     def head(self, hidden: Tensor) -> Tensor:
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return F.linear(hidden, self.head_weight)
 
     def hidden(
         self,
@@ -292,16 +244,20 @@ class Decoder(nn.Module):
         attention_mask: Tensor | None = None,
         document_ids: Tensor | None = None,
         cache: KVCache | None = None,
+        right_padded: bool = False,
     ) -> Tensor:
         """Final normalised hidden states [B, T, width] of `input_ids` [B, T] or, for a caller
         that splices in other tokens (image features), of `inputs_embeds` [B, T, width].
 
         - `position_ids` [B, T] or [T]: rotary positions; default the next positions after the
           cache, or, with `document_ids`, positions restarting at every packed document.
-        - `attention_mask` bool: False marks padding keys (see `build_attention_mask` for shapes;
+        - `attention_mask` bool: False marks padding keys (see `models/attention.py: build_attention_mask` for shapes;
           with a cache it covers the cached tokens too).
         - `document_ids` [B, T]: packed documents see only themselves (no cache).
         - `cache`: the new tokens' keys and values are appended and the cached ones attended.
+        - `right_padded`: the caller knows `attention_mask` [B, T] is False only after each
+          row's real tokens; without a cache the mask is then not built (causal attention is
+          exact for every real token; `models/attention.py`). Padding tokens' states differ.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids and inputs_embeds")
@@ -317,7 +273,9 @@ class Decoder(nn.Module):
                 position_ids = torch.arange(past, past + t, device=x.device)
         position_ids = position_ids.expand(b, t)
         cos, sin = rotary_cos_sin(rope_frequencies(self.spec, x.device), position_ids, x.dtype)
-        mask, is_causal = build_attention_mask(t, past, x.device, attention_mask, document_ids)
+        mask, is_causal = attention_inputs(
+            t, past, x.device, x.dtype, attention_mask, document_ids, right_padded
+        )
         for block in self.blocks:
             x = block(x, cos, sin, mask, is_causal, cache)
         if cache is not None:
@@ -338,7 +296,7 @@ class Decoder(nn.Module):
         Drawn on the CPU in float32 from `generator` in `named_parameters()` order, then copied:
         the same generator state gives the same weights on any device."""
         residual = (2 * self.spec.layers) ** -0.5
-        for name, param in self.named_parameters():
+        for name, param in initialised_parameters(self):
             if name.endswith("bias"):
                 param.zero_()
                 continue
@@ -348,7 +306,7 @@ class Decoder(nn.Module):
             std = param.shape[-1] ** -0.5
             if name.endswith(("attn.out.weight", "mlp.fc2.weight")):
                 std *= residual
-            param.copy_(torch.empty(param.shape).normal_(0.0, std, generator=generator))
+            copy_full_(param, torch.empty(param.shape).normal_(0.0, std, generator=generator))
 
     # ------------------------------------------------------------------------- generation
     @torch.no_grad()

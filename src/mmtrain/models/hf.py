@@ -4,11 +4,14 @@
 CLIP / SigLIP (`hf_clip`: towers `image`, `text`), Llama / Qwen2 (`hf_llama`: a language model,
 its decoder under the tower name `text`), LLaVA (`hf_llava`: image tower, projector, decoder).
 It returns a `ModelSpec` and a state dict in the names of the model `create_model(spec)` builds.
-`write_hf_model(model, folder)` is the reverse, the class chosen by the spec.
+`write_hf_model(model, folder)` is the reverse, the class chosen by the spec; `write_hf_state`
+does it from a state dict or a lazy reader of a model folder, one tensor at a time, so a model
+bigger than memory converts (shards of at most 5 GB and model.safetensors.index.json).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ from mmtrain.models.hf_clip import (
     is_hf_folder,
     read_json,
 )
+from mmtrain.models.safetensors_files import MAX_SHARD_BYTES
 from mmtrain.spec import ModelSpec
 
 TEXT_TOWER = "text"  # the decoder's name among a LanguageModel's towers
@@ -36,6 +40,7 @@ __all__ = [
     "language_model_spec",
     "read_hf_model",
     "write_hf_model",
+    "write_hf_state",
 ]
 
 
@@ -95,18 +100,37 @@ def hf_counterpart(spec: ModelSpec) -> str:
     return hf_llama.hf_architecture(spec.decoder)  # a decoder alone (no towers: spec.py)
 
 
-def write_hf_model(model: nn.Module, out_dir: str | Path) -> str:
+def write_hf_model(
+    model: nn.Module, out_dir: str | Path, *, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> str:
     """Write `model` (a MultimodalModel or LanguageModel) as a HF folder; returns the class
     written. Raises NoHFCounterpart when the spec has none."""
-    spec: ModelSpec = model.spec
+    return write_hf_state(model.spec, model.state_dict(), out_dir, max_shard_bytes=max_shard_bytes)
+
+
+def write_hf_state(
+    spec: ModelSpec,
+    state: Mapping[str, Tensor],
+    out_dir: str | Path,
+    *,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> str:
+    """Write the HF folder of the model `create_model(spec)` builds, from its state dict: in
+    memory, or a lazy reader of a model folder (`build.read_model_folder`), which is then read
+    one tensor at a time. Shards of at most `max_shard_bytes` past one file; returns the class
+    written. Raises NoHFCounterpart when the spec has none, CheckpointMismatch when `state`
+    does not fit it."""
     arch = hf_counterpart(spec)
-    state = model.state_dict()
     if spec.decoder is None:
-        hf_clip.write_hf_folder(model, out_dir)
+        hf_clip.write_hf_encoder(spec, state, out_dir, max_shard_bytes=max_shard_bytes)
     elif spec.projector is not None:
-        hf_llava.write_hf_llava(spec, state, out_dir)
+        hf_llava.write_hf_llava(spec, state, out_dir, max_shard_bytes=max_shard_bytes)
     else:
-        prefix = f"towers.{TEXT_TOWER}."
-        decoder = {k[len(prefix) :]: t for k, t in state.items() if k.startswith(prefix)}
-        hf_llama.write_hf_decoder(spec.decoder, decoder, out_dir)
+        hf_llama.write_hf_decoder(
+            spec.decoder,
+            state,
+            out_dir,
+            prefix=f"towers.{TEXT_TOWER}.",
+            max_shard_bytes=max_shard_bytes,
+        )
     return arch

@@ -23,25 +23,33 @@ import json
 import logging
 import math
 import operator
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
 from torch import Tensor, nn
 
-from mmtrain.atomic import atomic_write_bytes, atomic_write_text
+from mmtrain.atomic import atomic_write_text
 from mmtrain.models.convert import CheckpointMismatch
+from mmtrain.models.safetensors_files import (
+    INDEX_FILE,
+    MAX_SHARD_BYTES,
+    WEIGHTS_FILE,
+    SafetensorsReader,
+    TensorEntry,
+    WeightsFileError,
+    meta_state,
+    open_weights,
+    write_tensors,
+)
 from mmtrain.spec import ImageStem, ModelSpec, TextStem, TowerSpec
 from mmtrain.structured import FieldError
 
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 # Older transformers versions saved the `position_ids` buffers (an arange, no learned values).
 IGNORED_SUFFIXES = ("embeddings.position_ids",)
@@ -601,52 +609,31 @@ def is_hf_folder(path: str | Path) -> bool:
     return path.is_dir() and (path / CONFIG_FILE).is_file()
 
 
-def _load_safetensors(path: Path) -> dict[str, Tensor]:
-    if not path.is_file():
-        raise HFFolderError(path, "is missing")
+def open_hf_weights(folder: Path) -> SafetensorsReader:
+    """A lazy reader of a HF folder's tensors: model.safetensors, or the shards its index
+    lists. Pickled weights (pytorch_model.bin) are never loaded."""
+    if not (folder / WEIGHTS_FILE).is_file() and not (folder / INDEX_FILE).is_file():
+        pickles = sorted(p.name for p in folder.glob("pytorch_model*.bin"))
+        hint = (
+            f"; {pickles[0]} is not read (pickles can run code): re-save it with "
+            "save_pretrained(..., safe_serialization=True)"
+            if pickles
+            else ""
+        )
+        raise HFFolderError(folder, f"has no {WEIGHTS_FILE} or {INDEX_FILE}{hint}")
     try:
-        return safetensors.torch.load_file(str(path), device="cpu")
-    except Exception as err:  # safetensors raises its own types for corrupt headers
-        raise HFFolderError(path, f"is not a readable safetensors file ({err})") from None
-
-
-def _load_shards(index_path: Path) -> dict[str, Tensor]:
-    weight_map = read_json(index_path).get("weight_map")
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise HFFolderError(index_path, "expected tensor name -> shard file", field="weight_map")
-    state: dict[str, Tensor] = {}
-    for shard in sorted(set(weight_map.values())):
-        if Path(shard).name != shard:  # a shard is a file beside the index, never elsewhere
-            raise HFFolderError(
-                index_path, f"shard {shard!r} is not a file name", field="weight_map"
-            )
-        tensors = _load_safetensors(index_path.parent / shard)
-        listed = {k for k, v in weight_map.items() if v == shard}
-        if set(tensors) != listed:
-            extra, absent = sorted(set(tensors) - listed), sorted(listed - set(tensors))
-            raise HFFolderError(
-                index_path.parent / shard,
-                f"does not hold what {INDEX_FILE} lists (unlisted: {extra[:5]}, absent: {absent[:5]})",
-            )
-        state.update(tensors)
-    return state
+        return open_weights(folder)
+    except WeightsFileError as err:
+        raise HFFolderError(err.path, err.message) from None
 
 
 def read_hf_weights(folder: Path) -> dict[str, Tensor]:
-    """All tensors of a HF folder: model.safetensors, or the shards its index lists. Pickled
-    weights (pytorch_model.bin) are never loaded."""
-    if (folder / WEIGHTS_FILE).is_file():
-        return _load_safetensors(folder / WEIGHTS_FILE)
-    if (folder / INDEX_FILE).is_file():
-        return _load_shards(folder / INDEX_FILE)
-    pickles = sorted(p.name for p in folder.glob("pytorch_model*.bin"))
-    hint = (
-        f"; {pickles[0]} is not read (pickles can run code): re-save it with "
-        "save_pretrained(..., safe_serialization=True)"
-        if pickles
-        else ""
-    )
-    raise HFFolderError(folder, f"has no {WEIGHTS_FILE} or {INDEX_FILE}{hint}")
+    """All tensors of a HF folder (`open_hf_weights`), in memory."""
+    with open_hf_weights(folder) as reader:
+        try:
+            return {name: reader[name] for name in reader}
+        except WeightsFileError as err:
+            raise HFFolderError(err.path, err.message) from None
 
 
 def _vision_prefix(arch: Architecture, state: Mapping[str, Tensor]) -> str:
@@ -666,20 +653,67 @@ def open_hf_folder(path: str | Path) -> tuple[Path, Path, dict[str, Any]]:
     return folder, config_path, read_json(config_path)
 
 
-def write_hf_files(
-    out_dir: str | Path, tensors: dict[str, Tensor], config: dict[str, Any], name: str
+def hf_entries(meta: Mapping[str, Tensor], groups: Sequence[KeyGroup]) -> list[TensorEntry]:
+    """The (name, dtype, shape) of every HF tensor `groups` give, in order; each takes the
+    dtype of its group's first tensor of ours (`meta`: our tensors, meta ones will do)."""
+    return [
+        TensorEntry(name, meta[group.ours[0][0]].dtype, shape)
+        for group in groups
+        for name, shape in group.theirs
+    ]
+
+
+def stream_groups(
+    source: Mapping[str, Tensor], groups: Sequence[KeyGroup]
+) -> Iterator[tuple[str, Tensor]]:
+    """HF tensors from ours, group by group: only one group's tensors of `source` (a state
+    dict, or a lazy reader of a folder) are read at a time. The HF tensors are views where
+    they can be (the writer copies their bytes), so a group costs about its own size."""
+    for group in groups:
+        sources = [source[name] for name, _ in group.ours]
+        if len(sources) == 1:
+            flat = sources[0].reshape(-1)
+        else:
+            flat = torch.cat([t.reshape(-1) for t in sources])
+        del sources
+        parts = flat.split([math.prod(shape) for _, shape in group.theirs])
+        for (name, shape), part in zip(group.theirs, parts, strict=True):
+            yield name, part.reshape(shape)
+        del flat, parts, part  # before the next group is read: one group alive at a time
+
+
+def write_hf_groups(
+    out_dir: str | Path,
+    source: Mapping[str, Tensor],
+    groups: Sequence[KeyGroup],
+    config: dict[str, Any],
+    name: str,
+    *,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> Path:
-    """model.safetensors, then config.json, each atomically (config.json last: a folder that
-    has it has its weights); `name` (the architecture) is for the log. Returns the folder."""
+    """The HF tensors of `groups`, streamed from `source` into model.safetensors (or shards of
+    at most `max_shard_bytes` and the index), then config.json, each atomically (config.json
+    last: a folder that has it has its weights); `name` (the architecture) is for the log.
+    The caller checks `source`'s keys first (`check_keys`). Returns the folder."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: t.contiguous() for k, t in tensors.items()}
-    atomic_write_bytes(
-        out / WEIGHTS_FILE, safetensors.torch.save(tensors, metadata={"format": "pt"})
-    )
+    entries = hf_entries(meta_state(source), groups)
+    write_tensors(out, entries, stream_groups(source, groups), max_shard_bytes=max_shard_bytes)
     atomic_write_text(out / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True) + "\n")
-    log.info("wrote %s (%s, %d tensors)", out, name, len(tensors))
+    log.info("wrote %s (%s, %d tensors)", out, name, len(entries))
     return out
+
+
+def write_hf_files(
+    out_dir: str | Path,
+    tensors: Mapping[str, Tensor],
+    config: dict[str, Any],
+    name: str,
+    *,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> Path:
+    """`write_hf_groups` of tensors already in HF's names (each group a rename)."""
+    groups = [_same(k, k, tuple(t.shape)) for k, t in tensors.items()]
+    return write_hf_groups(out_dir, tensors, groups, config, name, max_shard_bytes=max_shard_bytes)
 
 
 def read_hf_folder(path: str | Path) -> tuple[ModelSpec, dict[str, Tensor]]:
@@ -857,15 +891,40 @@ def hf_config(spec: ModelSpec, layout: HFLayout, dtype: torch.dtype) -> dict[str
     return config
 
 
-def write_hf_folder(model: nn.Module, out_dir: str | Path) -> Path:
-    """Write `model` (a MultimodalModel) as a HF folder: model.safetensors, then config.json,
-    each atomically (config.json last: a folder that has it has its weights). Returns the folder.
+def write_hf_folder(
+    model: nn.Module, out_dir: str | Path, *, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> Path:
+    """Write `model` (a MultimodalModel) as a HF folder (`write_hf_encoder`)."""
+    return write_hf_encoder(
+        model.spec, model.state_dict(), out_dir, max_shard_bytes=max_shard_bytes
+    )
 
-    Raises NoHFCounterpart when the spec has no HF CLIP/SigLIP counterpart.
+
+def write_hf_encoder(
+    spec: ModelSpec,
+    state: Mapping[str, Tensor],
+    out_dir: str | Path,
+    *,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> Path:
+    """Write the HF CLIP/SigLIP folder of `MultimodalModel(spec)`'s state dict (in memory, or a
+    lazy reader of a model folder: then one tensor is read at a time): model.safetensors or
+    shards, then config.json, each atomically. Returns the folder.
+
+    Raises NoHFCounterpart when the spec has no HF CLIP/SigLIP counterpart, CheckpointMismatch
+    when `state` does not fit it.
     """
-    spec: ModelSpec = model.spec
     layout = hf_layout(spec)
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    tensors = mmtrain_to_hf(state, spec, layout)
-    dtype = next(iter(tensors.values())).dtype
-    return write_hf_files(out_dir, tensors, hf_config(spec, layout, dtype), layout.arch.name)
+    groups = key_map(spec, layout)
+    meta = meta_state(state)
+    check_keys(
+        meta,
+        {name: shape for g in groups for name, shape in g.ours},
+        what=f"the mmtrain state dict does not match model {spec.name!r}",
+        hint="Export with the spec the model was built from (the spec.yaml next to its weights).",
+    )
+    dtype = meta[groups[0].ours[0][0]].dtype
+    config = hf_config(spec, layout, dtype)
+    return write_hf_groups(
+        out_dir, state, groups, config, layout.arch.name, max_shard_bytes=max_shard_bytes
+    )

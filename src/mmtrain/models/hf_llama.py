@@ -4,8 +4,8 @@ a `DecoderSpec` and the state dict of `mmtrain.models.decoder.Decoder`.
 A HF folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). `read_hf_decoder` infers the spec from config.json (transformers
 4's `rope_theta` / `rope_scaling` or transformers 5's `rope_parameters`) and maps every tensor by
-an explicit key map; `write_hf_decoder` does the reverse, so transformers' `from_pretrained`
-loads the result with no missing or unexpected key. transformers is never imported here.
+an explicit key map; `write_hf_decoder` does the reverse, tensor by tensor into shards past 5 GB,
+so transformers' `from_pretrained` loads the result with no missing or unexpected key. transformers is never imported here.
 
 Layouts differ in two places, both concatenations along the output rows:
 - our `attn.qkv` stacks HF's `q_proj`, `k_proj`, `v_proj` (weights, and Qwen2's biases);
@@ -21,6 +21,7 @@ default / linear / llama3, partial rotary embeddings.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,11 +35,13 @@ from mmtrain.models.decoder import Decoder
 from mmtrain.models.hf_clip import (
     CONFIG_FILE,
     HFFolderError,
+    KeyGroup,
     check_keys,
     open_hf_folder,
     read_hf_weights,
-    write_hf_files,
+    write_hf_groups,
 )
+from mmtrain.models.safetensors_files import MAX_SHARD_BYTES, meta_state
 from mmtrain.structured import FieldError
 
 log = logging.getLogger(__name__)
@@ -472,14 +475,42 @@ def hf_config(spec: DecoderSpec, dtype: torch.dtype) -> dict[str, Any]:
     return {**config, "use_sliding_window": False, "sliding_window": None}
 
 
-def write_hf_decoder(spec: DecoderSpec, state: dict[str, Tensor], out_dir: str | Path) -> Path:
-    """Write a HF folder for `Decoder(spec)`'s state dict: model.safetensors, then config.json,
-    each atomically (config.json last: a folder that has it has its weights). Returns the folder.
-    """
-    state = {k: t.detach().cpu() for k, t in state.items()}
-    tensors = mmtrain_to_hf(state, spec)
-    dtype = tensors["model.embed_tokens.weight"].dtype
-    return write_hf_files(out_dir, tensors, hf_config(spec, dtype), hf_architecture(spec))
+def export_groups(spec: DecoderSpec, prefix: str = "") -> list[KeyGroup]:
+    """The key map as hf_clip's groups (ours `prefix + name`): a row split along dim 0 is a
+    split of the row-major flat tensor, which is what `hf_clip.stream_groups` does."""
+    return [KeyGroup(((prefix + p.ours, p.shape()),), p.theirs) for p in key_map(spec)]
+
+
+def check_decoder_state(meta: Mapping[str, Tensor], groups: list[KeyGroup], prefix: str) -> None:
+    """CheckpointMismatch listing every tensor under `prefix` that does not fit the spec."""
+    check_keys(
+        {k: t for k, t in meta.items() if k.startswith(prefix)},
+        {name: shape for g in groups for name, shape in g.ours},
+        what="the state dict does not match the decoder spec",
+        hint="Export with the spec the model was built from.",
+    )
+
+
+def write_hf_decoder(
+    spec: DecoderSpec,
+    state: Mapping[str, Tensor],
+    out_dir: str | Path,
+    *,
+    prefix: str = "",
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> Path:
+    """Write a HF folder for `Decoder(spec)`'s state dict, its tensors named `prefix + name`
+    in `state` (in memory, or a lazy reader of a model folder: then one tensor is read at a
+    time): model.safetensors or shards of at most `max_shard_bytes` with the index, then
+    config.json, each atomically (config.json last: a folder that has it has its weights).
+    Returns the folder."""
+    groups = export_groups(spec, prefix)
+    meta = meta_state(state)
+    check_decoder_state(meta, groups, prefix)
+    config = hf_config(spec, meta[prefix + "embed.weight"].dtype)
+    return write_hf_groups(
+        out_dir, state, groups, config, hf_architecture(spec), max_shard_bytes=max_shard_bytes
+    )
 
 
 def save_hf_decoder(model: Decoder, out_dir: str | Path) -> Path:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,8 @@ from mmtrain.models.hf_clip import (
     NoHFCounterpart,
     open_hf_folder,
     read_hf_weights,
-    write_hf_files,
 )
+from mmtrain.models.safetensors_files import MAX_SHARD_BYTES, meta_state
 from mmtrain.spec import ModelSpec, ProjectorSpec, TowerSpec
 from mmtrain.structured import FieldError
 
@@ -314,27 +315,32 @@ def hf_to_mmtrain(state: dict[str, Tensor], spec: ModelSpec, where: Path) -> dic
     return out
 
 
-def mmtrain_to_hf(state: dict[str, Tensor], spec: ModelSpec) -> dict[str, Tensor]:
-    """The LanguageModel's state dict -> LLaVA's, in the published layout."""
-    image, text = f"towers.{IMAGE_TOWER}.", f"towers.{TEXT_TOWER}."
-    out = hf_clip.mmtrain_to_hf(
-        {k: t for k, t in state.items() if k.startswith(image)},
-        spec,
-        _vision_layout(spec, OUT_VISION),
-    )
-    decoder = {k[len(text) :]: t for k, t in state.items() if k.startswith(text)}
-    for key, tensor in hf_llama.mmtrain_to_hf(decoder, spec.decoder).items():
-        out[_strip(key, OUT_LM)] = tensor
-    pairs = _projector_pairs(spec)
-    ours = {k: t for k, t in state.items() if k.startswith("projector.")}
+def export_groups(spec: ModelSpec) -> list[hf_clip.KeyGroup]:
+    """Every tensor of the LanguageModel with its LLaVA tensors in the published layout: the
+    vision tower's groups (hf_clip), the decoder's (hf_llama), the projector's renames."""
+    groups = hf_clip.key_map(spec, _vision_layout(spec, OUT_VISION))
+    for group in hf_llama.export_groups(spec.decoder, f"towers.{TEXT_TOWER}."):
+        theirs = tuple((_strip(name, OUT_LM), shape) for name, shape in group.theirs)
+        groups.append(hf_clip.KeyGroup(group.ours, theirs))
+    for ours, theirs, shape in _projector_pairs(spec):
+        groups.append(hf_clip.KeyGroup(((ours, shape),), ((OUT_PROJECTOR + theirs, shape),)))
+    return groups
+
+
+def _check_export(meta: dict[str, Tensor], groups: list[hf_clip.KeyGroup]) -> None:
     hf_clip.check_keys(
-        ours,
-        {o: shape for o, _, shape in pairs},
-        what="the projector does not match the spec",
+        meta,
+        {name: shape for g in groups for name, shape in g.ours},
+        what="the state dict does not match the spec",
         hint="Export with the spec the model was built from.",
     )
-    out.update({OUT_PROJECTOR + theirs: ours[o] for o, theirs, _ in pairs})
-    return out
+
+
+def mmtrain_to_hf(state: Mapping[str, Tensor], spec: ModelSpec) -> dict[str, Tensor]:
+    """The LanguageModel's state dict -> LLaVA's, in the published layout (in memory)."""
+    groups = export_groups(spec)
+    _check_export(meta_state(state), groups)
+    return {k: t.clone() for k, t in hf_clip.stream_groups(state, groups)}
 
 
 # ----------------------------------------------------------------------------- reading
@@ -435,12 +441,24 @@ def hf_config(spec: ModelSpec, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
-def write_hf_llava(spec: ModelSpec, state: dict[str, Tensor], out_dir: str | Path) -> Path:
-    """Write a HF LLaVA folder for the LanguageModel's state dict: model.safetensors, then
-    config.json, each atomically (config.json last: a folder that has it has its weights).
+def write_hf_llava(
+    spec: ModelSpec,
+    state: Mapping[str, Tensor],
+    out_dir: str | Path,
+    *,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> Path:
+    """Write a HF LLaVA folder for the LanguageModel's state dict (in memory, or a lazy reader
+    of a model folder: then one tensor is read at a time): model.safetensors or shards of at
+    most `max_shard_bytes` with the index, then config.json, each atomically (config.json last:
+    a folder that has it has its weights).
 
     Raises NoHFCounterpart when LLaVA cannot express `spec`."""
     llava_layout(spec)
-    state = {k: t.detach().cpu() for k, t in state.items()}
-    dtype = state[f"towers.{TEXT_TOWER}.embed.weight"].dtype
-    return write_hf_files(out_dir, mmtrain_to_hf(state, spec), hf_config(spec, dtype), ARCHITECTURE)
+    groups = export_groups(spec)
+    meta = meta_state(state)
+    _check_export(meta, groups)
+    config = hf_config(spec, meta[f"towers.{TEXT_TOWER}.embed.weight"].dtype)
+    return hf_clip.write_hf_groups(
+        out_dir, state, groups, config, ARCHITECTURE, max_shard_bytes=max_shard_bytes
+    )

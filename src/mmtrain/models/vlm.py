@@ -2,7 +2,8 @@
 as LLaVA does (a vision tower's hidden states, a projector, one placeholder id per image).
 
 Read top to bottom: the projector, where each id lands among the LM's positions (`Layout`),
-the model (image features, the spliced embeddings, logits), generation.
+the model (image features, the spliced embeddings, logits, the chunked next-token loss),
+generation.
 
 Batch contract (DESIGN.md section 4): "text" int64 [R, T] holds each image as ONE
 `projector.image_token_id`; "image" [N, 3, H, W] holds the batch's images in reading order. In
@@ -24,11 +25,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mmtrain.models.decoder import Decoder, KVCache, document_positions, sample
+from mmtrain.models.materialize import initialised_parameters
+from mmtrain.models.token_loss import chunked_nll_sum
 from mmtrain.models.towers import Tower
 from mmtrain.spec import ModelSpec, ProjectorSpec
 
 TEXT = "text"  # the decoder's name among the towers and the batch key of the token ids
 PAD_DOCUMENT = -1  # data/packing.py's document id of padding (models do not import data/)
+LABELS = "labels"  # the next-token targets, aligned with "text" (train/objectives.py's key)
 
 
 # ----------------------------------------------------------------------------- projector
@@ -61,18 +65,35 @@ class Layout:
     owner: Tensor  # [R, L] the id a position belongs to (clamped into 0..T-1 for padding)
     offset: Tensor  # [R, L] index of a position within its id's span (0 for a text id)
     valid: Tensor  # [R, L] False for padding
+    # The ids' own key mask ("attention_mask") is False only after each row's real ids (right
+    # padding; True without a mask) and the rows are left-aligned: see `_position_inputs`.
+    right_padded: bool = False
+    images: int = 0  # placeholders that take an image
 
     @property
     def length(self) -> int:
         return self.owner.shape[1]
 
 
-def make_layout(is_image: Tensor, image_tokens: int, right_align: bool = False) -> Layout:
-    """The layout of rows whose ids are images where `is_image` [R, T] (bool) is True."""
+def make_layout(
+    is_image: Tensor,
+    image_tokens: int,
+    right_align: bool = False,
+    key_mask: Tensor | None = None,
+) -> Layout:
+    """The layout of rows whose ids are images where `is_image` [R, T] (bool) is True;
+    `key_mask` [R, T] (False: padding ids) only sets `Layout.right_padded`."""
     spans = torch.where(is_image, image_tokens, 1)
     ends = spans.cumsum(dim=1) - 1
     totals = ends[:, -1] + 1
-    length = int(totals.max())  # the only host sync: the expanded length is a shape
+    # The only host sync: the expanded length is a shape. Whether the padding is on the right
+    # (no real id after a padding one) and the number of images ride along in the same
+    # device-to-host copy.
+    trailing = totals.new_ones(())
+    if key_mask is not None:
+        key_mask = key_mask.bool()
+        trailing = (key_mask[:, 1:] & ~key_mask[:, :-1]).any().logical_not().long()
+    length, right_padded, images = torch.stack([totals.max(), trailing, is_image.sum()]).tolist()
     shift = length - totals if right_align else torch.zeros_like(totals)
     e = torch.arange(length, device=is_image.device)[None, :] - shift[:, None]
     valid = (e >= 0) & (e < totals[:, None])
@@ -81,7 +102,14 @@ def make_layout(is_image: Tensor, image_tokens: int, right_align: bool = False) 
     # span ends at or after e.
     owner = torch.searchsorted(ends, e).clamp(max=is_image.shape[1] - 1)
     starts = (ends - spans + 1).gather(1, owner)
-    return Layout(ends=ends + shift[:, None], owner=owner, offset=e - starts, valid=valid)
+    return Layout(
+        ends=ends + shift[:, None],
+        owner=owner,
+        offset=e - starts,
+        valid=valid,
+        right_padded=bool(right_padded) and not right_align,
+        images=images,
+    )
 
 
 def splice(text_embeds: Tensor, image_embeds: Tensor, is_image: Tensor, layout: Layout) -> Tensor:
@@ -122,15 +150,18 @@ class LanguageModel(nn.Module):
     is set (a vision-language model). The decoder is the tower named "text", so per-tower
     training settings, FSDP per block and activation checkpointing find it like any tower.
 
-    `logits(batch)` [R, T, vocab], `forward(batch)` {"logits": ...}, `generate(batch, n)`
-    [R, n] new tokens; see the module docstring for the batch.
+    `logits(batch)` [R, T, vocab], `forward(batch)` {"logits": ...} (or, when the batch has
+    "labels", {"nll_sum": ...} without the logits), `generate(batch, n)` [R, n] new tokens;
+    see the module docstring for the batch.
     """
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, loss_chunk_rows: int | None = None):
         super().__init__()
         if spec.decoder is None:
             raise ValueError(f"model {spec.name!r} has no decoder; build a MultimodalModel")
         self.spec = spec
+        # Positions per chunk of the loss (None: 2**26 logits, `token_loss.default_chunk_rows`).
+        self.loss_chunk_rows = loss_chunk_rows
         self.projector_spec = spec.projector
         towers: dict[str, nn.Module] = {}
         self.projector: Projector | None = None
@@ -238,7 +269,7 @@ class LanguageModel(nn.Module):
             raise ValueError(
                 f"{TEXT!r} must be int64 [rows, ids] with at least one id, got {list(text.shape)}"
             )
-        for key in ("document_ids", "position_ids", "attention_mask"):
+        for key in ("document_ids", "position_ids", "attention_mask", LABELS):
             if key in batch and batch[key].shape != text.shape:
                 raise ValueError(
                     f"{key!r} must have the shape of {TEXT!r} {list(text.shape)} (one entry "
@@ -248,32 +279,38 @@ class LanguageModel(nn.Module):
 
     def _decoder_inputs(
         self, batch: Mapping[str, Tensor], right_align: bool = False
-    ) -> tuple[Tensor, Layout, dict[str, Tensor]]:
+    ) -> tuple[Tensor, Layout, dict[str, Tensor | bool]]:
         """The LM's input embeddings [R, L, W], the layout, and the keyword arguments of
         `Decoder.hidden` (positions, masks) in position space."""
         text = self._check_text(batch)
         is_image = self._is_image(batch)
-        images = self._image_embeds(batch, int(is_image.sum()))
         p = self.spec.image_tokens()
-        layout = make_layout(is_image, p, right_align)
+        layout = make_layout(is_image, p, right_align, batch.get("attention_mask"))
+        images = self._image_embeds(batch, layout.images)
         text_embeds = self.decoder.embed(text)
         if images is None:
             images = text_embeds.new_zeros(0, max(p, 1), text_embeds.shape[-1])
         embeds = splice(text_embeds, images, is_image, layout)
-        return embeds, layout, self._position_inputs(batch, layout)
+        return embeds, layout, self._position_inputs(batch, layout, right_align)
 
-    def _position_inputs(self, batch: Mapping[str, Tensor], layout: Layout) -> dict[str, Tensor]:
-        """`position_ids`, `document_ids` and `attention_mask` of the expanded rows.
+    def _position_inputs(
+        self, batch: Mapping[str, Tensor], layout: Layout, right_align: bool
+    ) -> dict[str, Tensor | bool]:
+        """`position_ids`, `document_ids` and `attention_mask` of the expanded rows, and
+        `right_padded`.
 
         Positions: from "position_ids" (an image's j-th token at its placeholder's position
         + j), else restarting at every document of "document_ids", else counting the unmasked
         positions of "attention_mask" (left padding), else 0, 1, ... Padding added to make rows
-        L long is a padding document / a masked key."""
-        out: dict[str, Tensor] = {}
+        L long is a padding document / a masked key. Right-padded rows (training and eval
+        batches; `Layout.right_padded`) tell the decoder so: it then attends causally without
+        the mask (models/attention.py)."""
+        out: dict[str, Tensor | bool] = {}
         mask = None
         if "attention_mask" in batch:
             mask = expand_per_id(batch["attention_mask"].bool(), layout, False)
-        elif bool(layout.valid[:, 0].logical_not().any()):
+            out["right_padded"] = layout.right_padded
+        elif right_align and bool(layout.valid[:, 0].logical_not().any()):
             mask = layout.valid  # right-aligned rows: their leading padding must not be seen
         if "document_ids" in batch:
             out["document_ids"] = expand_per_id(batch["document_ids"], layout, PAD_DOCUMENT)
@@ -296,7 +333,24 @@ class LanguageModel(nn.Module):
         index = layout.ends[..., None].expand(-1, -1, hidden.shape[-1])
         return self.decoder.head(hidden.gather(1, index))
 
+    def nll_sum(self, batch: Mapping[str, Tensor]) -> Tensor:
+        """Summed next-token NLL of `batch["labels"]` [R, T] (aligned with "text": id t's row
+        scores label t + 1; -100: no target), without the batch's logits: the head and the
+        cross-entropy run `loss_chunk_rows` positions at a time (models/token_loss.py)."""
+        embeds, layout, kwargs = self._decoder_inputs(batch)
+        hidden = self.decoder.hidden(inputs_embeds=embeds, **kwargs)
+        # The rows that predict an id: every id's last position but the last id's.
+        index = layout.ends[:, :-1, None].expand(-1, -1, hidden.shape[-1])
+        scored = hidden.gather(1, index).flatten(0, 1)
+        targets = batch[LABELS][:, 1:].reshape(-1)
+        return chunked_nll_sum(scored, self.decoder.head_weight, targets, self.loss_chunk_rows)
+
     def forward(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """{"nll_sum": `nll_sum(batch)`} when the batch has "labels" (training: the loss runs
+        inside the forward FSDP2 hooks, where the head weight is gathered), else
+        {"logits": `logits(batch)`}."""
+        if LABELS in batch:
+            return {"nll_sum": self.nll_sum(batch)}
         return {"logits": self.logits(batch)}
 
     # ------------------------------------------------------------------------- generation
@@ -376,7 +430,7 @@ class LanguageModel(nn.Module):
         rules = init_rules(self)
         prefix = f"towers.{TEXT}."
         # named_parameters order is: image tower, decoder, projector (registration order).
-        before = [(n, p) for n, p in self.named_parameters() if n.startswith("towers.")]
+        before = [(n, p) for n, p in initialised_parameters(self) if n.startswith("towers.")]
         apply_init_rules([(n, p) for n, p in before if not n.startswith(prefix)], rules, generator)
         self.decoder.init_weights(generator)
         if self.projector is not None:

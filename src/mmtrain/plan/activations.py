@@ -13,7 +13,11 @@ output and the product (h + 4f instead of h + 2f). Attention kernels add:
 - math: the softmax output `a s^2 b` per layer (Korthikanti's quadratic term, without dropout);
 - flash: only the fp32 log-sum-exp, `a s b` (the quadratic term is dropped);
 - a padding mask (bidirectional text): `s b` fp32 per layer, the [b, 1, 1, s] additive mask
-  SDPA makes of the boolean one (it broadcasts over heads and queries).
+  SDPA makes of the boolean one (it broadcasts over heads and queries). A decoder's
+  right-padded rows carry none (causal attention is exact for their real tokens);
+- packed rows (block-diagonal attention): on CUDA flex attention, whose `BlockMask` is a few
+  kilobytes per row (not counted); on the CPU (`dense_packed_mask`, the fallback of
+  models/attention.py) SDPA's fp32 additive [b, 1, s, s] mask per layer.
 Norms keep two fp32 statistics per token (LayerNorm) or one (RMSNorm).
 
 Tensor parallel t divides everything except the norm inputs, qkv input and fc1 input (which
@@ -46,16 +50,17 @@ class ActivationOptions:
     tp: int = 1
     sp: bool = False
     dropout: bool = False
+    dense_packed_mask: bool = False  # packed rows attend through a dense mask (the CPU's path)
 
 
 def activation_options(
-    precision: str, attention: str, ac: str, tp: int, sp: bool
+    precision: str, attention: str, ac: str, tp: int, sp: bool, dense_packed_mask: bool = False
 ) -> ActivationOptions:
     """Byte sizes for a precision mode (fp8 keeps 16-bit activations: its casts are transient)."""
     if precision == "fp32":
-        return ActivationOptions(4, 4, attention, ac, tp, sp)
+        return ActivationOptions(4, 4, attention, ac, tp, sp, False, dense_packed_mask)
     residual = 2 if precision == "bf16-pure" else 4
-    return ActivationOptions(2, residual, attention, ac, tp, sp)
+    return ActivationOptions(2, residual, attention, ac, tp, sp, False, dense_packed_mask)
 
 
 def layer_terms(stack: Stack, micro_batch: int, o: ActivationOptions) -> dict[str, float]:
@@ -86,7 +91,7 @@ def layer_terms(stack: Stack, micro_batch: int, o: ActivationOptions) -> dict[st
             terms["attention_softmax"] *= 2.5  # mask (1 byte) and dropout output (2 bytes)
     if stack.key_mask:
         terms["attention_mask"] = sb * FP32
-    if stack.document_mask:
+    if stack.document_mask and o.dense_packed_mask:
         # SDPA turns the boolean block-diagonal mask into an fp32 additive one and keeps it.
         terms["attention_mask"] = sb * s * FP32
     if o.dropout:
@@ -98,15 +103,15 @@ def layer_terms(stack: Stack, micro_batch: int, o: ActivationOptions) -> dict[st
 
 def _qkv_elements(stack: Stack) -> int:
     """Per token, what attention keeps of q, k and v. Plain blocks: the fused projection's
-    output (q, k and v are views of it). Rotary (decoder.py): the rotated copies of q and k;
-    without grouping also the projection's output (v is a view of it), with grouped-query
-    attention the k and v repeated to every query head instead (the projection is not kept)."""
+    output (q, k and v are views of it). Rotary (decoder.py): the rotated copies of q and k
+    and the projection's output (v is a view of it). Grouped-query attention keeps k and v
+    `kv_heads` wide: the kernels take them grouped (models/attention.py: SDPA's
+    `enable_gqa` on the CPU and in 16-bit on CUDA, flex attention); only fp32 on CUDA repeats
+    them to every query head (2 (heads - kv_heads) head_dim more per token, not counted)."""
     kv = stack.kv_heads * stack.head_dim
     inner = stack.heads * stack.head_dim
     if not stack.rotary:
         return inner + 2 * kv
-    if stack.kv_heads < stack.heads:
-        return 3 * inner
     return (inner + 2 * kv) + inner + kv
 
 
@@ -162,12 +167,23 @@ def layer_bytes(stack: Stack, micro_batch: int, o: ActivationOptions) -> float:
 
 
 def _loss_bytes(stack: Stack, micro_batch: float, o: ActivationOptions) -> float:
-    """The next-token loss: cross-entropy keeps its fp32 log-softmax over the scored rows
-    (each row's ids but the last, whose target is outside the row) and their int64 targets.
-    The logits themselves are not kept: the head's output is cast to fp32 (autocast) or read
-    as is (fp32), and log-softmax's backward needs only its output."""
+    """The next-token loss keeps the int64 targets of the scored rows (each row's ids but the
+    last, whose target is outside the row). No logits and no log-softmax: the head and the
+    cross-entropy run a chunk of positions at a time and are recomputed in backward
+    (models/token_loss.py); what they keep is the head's input, counted with the stem. One
+    chunk's working set is live at a time (`loss_chunk_bytes`)."""
     rows = (stack.logit_rows or stack.tokens) - 1
-    return micro_batch * rows * (stack.vocab * FP32 / o.tp + 8)
+    return micro_batch * rows * 8
+
+
+def loss_chunk_bytes(stack: Stack, micro_batch: float, o: ActivationOptions) -> float:
+    """The chunked loss's transient working set, one chunk at a time (in forward, and again
+    in backward while a chunk is recomputed): its logits in the activation dtype, their fp32
+    copy and log-softmax, and the fp32 gradient of the logits, for
+    `token_loss.CHUNK_ELEMENTS` logits (fewer when the micro-batch has fewer)."""
+    chunk_elements = 2**26  # models/token_loss.py's CHUNK_ELEMENTS (the planner imports no torch)
+    scored = micro_batch * ((stack.logit_rows or stack.tokens) - 1) * stack.vocab
+    return min(chunk_elements, scored) * (o.act_bytes + 3 * FP32) / o.tp
 
 
 @dataclass(frozen=True)
@@ -229,7 +245,7 @@ def stack_activations(
         if input_grad and stack.kind == "decoder":
             ints += stack.tokens  # the splice index: the image tokens' gradient reads it
     stem = micro_batch * (floats * o.act_bytes + ints * 8)
-    if stack.document_mask and o.ac != "none":
+    if stack.document_mask and o.dense_packed_mask and o.ac != "none":
         # the boolean [b, 1, s, s] mask is an input of every checkpointed block (kept once)
         stem += micro_batch * stack.tokens**2
     if stack.mode == "lora":
@@ -238,6 +254,8 @@ def stack_activations(
             layers -= _lora_first_layer_unsaved(stack, micro_batch, o) * in_flight
     logits = _loss_bytes(stack, micro_batch, o) if stack.vocab else 0.0
     recompute = working if o.ac != "none" else 0
+    if stack.vocab:  # the loss's chunk is live before any block is recomputed: the larger
+        recompute = max(recompute, loss_chunk_bytes(stack, micro_batch, o))
     return StackActivations(layers, stem, logits, recompute)
 
 

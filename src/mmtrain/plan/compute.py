@@ -1,10 +1,13 @@
 """Step time, throughput, MFU, time and cost to train.
 
 FLOPs per sample (2 x multiply-adds, spec.py's convention, attention counted non-causally as in
-PaLM's MFU definition): a trainable stack costs 3x its forward (6N per token plus the attention
-term, PaLM App. B: 6N + 12 L H Q T), 4x with full recompute (Narayanan et al. 2021's 8N), plus
-the attention sub-block's forward with selective recompute; a LoRA-adapted stack 2x (input
-gradients, no weight gradients); a frozen stack 1x. MFU counts model FLOPs only (no recompute).
+PaLM's MFU definition) are `spec.train_flops` over the stacks, the definition the trainer's MFU
+uses too: a trainable stack costs 3x its forward (6N per token plus the attention term, PaLM
+App. B: 6N + 12 L H Q T); a LoRA-adapted stack 2x (input gradients, no weight gradients); a
+frozen stack 1x, 2x when a language model's gradient passes through it to a trained stack before
+it. MFU counts model FLOPs only; hardware FLOPs add what activation checkpointing recomputes:
+one more forward of the trained blocks with full recompute (Narayanan et al. 2021's 8N), the
+attention sub-block's forward with selective recompute.
 
 Achievable fraction of peak (default; `--mfu` overrides): the GPU's MAMF fraction (best
 measured bf16 matmul over spec peak, stas00/ml-engineering "Maximum Achievable Matmul FLOPS")
@@ -30,6 +33,7 @@ from mmtrain.plan.comm import all_gather_s, all_reduce_s, group_link, reduce_sca
 from mmtrain.plan.config import PlanConfig
 from mmtrain.plan.model import PlanModel, Stack
 from mmtrain.plan.states import state_bytes
+from mmtrain.spec import FUSION_PART, PartTraining, train_flops
 
 END_TO_END_SHARE_OF_MAMF = 0.65
 OVERLAP = 0.8
@@ -47,20 +51,19 @@ def _attention_block_forward(stack: Stack) -> float:
 @lru_cache(maxsize=256)
 def flops_per_sample(model: PlanModel, ac: str) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) per training sample."""
-    model_flops = hardware = 0.0
-    for s in model.stacks:
-        factor = {"train": 3, "lora": 2, "frozen": 1}[s.mode]
-        if s.mode == "train":  # frozen front blocks (partial freezing) run forward only
-            factor = 1 + 2 * s.trained_layer_share()
-        model_flops += factor * s.forward_flops
-        hardware += factor * s.forward_flops
-        if s.mode != "frozen":
-            if ac == "full":
-                hardware += s.forward_flops * s.trained_layer_share()
-            elif ac == "selective":
-                hardware += _attention_block_forward(s)
-    model_flops += 3 * model.head_flops
-    hardware += 3 * model.head_flops
+    forward = {s.name: float(s.forward_flops) for s in model.stacks}
+    modes = {s.name: PartTraining(s.mode, s.trained_layer_share()) for s in model.stacks}
+    if model.head_flops:
+        forward[FUSION_PART] = float(model.head_flops)  # the fusion head trains
+    chained = model.language_model
+    model_flops = train_flops(forward, modes, chained=chained)
+    if ac == "full":
+        hardware = train_flops(forward, modes, chained=chained, recompute=list(forward))
+    elif ac == "selective":
+        redone = [_attention_block_forward(s) for s in model.stacks if s.mode != "frozen"]
+        hardware = model_flops + sum(redone)
+    else:
+        hardware = model_flops
     return model_flops, hardware
 
 

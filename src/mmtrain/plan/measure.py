@@ -6,7 +6,7 @@ micro-batch and checkpointing mode, and count what it holds, to set beside the p
   With non-reentrant checkpointing the hooks see exactly the checkpointed blocks' inputs.
 - Language models (spec.decoder): rows of the planned length (`context`, default
   `decoder.max_positions`), `images` placeholders per row, `packed` rows of two documents,
-  scored by the next-token cross-entropy (`next_token_loss`).
+  scored by the next-token cross-entropy the model's forward sums in chunks (`next_token_loss`).
 - Model states: parameters, gradients and optimizer states after one AdamW step, by storage.
 - What trains: frozen towers (`--freeze`) and LoRA towers (`--lora`, `--lora-rank`,
   `--lora-targets`) are set up by the trainer's own code (train/optim.py's freezing,
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from mmtrain.config import LoraConfig, TowerTrainConfig, TrainConfig
 from mmtrain.plan.estimate import Plan
+from mmtrain.plan.memory import training_memory
 from mmtrain.spec import ModelSpec, load_spec, with_input_sizes
 
 
@@ -149,12 +150,15 @@ def language_batch(
     return batch
 
 
-def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The trainer's next-token objective (train/objectives.py): the summed cross-entropy of
-    each position's logits against the next id's label, over the target count."""
+def next_token_loss(out: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    """The trainer's next-token objective (train/objectives.py) of a language model's output
+    `out`: the summed cross-entropy of each position against the next id's label (the model's
+    own chunked "nll_sum" when the batch held the labels, else from "logits"), over the
+    target count."""
     from mmtrain.train.objectives import count_targets, token_nll_sum
 
-    return token_nll_sum(logits, labels) / count_targets(labels)
+    nll = out["nll_sum"] if "nll_sum" in out else token_nll_sum(out["logits"], labels)
+    return nll / count_targets(labels)
 
 
 def _storage_bytes(tensors) -> int:
@@ -221,10 +225,13 @@ def measure_training_step(
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(batch)
         if spec.is_language_model():
-            loss = next_token_loss(out["logits"], batch["labels"])
+            loss = next_token_loss(out, batch["labels"])
         else:
             loss = _loss(spec, model, out, generator)
     activations = sum(saved.values())
+    # The prediction for this very step: planned for the CPU, where packed rows keep a dense
+    # mask that flex attention on the plan's GPU does not (models/attention.py).
+    cpu = training_memory(plan.model, plan.config, None)
     loss.backward()
     optimizer.step()
     with_grad = [p for p in model.parameters() if p.grad is not None]
@@ -238,7 +245,7 @@ def measure_training_step(
     return Measured(
         activations_bytes=activations,
         model_state_bytes=_storage_bytes(states),
-        predicted_activations_bytes=int(plan.memory.saved_activations_bytes),
+        predicted_activations_bytes=int(cpu.saved_activations_bytes),
         predicted_model_state_bytes=int(plan.memory.model_state_bytes),
         micro_batch=plan.config.micro_batch,
         ac=plan.config.ac,

@@ -173,7 +173,10 @@ def training_memory(
     """Per-GPU training memory for `model` under strategy `cfg` on `gpu` (None: CPU, no CUDA
     context, `usable_bytes` given by the caller)."""
     weights, grads, optimizer, convention = model_states(model, cfg)
-    o = activation_options(cfg.precision, cfg.attention, cfg.ac, cfg.tp, cfg.sp)
+    # On the CPU packed rows attend through a dense mask (models/attention.py's fallback).
+    o = activation_options(
+        cfg.precision, cfg.attention, cfg.ac, cfg.tp, cfg.sp, dense_packed_mask=gpu is None
+    )
     acts = _activations(model, o, cfg.micro_batch, cfg.pp, cfg.accumulation if cfg.pp > 1 else 1)
     saved, recompute = acts.saved, acts.recompute
     loss = contrastive_bytes(model, cfg.micro_batch, cfg.dp) + fusion_loss_bytes(

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from mmtrain.spec import (
+    PROJECTOR_PART,
     FusionSpec,
     ImageStem,
     ModelSpec,
@@ -377,13 +378,15 @@ def decoder_stack(spec: ModelSpec, rows: Rows, name: str = "text") -> Stack:
     LanguageModel): the token ids, the splice index (one per position) and the gather index
     of the text ids (int64); the rotary cos and sin tables (2 s d, shared by every layer); the
     final RMSNorm's input, statistic, normalised copy and output (the gather that picks the
-    text ids' rows keeps its input); and the LM head's input at each text id."""
+    text ids' rows keeps its input); and the LM head's input at each text id but the last
+    (the rows that predict a next id), which the chunked loss keeps to recompute each chunk's
+    logits in backward (models/token_loss.py), also when the head is frozen."""
     d = spec.decoder
     s, text = rows.positions, _text_ids(spec, rows)
     flops = d.forward_flops(s)
     if rows.forward_flops is not None:
         flops = int(round(rows.forward_flops - (rows.vision_flops or 0)))
-    floats = 2 * s * d.head_dim + s * (3 * d.width + 1) + text * d.width
+    floats = 2 * s * d.head_dim + s * (3 * d.width + 1) + (text - 1) * d.width
     ints = text + s + text
     return Stack(
         name=name,
@@ -407,7 +410,7 @@ def decoder_stack(spec: ModelSpec, rows: Rows, name: str = "text") -> Stack:
         stem_params=d.embedding_params(),
         layer_params=d.block_params(),
         stem_input_int64=text + s,  # a frozen embedding: neither the ids nor the splice index
-        proj_input_elements=s * d.width + text * d.width,  # frozen final norm weight and head
+        proj_input_elements=s * d.width,  # a frozen final norm weight's normalised copy
         norm_copy=True,
         rotary=True,
         document_mask=rows.packed,
@@ -426,15 +429,13 @@ def _vision_stacks(spec: ModelSpec, rows: Rows) -> tuple[Stack, Stack]:
     used = p.blocks_used(tower)
     t = tower.tokens()
     flop_images = rows.images if rows.mean_images is None else rows.mean_images
-    image_flops = p.flops(tower, lm_width)
-    mats = tower.width * lm_width + (lm_width * lm_width if p.kind == "mlp" else 0)
-    projector_flops = 2 * p.image_tokens(tower) * mats
+    vision_flops, projector_flops = p.vision_flops(tower), p.mapping_flops(tower, lm_width)
     pixels = tower.stem.channels * tower.stem.image_size**2
     pre = t * tower.width + (2 if tower.norm == "layernorm" else 1) * t
     vision = replace(
         from_spec_tower(spec, p.tower),
         layers=used,
-        forward_flops=int(round(flop_images * (image_flops - projector_flops))),
+        forward_flops=int(round(flop_images * vision_flops)),
         stem_elements=pixels + (pre if tower.has_pre_norm() else 0),
         stem_int64=0,
         stem_input_elements=pixels + (pre if tower.has_pre_norm() else 0),
@@ -448,7 +449,7 @@ def _vision_stacks(spec: ModelSpec, rows: Rows) -> tuple[Stack, Stack]:
     # output); the MLP keeps GELU's input and fc2's input.
     kept = t * tower.width + (2 * image_tokens * lm_width if p.kind == "mlp" else 0)
     projector = Stack(
-        name="projector",
+        name=PROJECTOR_PART,
         kind="projector",
         layers=0,
         width=lm_width,

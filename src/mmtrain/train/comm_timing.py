@@ -44,10 +44,9 @@ the loop's `torch.cuda.synchronize` at the end of the step: timing adds no synch
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,31 +54,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mmtrain import distributed
+
 log = logging.getLogger(__name__)
 
 # How much of an interval the step waited for (see the module docstring).
-EXPOSED_ALL = "all"  # blocking: the caller (or the compute stream) waited throughout
+EXPOSED_ALL = distributed.EXPOSED_ALL  # blocking: the caller (or compute stream) waited throughout
 EXPOSED_AFTER_LAST_LAUNCH = "tail"  # DDP bucket: waited from the last bucket's launch on
 EXPOSED_UNKNOWN = "none"  # overlapped on a side stream where waiting cannot be observed
 
 Stamp = float | torch.cuda.Event
-
-_active: CommTimer | None = None  # the timer of the step in progress, for `timed_collective`
-
-
-@contextlib.contextmanager
-def timed_collective() -> Iterator[None]:
-    """Time the blocking collective(s) issued inside this block as exposed communication of the
-    current step; a no-op outside a timed step (one process, eval, checkpoints, tests)."""
-    timer = _active
-    if timer is None or not timer.in_step:
-        yield
-        return
-    span = timer.begin(EXPOSED_ALL)
-    try:
-        yield
-    finally:
-        span.end = timer.stamp()
 
 
 @dataclass
@@ -135,14 +119,12 @@ class CommTimer:
         return self
 
     def __enter__(self) -> CommTimer:
-        global _active
-        _active = self
+        # mmtrain.distributed's collectives time themselves against the active timer.
+        distributed.set_collective_timer(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        global _active
-        if _active is self:
-            _active = None
+        distributed.set_collective_timer(None, only_if=self)
         self.in_step = False
         self._spans = []
 

@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
 from torch import Tensor, nn
 
@@ -59,6 +58,7 @@ from mmtrain.models.convert import (
     openclip_to_mmtrain,
     read_openclip_checkpoint,
 )
+from mmtrain.models.safetensors_files import has_weights, open_weights
 from mmtrain.spec import ImageStem, ModelSpec, TextStem, TowerSpec
 from mmtrain.structured import FieldError
 from mmtrain.train.resolution import resize_grid, resize_pos_embed, resize_time
@@ -112,8 +112,8 @@ def read_source(
 
 
 def _read_folder(path: Path, field: str) -> Source:
-    if (path / SPEC_FILE).is_file() and (path / WEIGHTS_FILE).is_file():
-        return _read_mmtrain(path / WEIGHTS_FILE, path / SPEC_FILE, field)
+    if (path / SPEC_FILE).is_file() and has_weights(path):  # one file, or shards + index
+        return _read_mmtrain(path, path / SPEC_FILE, field)
     if (path / "meta.json").is_file() and (path / "manifest.json").is_file():
         return _read_checkpoint(path, field)
     hf = _hf_module()
@@ -138,12 +138,15 @@ def _read_folder(path: Path, field: str) -> Source:
 
 
 def _read_mmtrain(weights: Path, spec_file: Path, field: str) -> Source:
+    """An mmtrain folder (one file or shards + index) or the path of its weights file."""
     spec = _load_spec(spec_file, field)
     try:
-        state = safetensors.torch.load_file(str(weights), device="cpu")
+        with open_weights(weights) as reader:
+            state, files = dict(reader.items()), list(reader.files)
     except Exception as err:  # safetensors raises its own error types for corrupt headers
         raise InitError(field, f"{weights} is not a readable safetensors file: {err}") from None
-    return Source(weights.parent, "mmtrain", spec, state, [weights])
+    folder = weights if weights.is_dir() else weights.parent
+    return Source(folder, "mmtrain", spec, state, files)
 
 
 def _read_checkpoint(path: Path, field: str) -> Source:
@@ -627,7 +630,13 @@ def start_from_init(
     if config.init is None:
         return config
     report = load_init(model, config.init, strict=config.init_strict)
-    for file, digest in report.sha256.items():
+    return record_init_hashes(config, report.sha256)
+
+
+def record_init_hashes(config: RunConfig, sha256: Mapping[str, str]) -> RunConfig:
+    """The config with the sha256 of every file `init` read; InitError when a file the config
+    pinned (`init_sha256`) has another hash now."""
+    for file, digest in sha256.items():
         pinned = config.init_sha256.get(file)
         if pinned is not None and pinned != digest:
             raise InitError(
@@ -635,4 +644,4 @@ def start_from_init(
                 f"the file's sha256 is {digest}, the config expects {pinned}: the baseline "
                 "changed since the config was written",
             )
-    return dataclasses.replace(config, init_sha256=report.sha256)
+    return dataclasses.replace(config, init_sha256=dict(sha256))

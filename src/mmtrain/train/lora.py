@@ -39,6 +39,7 @@ from torch import nn
 
 from mmtrain.atomic import atomic_write_bytes
 from mmtrain.config import LoraConfig, TrainConfig
+from mmtrain.models.materialize import copy_full_
 from mmtrain.structured import FieldError, closest
 
 ADAPTER_NAMES = ("lora_a", "lora_b")
@@ -54,6 +55,8 @@ class LoraLinear(nn.Module):
     Adopts `base`'s weight and bias (the same Parameter objects, so nothing is copied and the
     names stay `weight` / `bias`); `target` ("attn" or "mlp") is recorded for `lora_configs`.
     """
+
+    ADAPTER_PARAMETERS = ADAPTER_NAMES  # drawn by `reset_adapters`, not the model's init
 
     def __init__(
         self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0, target: str = ""
@@ -77,11 +80,25 @@ class LoraLinear(nn.Module):
         float32 from `generator` (the same values on any device); B = 0."""
         a = torch.empty(self.lora_a.shape)
         nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
-        self.lora_a.copy_(a)
+        copy_full_(self.lora_a, a)  # the same values whether lora_a is a shard or not
         self.lora_b.zero_()
 
+    def use_base_linear(self, linear: nn.Module) -> None:
+        """Compute the frozen base's matmul through `linear` (e.g. torchao's fp8 training
+        linear) on this module's own weight and bias. It is held outside the module tree, so
+        parameter names, checkpoints and FSDP's units do not change."""
+        object.__setattr__(self, "_base_linear", linear)
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
+        linear = self.__dict__.get("_base_linear")
+        if linear is None:
+            return F.linear(x, self.weight, self.bias)
+        # This module's parameters as they are now (FSDP swaps in the gathered ones per call).
+        linear.weight, linear.bias = self.weight, self.bias
+        return linear(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self._base(x)
         h = F.dropout(x, self.dropout, self.training) if self.dropout else x
         return y + self.scale * F.linear(F.linear(h, self.lora_a), self.lora_b)
 
@@ -139,16 +156,32 @@ def apply_lora(
             )
     generator = torch.Generator().manual_seed(seed)
     added = 0
-    for name, tower in towers.items():  # model order, not the config's: init is order-bound
+    for name, tower in towers.items():
+        if name in loras:
+            tower.requires_grad_(False)
+    for block, path, lora, target in _targets(model, loras):
+        added += _wrap(block, path, lora, target, generator)
+    return added
+
+
+def reset_lora_adapters(model: nn.Module, loras: Mapping[str, LoraConfig], *, seed: int) -> None:
+    """Draw every adapter again exactly as `apply_lora(model, loras, seed=seed)` drew it: for a
+    model built on the meta device, once its (sharded) parameters have memory."""
+    generator = torch.Generator().manual_seed(seed)
+    for block, path, _, _ in _targets(model, loras):
+        block.get_submodule(path).reset_adapters(generator)
+
+
+def _targets(model: nn.Module, loras: Mapping[str, LoraConfig]):
+    """(block, linear path, LoRA config, target) of every adapted linear, in the order the
+    adapters are drawn: tower order of the model (not the config's), block, TARGET_LAYERS."""
+    for name, tower in model.towers.items():
         if name not in loras:
             continue
-        lora = loras[name]
-        tower.requires_grad_(False)
         for block in tower.blocks:
-            for target in lora.targets:
+            for target in loras[name].targets:
                 for path in TARGET_LAYERS[target]:
-                    added += _wrap(block, path, lora, target, generator)
-    return added
+                    yield block, path, loras[name], target
 
 
 def _alpha(lora: LoraConfig) -> float:

@@ -25,6 +25,7 @@ import math
 import os
 import resource
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,31 +33,89 @@ import torch
 
 from mmtrain.atomic import atomic_write_text
 from mmtrain.config import RunConfig
-from mmtrain.spec import ModelSpec
+from mmtrain.spec import ModelSpec, PartTraining
 
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 
 
-def train_flops_per_sample(forward_flops: int, recompute: bool = False) -> int:
-    """Forward + backward FLOPs per sample: backward is about twice the forward (gradients for
-    inputs and for weights); activation checkpointing adds one more forward."""
-    return forward_flops * (4 if recompute else 3)
+def part_modes(spec: ModelSpec, config: RunConfig) -> dict[str, PartTraining]:
+    """How each part of the model trains in this run (`train.towers`: freeze, lora,
+    freeze_blocks, unlocked_blocks), read off the planner's model of the run, so that the
+    trainer's MFU and `mmtrain plan` count the same FLOPs. Once per run, at set-up."""
+    from mmtrain.plan.model import from_spec
+
+    plan_model = _planned_model(from_spec(spec, _planned_rows(spec, config)), spec, config)
+    return {s.name: PartTraining(s.mode, s.trained_layer_share()) for s in plan_model.stacks}
+
+
+def model_train_flops(
+    spec: ModelSpec,
+    forward_by_part: dict[str, float],
+    modes: dict[str, PartTraining],
+    recompute: Sequence[str] = (),
+) -> int:
+    """Model FLOPs of training on inputs whose forward FLOPs by part are `forward_by_part`
+    (`spec.train_flops`, the planner's definition). With `recompute` (parts under activation
+    checkpointing): hardware FLOPs instead, for HFU."""
+    return round(spec.train_flops(forward_by_part, modes, recompute))
+
+
+def language_model_forward_flops(spec: ModelSpec, batch: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Forward FLOPs of one batch of a language model by part: each row at its length once
+    its images are spliced in (padding included: it is computed), and the batch's images
+    through the vision tower and the projector. Reads the ids on the host (a host copy)."""
+    ids = batch["text"]
+    images = int(batch["image"].shape[0]) if "image" in batch else 0
+    if spec.projector is None or images == 0:
+        return spec.sequence_flops_by_part([ids.shape[1]] * ids.shape[0], 0)
+    per_row = (ids == spec.projector.image_token_id).sum(dim=1).tolist()
+    extra = spec.image_tokens() - 1  # each placeholder becomes image_tokens positions
+    return spec.sequence_flops_by_part([ids.shape[1] + n * extra for n in per_row], images)
+
+
+def step_model_flops(
+    step_spec: ModelSpec,
+    micro_batches: Sequence[dict[str, torch.Tensor]],
+    modes: dict[str, PartTraining],
+    *,
+    batch_size: int,
+    world: int,
+    recompute: Sequence[str] = (),
+) -> int:
+    """Model FLOPs of one optimizer step over all ranks (what MFU divides by the peak).
+    A language model counts the positions and images of this rank's micro-batches and scales
+    by the ranks; other models count `batch_size` (global) samples of the spec's inputs."""
+    if step_spec.decoder is None:
+        per_sample = step_spec.forward_flops_by_part()
+        return model_train_flops(step_spec, per_sample, modes, recompute) * batch_size
+    forward: dict[str, float] = {}
+    for batch in micro_batches:
+        for part, flops in language_model_forward_flops(step_spec, batch).items():
+            forward[part] = forward.get(part, 0) + flops
+    return model_train_flops(step_spec, forward, modes, recompute) * world
 
 
 def detect_peak_flops(device: torch.device, precision: str) -> float | None:
-    """Dense peak FLOP/s of the current GPU from the hardware catalog, or None if unknown."""
+    """Dense peak FLOP/s of the current GPU from the hardware catalog, or None if unknown.
+
+    The catalog knows the names as the driver prints them (`NVIDIA H100 80GB HBM3`); a MIG
+    instance gets its share of the GPU's peak. fp8 runs report MFU against the bf16 peak, the
+    convention of torchtitan and of published fp8 runs (not every matmul is fp8)."""
     if device.type != "cuda":
         return None
-    from mmtrain.hardware import get_gpu
+    from mmtrain.hardware import default_catalog
     from mmtrain.structured import FieldError
 
     name = torch.cuda.get_device_name(device)
     try:
-        return get_gpu(name).peak_flops("bf16" if precision == "fp8" else precision)
-    except FieldError:
-        log.info("no peak FLOP/s known for %r: MFU not reported (set metrics.peak_tflops)", name)
+        gpu, share = default_catalog().resolve_device(name)
+        return gpu.peak_flops("bf16" if precision == "fp8" else precision) * share
+    except FieldError as err:
+        log.info(
+            "no peak FLOP/s for %r (%s): MFU not reported (set metrics.peak_tflops)", name, err
+        )
         return None
 
 
@@ -156,7 +215,11 @@ def planned_memory(
         zero=3 if sharded else 0,
     )
     weights, grads, optimizer, convention = model_states(plan_model, cfg)
-    options = activation_options(precision, "flash", "none", 1, False)
+    # Packed rows attend through flex attention on CUDA, through a dense mask elsewhere
+    # (models/attention.py): the planner counts the mask where it exists.
+    options = activation_options(
+        precision, "flash", "none", 1, False, dense_packed_mask=device.type != "cuda"
+    )
     saved = recompute_bytes = 0.0
     by_tower = {}
     upstream = False  # a language model's stacks feed each other (image -> text), as in plan

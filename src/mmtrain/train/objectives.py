@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmtrain.data.chat_templates import IGNORE_INDEX
-from mmtrain.distributed import sum_over_ranks
+from mmtrain.distributed import sum_tensor_over_ranks
 from mmtrain.losses import ContrastiveLoss
 from mmtrain.spec import ModelSpec
 from mmtrain.train.data import LABEL_KEY  # the fusion head's targets
@@ -133,14 +133,15 @@ class FusionObjective:
 
     def prepare(self, trained: nn.Module, micro_batches: Sequence[Batch], precision: Any) -> None:
         self.k = len(micro_batches)
-        self.total = torch.zeros(())
+        self.total: torch.Tensor | None = None  # on the device: read by the metrics recorder
 
     def reads(self, batch: Batch) -> set[str]:
         return {"fusion"}
 
     def loss(self, out: Mapping[str, torch.Tensor], batch: Batch, j: int) -> torch.Tensor:
         head = fusion_loss(at_least_fp32(out["fusion"]), batch[LABEL_KEY], self.task)
-        self.total = self.total + head.detach().cpu() / self.k
+        share = head.detach() / self.k
+        self.total = share if self.total is None else self.total + share
         return self.weight * head / self.k
 
     def report(self) -> dict[str, torch.Tensor]:
@@ -165,19 +166,26 @@ class NextTokenObjective:
         self.world = world_size
 
     def prepare(self, trained: nn.Module, micro_batches: Sequence[Batch], precision: Any) -> None:
-        local = sum(int(count_targets(b[LABELS_KEY])) for b in micro_batches)
-        self.targets = int(sum_over_ranks([local], dtype=torch.int64)[0])
-        self.total = torch.zeros((), dtype=torch.float64)
+        # Counted and summed over ranks on the device (one all-reduce, no host read): the
+        # step's target tokens, int64 [].
+        local = sum(count_targets(b[LABELS_KEY]) for b in micro_batches)
+        self.targets = sum_tensor_over_ranks(local)
+        self.total: torch.Tensor | None = None
 
     def reads(self, batch: Batch) -> set[str]:
-        return {"logits"}
+        return {"nll_sum", "logits"}  # a LanguageModel given labels returns the sum alone
 
     def loss(self, out: Mapping[str, torch.Tensor], batch: Batch, j: int) -> torch.Tensor:
-        nll = token_nll_sum(out["logits"], batch[LABELS_KEY])
-        if self.targets == 0:  # no target anywhere in the step: nothing to learn, no NaN
-            return nll * 0.0
-        share = nll / self.targets
-        self.total = self.total + share.detach().cpu().double()
+        # A LanguageModel given "labels" sums the NLL itself, chunk by chunk, without the
+        # batch's logits (models/token_loss.py); other decoders return logits.
+        if "nll_sum" in out:
+            nll = out["nll_sum"]
+        else:
+            nll = token_nll_sum(out["logits"], batch[LABELS_KEY])
+        # No target anywhere in the step: the sum is 0 and so is its gradient (no 0 / 0).
+        share = nll / self.targets.clamp(min=1)
+        detached = share.detach().double()
+        self.total = detached if self.total is None else self.total + detached
         return share * self.world  # the wrapper's average over ranks divides by world again
 
     def report(self) -> dict[str, torch.Tensor]:
@@ -219,5 +227,6 @@ def objectives_for(
 
 
 def model_inputs(batch: Batch) -> dict[str, torch.Tensor]:
-    """What the model's forward takes: the batch without the targets."""
-    return {name: value for name, value in batch.items() if name not in (LABEL_KEY, LABELS_KEY)}
+    """What the model's forward takes: the batch without the fusion head's targets. A language
+    model's "labels" stay: its forward computes the next-token NLL sum from them."""
+    return {name: value for name, value in batch.items() if name != LABEL_KEY}

@@ -1,8 +1,9 @@
-"""Parallelism applied to a built model from outside its code (DESIGN.md section 3), in the
-order compile -> activation checkpointing -> DDP or FSDP2.
+"""Parallelism applied to a built model from outside its code (DESIGN.md section 3), per
+block in the order activation checkpointing -> compile -> DDP or FSDP2 (torchtitan's).
 
 - `apply_activation_checkpointing(model, mode, towers)`: per transformer block, per tower,
   non-reentrant `torch.utils.checkpoint`. The trainer and the planner's measurement both use it.
+- `apply_compile(model)`: `torch.compile` on each transformer block, in place.
 - `wrap_data_parallel(model, env, "ddp" | "fsdp", precision)`: a DDP replica per rank, or
   FSDP2 through `apply_fsdp`.
 - `apply_fsdp(model, precision)`: FSDP2 (`fully_shard`) on each transformer block, then on the
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from mmtrain.models.build import unwrap_model
 from mmtrain.structured import FieldError
 
 AC_MODES = ("none", "selective", "full")
@@ -110,6 +112,19 @@ def apply_activation_checkpointing(
     return model
 
 
+def apply_compile(model: nn.Module) -> nn.Module:
+    """Compile each transformer block of every tower in place (`Module.compile`: parameter
+    names, and so checkpoints, are unchanged). Blocks are where the step's FLOPs are, they are
+    what the step calls (a stem or a VLM's feature path calls blocks directly, never the
+    tower's `__call__`), and blocks of one tower share a shape: dynamo compiles one graph per
+    distinct block and reuses it. Apply after activation checkpointing (the checkpointed
+    forward is traced whole) and before FSDP (its hooks stay outside the graph)."""
+    for tower in _towers(model).values():
+        for block in tower.blocks:
+            block.compile()
+    return model
+
+
 # ----------------------------------------------------------------------------- process groups
 @dataclass(frozen=True)
 class DistributedEnv:
@@ -130,17 +145,20 @@ def init_distributed(device: str = "auto") -> DistributedEnv:
         )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    # The device first, then the group bound to it (`device_id`): NCCL then creates its
+    # communicator for this GPU eagerly instead of guessing one at the first collective.
+    dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(dev)
     owns = False
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        if use_cuda:
+            dist.init_process_group("nccl", device_id=dev)
+        else:
+            dist.init_process_group("gloo")
         owns = True
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
-    else:
-        dev = torch.device("cpu")
     return DistributedEnv(dev, rank, world, local_rank, owns)
 
 
@@ -190,12 +208,7 @@ def wrap_data_parallel(
     if env.world_size == 1:
         return model
     if strategy == "fsdp":
-        if unused_parameters:
-            raise FieldError(
-                "train.parallel",
-                "fsdp on several ranks cannot yet train towers that sit out some steps "
-                "(data.train sources of different modalities); use ddp",
-            )
+        check_fsdp_can_train(unused_parameters)
         return apply_fsdp(model, precision)
     device_ids = [env.local_rank] if env.device.type == "cuda" else None
     if unused_parameters:
@@ -214,6 +227,16 @@ def wrap_data_parallel(
         broadcast_buffers=False,
         find_unused_parameters=unused_parameters,
     )
+
+
+def check_fsdp_can_train(unused_parameters: bool) -> None:
+    """FieldError when FSDP2 on several ranks cannot train this run's steps."""
+    if unused_parameters:
+        raise FieldError(
+            "train.parallel",
+            "fsdp on several ranks cannot yet train towers that sit out some steps "
+            "(data.train sources of different modalities); use ddp",
+        )
 
 
 def fsdp_mixed_precision(precision: str):
@@ -251,6 +274,11 @@ def apply_fsdp(
     for tower in _towers(model).values():
         for block in tower.blocks:
             fully_shard(block, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        if getattr(tower, "lm_head", None) is not None:
+            # An untied decoder's embedding is its own unit: gathered for the lookup and freed
+            # before the blocks run (the root, which keeps the head, stays gathered through
+            # the backward). A tied one is the head's weight too, read outside its forward.
+            fully_shard(tower.embed, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     scalars = {p for p in model.parameters() if p.dim() == 0}
     _average_gradients_by_hook(scalars)
     fully_shard(
@@ -309,10 +337,6 @@ def _fsdp_no_sync(module: nn.Module) -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------------- state
-def _plain(module: nn.Module) -> nn.Module:
-    return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
-
-
 def _full_options(**extra: bool):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -331,7 +355,7 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
         state = get_model_state_dict(model, options=_full_options(cpu_offload=True))
         return _copied(model, state)
-    return {k: v.detach().to("cpu", copy=True) for k, v in _plain(model).state_dict().items()}
+    return {k: v.detach().to("cpu", copy=True) for k, v in unwrap_model(model).state_dict().items()}
 
 
 def load_full_model_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -346,7 +370,7 @@ def load_full_model_state_dict(model: nn.Module, state: dict[str, torch.Tensor])
 
         set_model_state_dict(model, state, options=_full_options(broadcast_from_rank0=False))
         return
-    _plain(model).load_state_dict(state)
+    unwrap_model(model).load_state_dict(state)
 
 
 def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -394,8 +418,8 @@ def load_optimizer_state_dict(
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     if not keyed_by_name:
-        state = _keyed_by_name(_plain(model), optimizer, state)
-    set_optimizer_state_dict(_plain(model), optimizer, state, options=_full_options())
+        state = _keyed_by_name(unwrap_model(model), optimizer, state)
+    set_optimizer_state_dict(unwrap_model(model), optimizer, state, options=_full_options())
 
 
 def _keyed_by_name(
@@ -423,7 +447,7 @@ def sharded_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> di
     """
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optimizer_state = get_state_dict(_plain(model), optimizer)
+    model_state, optimizer_state = get_state_dict(unwrap_model(model), optimizer)
     return {"model": model_state, "optimizer": optimizer_state}
 
 
@@ -435,7 +459,7 @@ def load_sharded_state_dict(
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     set_state_dict(
-        _plain(model),
+        unwrap_model(model),
         optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state["optimizer"],

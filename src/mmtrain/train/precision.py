@@ -11,6 +11,10 @@ fp64 keeps weights, inputs, activations and optimizer state in float64. It is no
 it is how a test (or a user in doubt) checks that two runs which differ only in the order of
 their float sums (2 ranks vs 1, accumulation vs one big batch) compute the same thing, because
 float64 rounding (~1e-16) stays far below any tolerance on any CPU, where float32's does not.
+
+fp32 on a CUDA device runs its matmuls and convolutions on TF32 tensor cores (10-bit mantissa
+inputs, fp32 accumulate) unless `train.tf32: false`: this is the speed the planner plans fp32 at
+(the catalog's `tf32_tflops`), and full-IEEE fp32 matmuls are 8-16x slower on Ampere and newer.
 """
 
 from __future__ import annotations
@@ -59,8 +63,11 @@ def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
-def make_precision(name: str, device: torch.device) -> Precision:
-    """The Precision for `name` on `device`; raises FieldError("train.precision") where it cannot run."""
+def make_precision(name: str, device: torch.device, *, tf32: bool = True) -> Precision:
+    """The Precision for `name` on `device`; raises FieldError("train.precision") where it cannot run.
+
+    fp32 on CUDA also sets whether fp32 matmuls and convolutions may use TF32 (`tf32`, the run
+    config's `train.tf32`)."""
     if name not in AUTOCAST_DTYPES:
         raise FieldError("train.precision", f"{name!r} is not one of {', '.join(AUTOCAST_DTYPES)}")
     if name == "fp8":
@@ -70,9 +77,25 @@ def make_precision(name: str, device: torch.device) -> Precision:
             "train.precision",
             "bf16 needs an Ampere or newer GPU (compute capability 8.0+); use fp16",
         )
+    if name == "fp32" and device.type == "cuda":
+        set_tf32(tf32)
     scaler = torch.amp.GradScaler(device.type) if name == "fp16" else None
     param_dtype = torch.float64 if name == "fp64" else torch.float32
     return Precision(name, device.type, AUTOCAST_DTYPES[name], scaler, param_dtype)
+
+
+def set_tf32(enabled: bool) -> None:
+    """Allow (or forbid) TF32 for fp32 matmuls and cuDNN convolutions.
+
+    These switches are process-wide in torch (there is no per-module setting), so the run that
+    owns the process sets them once, at set-up, both ways: a later run in the same process with
+    `tf32: false` gets IEEE fp32 again rather than inheriting an earlier run's choice."""
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):  # torch >= 2.9's switch
+        conv.fp32_precision = "tf32" if enabled else "ieee"
+    else:  # older torch; the new one warns that this flag is deprecated
+        torch.backends.cudnn.allow_tf32 = enabled
 
 
 def check_fp8_supported(device: torch.device) -> None:
@@ -98,21 +121,53 @@ def check_fp8_supported(device: torch.device) -> None:
         )
 
 
-def convert_to_fp8(model: nn.Module, keep_bf16: Sequence[str] = ()) -> nn.Module:
-    """Swap the towers' Linear layers for torchao's fp8 training linears, in place.
+FP8_RECIPES = ("tensorwise", "rowwise")
 
-    Layers whose qualified name contains one of `keep_bf16` (e.g. "proj", "towers.text") stay
-    in bf16 autocast, the usual fix when fp8 diverges; so do layers whose dimensions are not
-    multiples of 16, which fp8 matmul kernels require.
-    """
-    from torchao.float8 import convert_to_float8_training
 
-    def wanted(module: nn.Module, name: str) -> bool:
-        if not isinstance(module, nn.Linear):
-            return False
+def fp8_targets(model: nn.Module, keep_bf16: Sequence[str] = ()) -> dict[str, nn.Module]:
+    """The linears fp8 training converts, by qualified name: every `nn.Linear` inside a
+    tower's transformer blocks (the decoder's and the encoders': where the FLOPs are) and the
+    frozen base of a LoRA linear there. The output layer, embeddings, stems, pooling heads,
+    projections, a VLM's projector and a fusion head stay in bf16 (torchtitan keeps the output
+    layer so too), and so does any layer whose dimensions are not multiples of 16 (fp8 matmul
+    kernels need them) or whose name contains one of `keep_bf16` (the usual fix when fp8
+    diverges)."""
+    from mmtrain.train.lora import LoraLinear
+
+    found = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.Linear, LoraLinear)) or ".blocks." not in f".{name}":
+            continue
         if any(fragment in name for fragment in keep_bf16):
-            return False
-        return module.in_features % 16 == 0 and module.out_features % 16 == 0
+            continue
+        if module.in_features % 16 == 0 and module.out_features % 16 == 0:
+            found[name] = module
+    return found
 
-    convert_to_float8_training(model, module_filter_fn=wanted)
-    return model
+
+def convert_to_fp8(
+    model: nn.Module, keep_bf16: Sequence[str] = (), recipe: str = "tensorwise"
+) -> dict[str, nn.Module]:
+    """Swap the `fp8_targets` for torchao's fp8 training linears in place (a LoRA linear keeps
+    its adapters in bf16 and runs its base matmul in fp8); returns the converted modules by
+    name. Names and state-dict keys do not change: checkpoints load across bf16 and fp8 runs.
+    `recipe`: torchao's "tensorwise" (one scale per tensor) or "rowwise" scaling."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    from mmtrain.train.lora import LoraLinear
+
+    if recipe not in FP8_RECIPES:
+        raise FieldError("train.fp8_recipe", f"{recipe!r} is not one of {', '.join(FP8_RECIPES)}")
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    targets = fp8_targets(model, keep_bf16)
+    plain = {name for name, m in targets.items() if not isinstance(m, LoraLinear)}
+    convert_to_float8_training(
+        model, config=config, module_filter_fn=lambda module, name: name in plain
+    )
+    for module in targets.values():
+        if isinstance(module, LoraLinear):
+            with torch.device("meta"):  # a shell for the base's matmul: no weights of its own
+                shell = nn.Linear(module.in_features, module.out_features, module.bias is not None)
+            module.use_base_linear(Float8Linear.from_float(shell, config=config))
+    return {name: model.get_submodule(name) for name in targets}

@@ -1,0 +1,44 @@
+"""Argument types shared by the commands (a helper module, not a command: its name starts with _).
+
+`count` is the type of every flag that counts things (samples, batch sizes, GPUs, steps):
+people write large counts as `4e8`, `1_000_000` or `1,000,000`, and argparse's `int` refuses
+all three. A count must still be a whole, non-negative number: `2.5` or `1e-3` samples is a
+typo, and is refused with the flag's name rather than rounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from decimal import Decimal
+
+MAX_COUNT = Decimal(10**18)  # beyond every real count; stops 1e999999 from building a huge int
+# 1,000,000 with commas only between groups of three digits (so "1,00" is refused, not 100).
+_THOUSANDS = re.compile(r"[0-9]{1,3}(,[0-9]{3})+")
+# Python's literal syntax (single underscores between digits), with an optional exponent.
+_NUMBER = re.compile(r"-?[0-9]+(_[0-9]+)*(\.[0-9]*)?([eE][+-]?[0-9]+)?")
+
+
+def count(text: str) -> int:
+    """A non-negative whole number written as `400000000`, `4e8`, `4E+8`, `1_000_000` or
+    `1,000,000`; anything else raises argparse.ArgumentTypeError (argparse adds the flag)."""
+    raw = text.strip()
+    plain = raw.replace(",", "") if _THOUSANDS.fullmatch(raw) else raw
+    value = _decimal(plain) if _NUMBER.fullmatch(plain) else None
+    if value is None or value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number up to 1e18 (e.g. 4e8, 1_000_000 or 1,000,000), got {text!r}"
+        )
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return int(value)
+
+
+def _decimal(plain: str) -> Decimal | None:
+    """Decimal, not float: 4e8 is exact and 12345678901234567e0 keeps every digit. None for
+    what no count can be (an exponent so large that decimal overflows, or beyond MAX_COUNT)."""
+    try:
+        value = Decimal(plain.replace("_", ""))
+        return value if abs(value) <= MAX_COUNT else None
+    except ArithmeticError:  # decimal.Overflow
+        return None

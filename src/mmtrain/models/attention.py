@@ -1,0 +1,156 @@
+"""How the decoder attends: which kernel, with which mask, built once per forward.
+
+`attention_inputs` turns a forward's masks into what every layer passes to `attend`, choosing
+the cheapest exact path:
+
+- causal, no mask: rows without padding, and right-padded rows (training and eval batches:
+  each row's padding comes after its real tokens). A real query never sees a later key, so
+  causal attention alone gives every real token the masked result; padding queries then see
+  earlier padding keys too, but their outputs are never read (their labels are -100). SDPA's
+  `is_causal` path runs its flash kernel, which a dense mask would rule out.
+- every key, no mask: one new token after a cache without padding.
+- flex attention: packed rows (`document_ids`) on CUDA in fp16 / bf16 / fp32. A `BlockMask`
+  (same document and k <= q) replaces the L x L mask: blocks outside a document are skipped
+  and nothing quadratic is kept for backward.
+- a dense boolean [B, 1, T, S] mask, the explicit fallback: left padding with a KV cache
+  (generation), and packed rows where flex attention cannot train: on the CPU (torch 2.13's
+  flex attention has no CPU backward, and inductor's CPU flex kernel refuses float64) and in
+  float64 on CUDA. `flex_attention_trains` says which.
+
+Grouped-query attention hands SDPA the `kv_heads` keys and values with `enable_gqa=True`
+where the chosen kernel takes them grouped (CPU flash kernel; CUDA flash kernel: fp16/bf16,
+no mask) and flex attention always; elsewhere on CUDA SDPA would fall back to its math kernel,
+which materialises the scores, so k and v are repeated to every query head instead.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+Mask = Tensor | BlockMask | None
+
+
+def document_runs(document_ids: Tensor) -> Tensor:
+    """[B, T] index of each token's document within its row: a new document starts wherever the
+    id changes, so two packed documents never share a run even if their ids repeat later."""
+    changed = document_ids[:, 1:] != document_ids[:, :-1]
+    return F.pad(changed, (1, 0)).long().cumsum(dim=1)
+
+
+def flex_attention_trains(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether packed rows take the flex-attention path on `device` in `dtype` (module
+    docstring): CUDA in fp16 / bf16 / fp32; elsewhere the dense block-diagonal mask."""
+    return device.type == "cuda" and dtype in FLEX_DTYPES
+
+
+def document_block_mask(document_ids: Tensor) -> BlockMask:
+    """Block-diagonal causal `BlockMask` of packed rows `document_ids` [B, T]: a query sees the
+    keys of its own document (run) at or before it. Built from the [B, T] runs; evaluating the
+    mask_mod makes a transient [B, T, T] boolean (1 byte per pair, once per forward, not kept)."""
+    runs = document_runs(document_ids)
+    b, t = runs.shape
+
+    def same_document_causal(batch: Tensor, head: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        return (runs[batch, q] == runs[batch, k]) & (k <= q)
+
+    return create_block_mask(same_document_causal, b, None, t, t, device=runs.device)
+
+
+def build_attention_mask(
+    queries: int,
+    past: int,
+    device: torch.device,
+    key_mask: Tensor | None = None,
+    document_ids: Tensor | None = None,
+) -> tuple[Tensor | None, bool]:
+    """The dense (attn_mask, is_causal) pair for `scaled_dot_product_attention`: `queries` new
+    tokens after `past` cached ones, causal, AND the optional masks:
+
+    - `key_mask` bool [B, past + queries] (False: a padding key) or [B, queries, past + queries]
+      (per query);
+    - `document_ids` [B, queries]: packed documents attend only within themselves.
+
+    Without extra masks, SDPA's `is_causal` fast path is used (or no mask at all for one token
+    after a cache, which sees every key). A token always sees itself: a left-padding query whose
+    every key is masked would otherwise make SDPA return NaN (its output is never read).
+    """
+    if key_mask is None and document_ids is None:
+        if past == 0:
+            return None, True
+        if queries == 1:
+            return None, False
+    total = past + queries
+    q_pos = torch.arange(past, total, device=device)[:, None]
+    k_pos = torch.arange(total, device=device)[None, :]
+    mask = (k_pos <= q_pos)[None, None]  # [1, 1, T, S]
+    if key_mask is not None:
+        per_key, per_query = (total,), (queries, total)
+        if tuple(key_mask.shape[1:]) not in (per_key, per_query):
+            raise ValueError(
+                f"attention_mask: expected [B, {total}] or [B, {queries}, {total}] "
+                f"({past} cached + {queries} new tokens), got {list(key_mask.shape)}"
+            )
+        key_mask = key_mask.bool()
+        mask = mask & (key_mask[:, None, None, :] if key_mask.dim() == 2 else key_mask[:, None])
+    if document_ids is not None:
+        if past:
+            raise ValueError("document_ids: packed documents are for whole sequences, not a cache")
+        runs = document_runs(document_ids)
+        mask = mask & (runs[:, :, None] == runs[:, None, :])[:, None]
+    return mask | (k_pos == q_pos)[None, None], False
+
+
+def attention_inputs(
+    queries: int,
+    past: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    key_mask: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    right_padded: bool = False,
+) -> tuple[Mask, bool]:
+    """The (mask, is_causal) pair every layer of one forward passes to `attend` (module
+    docstring): `right_padded` says `key_mask` masks only keys after each row's real tokens, so
+    without a cache it is dropped; packed rows get a `BlockMask` where flex attention trains."""
+    if right_padded and past == 0 and key_mask is not None and key_mask.dim() == 2:
+        key_mask = None
+    if document_ids is not None and key_mask is None and flex_attention_trains(device, dtype):
+        if past:
+            raise ValueError("document_ids: packed documents are for whole sequences, not a cache")
+        return document_block_mask(document_ids), False
+    return build_attention_mask(queries, past, device, key_mask, document_ids)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    # Compiled once, on first use (not at import): uncompiled flex attention materialises the
+    # whole score matrix.
+    return torch.compile(flex_attention)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask, is_causal: bool) -> Tensor:
+    """Attention of q [B, heads, T, d] over k, v [B, kv_heads, S, d] (each kv head serves
+    `heads / kv_heads` consecutive query heads) under `attention_inputs`'s (mask, is_causal)."""
+    grouped = q.shape[1] != k.shape[1]
+    if isinstance(mask, BlockMask):
+        # Compiled where it trains; eager elsewhere (forward only, e.g. the CPU checks of
+        # the mask in tests/test_attention.py). Inside a compiled block (train/parallel.py's
+        # compile) the enclosing graph compiles the plain call itself.
+        compiled = q.is_cuda and not torch.compiler.is_compiling()
+        kernel = _compiled_flex_attention() if compiled else flex_attention
+        return kernel(q, k, v, block_mask=mask, enable_gqa=grouped)
+    native = q.device.type == "cpu" or (q.dtype in HALF_DTYPES and mask is None)
+    if grouped and not native:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=grouped and native
+    )

@@ -1,0 +1,60 @@
+"""The next-token loss without the batch's logits: the LM head and the cross-entropy, a chunk of
+positions at a time.
+
+At 16 rows x 2048 positions x a 128k vocabulary the logits are 8 GiB in bf16 and their fp32
+copy (and the log-softmax cross-entropy keeps) 17 GB each. Here each chunk of `chunk_rows`
+positions computes its logits, its summed NLL, and drops them; its backward recomputes them
+(non-reentrant activation checkpointing), so at most one chunk's logits and their gradient
+exist at a time, in forward and in backward. Autograd keeps only each chunk's inputs: the
+head's input rows (views of one tensor) and the targets. The price: the head's forward matmul
+runs twice (a third more head FLOPs).
+
+The head weight is passed in, not read from a module: the caller (`LanguageModel.forward`)
+runs inside the module FSDP2 hooks as its root, so the weight is the gathered one in forward and
+in the backward recomputation alike.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100  # data/chat_templates.py's "no target" label (models do not import data/)
+CHUNK_ELEMENTS = 2**26  # logits per chunk: 256 MiB in fp32 (512 positions at a 128k vocabulary)
+
+
+def default_chunk_rows(vocab: int) -> int:
+    """Positions per chunk for a vocabulary of `vocab`: `CHUNK_ELEMENTS` logits."""
+    return max(1, CHUNK_ELEMENTS // vocab)
+
+
+def chunk_nll_sum(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+    """Sum of -log softmax(hidden @ weight.T)[target] over rows whose target is not -100,
+    the log-softmax in at least fp32 (as `train/objectives.py: token_nll_sum`)."""
+    logits = F.linear(hidden, weight)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_nll_sum(
+    hidden: Tensor, weight: Tensor, targets: Tensor, chunk_rows: int | None = None
+) -> Tensor:
+    """`chunk_nll_sum` of hidden [N, width] against targets [N], `chunk_rows` rows at a time
+    (default `default_chunk_rows`); each chunk's logits are recomputed in backward."""
+    rows = hidden.shape[0]
+    chunk = chunk_rows or default_chunk_rows(weight.shape[0])
+    if chunk <= 0:
+        raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
+    total = None
+    # range(max(rows, 1)): an empty batch still yields a 0 with a graph, as cross_entropy does.
+    for start in range(0, max(rows, 1), chunk):
+        part = (hidden[start : start + chunk], weight, targets[start : start + chunk])
+        if torch.is_grad_enabled():
+            # No randomness in the head or the loss: no RNG state to stash and restore.
+            value = checkpoint(chunk_nll_sum, *part, use_reentrant=False, preserve_rng_state=False)
+        else:
+            value = chunk_nll_sum(*part)
+        total = value if total is None else total + value
+    return total

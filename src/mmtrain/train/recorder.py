@@ -1,0 +1,140 @@
+"""The metrics recorder: every step's row, read from the device only on logging steps.
+
+A step hands over its measurements in two kinds (`add`): host values (counters, times, the
+learning rate) and device tensors (losses, the gradient norm, token counts), which stay where
+they are. Every `metrics.log_every` steps, and whenever the run needs its rows written (a
+checkpoint, validation, a rollback, the end), `flush` reduces the pending steps' device values
+over the ranks in ONE all-reduce, reads them in ONE transfer, and writes each step's row to
+metrics.jsonl and TensorBoard (rank 0), to the bounded in-memory history and to the `on_step`
+callback, in step order. So a row per step is kept, while the host waits for the device once
+per logging interval instead of several times per step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmtrain.distributed import sum_tensor_over_ranks, world_size
+from mmtrain.train.metrics import LossSpikes, MetricsWriter
+
+log = logging.getLogger(__name__)
+
+HISTORY_ROWS = 10_000  # rows kept in memory (TrainResult.history); metrics.jsonl keeps all
+
+
+@dataclass
+class _Pending:
+    step: int
+    host: dict[str, Any]
+    mean: dict[str, torch.Tensor]  # averaged over ranks (each rank's share of a loss)
+    local: dict[str, torch.Tensor]  # the same on every rank (gradient norm, global counts)
+    corrupt: int  # this rank's corrupt samples so far (summed over ranks)
+    keys: list[str]  # the step's sample keys, to name the culprits of a loss spike
+
+
+class MetricsRecorder:
+    """Collects step rows (`add`) and writes them on logging steps (`flush`)."""
+
+    def __init__(
+        self,
+        out: Path,
+        *,
+        rank: int,
+        log_every: int,
+        tensorboard: bool,
+        resume_step: int,
+        corrupt_before: int,
+        on_step: Callable[[dict[str, Any]], None] | None = None,
+    ):
+        self.writer = MetricsWriter(
+            out, enabled=rank == 0, tensorboard=tensorboard, resume_step=resume_step
+        )
+        self.rank, self.log_every, self.on_step = rank, log_every, on_step
+        self.corrupt_before = corrupt_before
+        self.spikes = LossSpikes()
+        self.pending: list[_Pending] = []
+        self.history: list[dict[str, Any]] = []
+
+    def add(
+        self,
+        step: int,
+        host: dict[str, Any],
+        mean: dict[str, torch.Tensor],
+        local: dict[str, torch.Tensor],
+        corrupt: int,
+        keys: list[str],
+    ) -> None:
+        self.pending.append(_Pending(step, host, mean, local, corrupt, keys))
+
+    def due(self, step: int) -> bool:
+        return step % self.log_every == 0
+
+    def flush(self) -> None:
+        """Reduce, read and write the pending rows (a collective: every rank calls it)."""
+        if not self.pending:
+            return
+        values = self._read_pending()
+        for pending, (mean, local, corrupt) in zip(self.pending, values, strict=True):
+            row = {**mean, **local, **pending.host, "corrupt_samples": corrupt}
+            if "target_tokens" in row and row.get("step_s"):
+                row["target_tokens_per_s"] = row["target_tokens"] / row["step_s"]
+            if self.spikes.check(row["loss"]):
+                log.warning(
+                    "step %d: loss spike %.4f; samples: %s",
+                    pending.step, row["loss"], ", ".join(pending.keys),
+                )  # fmt: skip
+            self._write(pending.step, row)
+        self.pending.clear()
+
+    def _read_pending(self) -> list[tuple[dict[str, float], dict[str, float], int]]:
+        """The pending steps' values as numbers: means over ranks, local values and the
+        corrupt-sample totals, from one all-reduce and one device->host transfer."""
+        pending = self.pending
+        means = [v.reshape(()).double() for p in pending for v in p.mean.values()]
+        locals_ = [v.reshape(()).double() for p in pending for v in p.local.values()]
+        device = (means + locals_)[0].device if means or locals_ else torch.device("cpu")
+        corrupt = torch.tensor([p.corrupt for p in pending], dtype=torch.float64, device=device)
+        summed = sum_tensor_over_ranks(
+            torch.cat([torch.stack(means).to(device), corrupt]) if means else corrupt
+        )
+        flat = torch.cat([summed, torch.stack(locals_).to(device)]) if locals_ else summed
+        numbers = flat.tolist()  # the one read of the logging interval
+        n_mean, n = len(means), len(pending)
+        mean_values = iter(v / world_size() for v in numbers[:n_mean])
+        corrupt_totals = numbers[n_mean : n_mean + n]
+        local_values = iter(numbers[n_mean + n :])
+        return [
+            (
+                {name: next(mean_values) for name in p.mean},
+                {name: next(local_values) for name in p.local},
+                self.corrupt_before + int(round(total)),
+            )
+            for p, total in zip(pending, corrupt_totals, strict=True)
+        ]
+
+    def _write(self, step: int, row: dict[str, Any]) -> None:
+        self.writer.write(step, row)
+        self.history.append({"step": step, **row})
+        if len(self.history) > HISTORY_ROWS:
+            del self.history[: len(self.history) - HISTORY_ROWS]
+        if self.on_step is not None and self.rank == 0:
+            self.on_step({"step": step, **row})
+
+    def rewind(self, step: int) -> None:
+        """Forget the rows after `step` (a rollback to the checkpoint of `step`)."""
+        self.pending = [p for p in self.pending if p.step <= step]
+        self.flush()
+        self.writer.rewind(step)
+        self.history = [row for row in self.history if row["step"] <= step]
+
+    def record(self, kind: str, step: int, data: dict[str, Any]) -> None:
+        self.writer.record(kind, step, data)
+
+    def close(self) -> None:
+        self.writer.close()

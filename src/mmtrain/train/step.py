@@ -1,0 +1,139 @@
+"""One optimizer step's device work: forward and backward over K micro-batches, then the
+gradient check, clipping and the optimizer.
+
+The step never waits on the device but once: `optimizer_step` reads two flags (is the loss
+finite on every rank, is the gradient finite) to decide whether to step, as GradScaler does.
+Losses, the gradient norm and the objectives' counts stay on the device; the metrics recorder
+(train/recorder.py) reads them on logging steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from mmtrain.distributed import sum_tensor_over_ranks
+from mmtrain.models.build import unwrap_model
+from mmtrain.train import parallel
+from mmtrain.train.data import LABEL_KEY
+from mmtrain.train.objectives import Objective, model_inputs
+from mmtrain.train.precision import Precision, at_least_fp32
+
+log = logging.getLogger(__name__)
+
+
+def forward_backward(
+    trained: nn.Module,
+    objectives: Sequence[Objective],
+    micro_batches: Sequence[dict[str, torch.Tensor]],
+    precision: Precision,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Forward and backward over K micro-batches, with the gradient of ONE batch of all of them
+    (each objective normalises its share so; train/objectives.py says how).
+
+    `trained` is what runs the forward (the DDP/compiled wrapper). Gradients accumulate in
+    `.grad`; DDP synchronises them on the last micro-batch only. Returns this rank's share of
+    the step's total loss and the named parts of the objectives (loss per pair, "fusion"),
+    detached, on the device: reading them is the caller's choice.
+    """
+    for objective in objectives:
+        objective.prepare(trained, micro_batches, precision)
+    k = len(micro_batches)
+    plain = unwrap_model(trained)
+    for j, batch in enumerate(micro_batches):
+        sync = contextlib.nullcontext() if j == k - 1 else parallel.no_sync(trained)
+        with sync:
+            with precision.autocast():
+                out = trained(model_inputs(batch))
+            loss = torch.zeros((), device=next(iter(out.values())).device)
+            read: set[str] = set()
+            for objective in objectives:
+                loss = loss + objective.loss(out, batch, j)
+                read |= objective.reads(batch)
+            if trained is not plain:
+                # Outputs no loss reads (a fused tower's projection): a zero term keeps their
+                # parameters in the graph, so DDP's reducer gets a (zero) gradient for each.
+                for name in sorted(out.keys() - read):
+                    loss = loss + 0.0 * at_least_fp32(out[name]).sum()
+            if precision.scaler is not None:
+                precision.scaler.scale(loss).backward()
+            else:
+                loss.backward()
+    total: torch.Tensor | None = None
+    parts: dict[str, torch.Tensor] = {}
+    for objective in objectives:
+        for name, value in objective.report().items():
+            if name:
+                parts[name] = value
+            else:
+                total = value if total is None else total + value
+    if total is None:
+        total = torch.zeros((), dtype=torch.float64)
+    return total, parts
+
+
+def optimizer_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    precision: Precision,
+    grad_clip: float | None,
+    loss: torch.Tensor | None = None,
+    skip: bool = False,
+) -> tuple[torch.Tensor, bool, bool]:
+    """Unscale (fp16), clip, and step unless the loss (on any rank) or the gradient is not
+    finite; returns (gradient norm on the device, stepped, loss finite on every rank).
+
+    The one device->host read of the step is here: both flags in one transfer, after one
+    all-reduce of them (the ranks must agree to skip, and to count a bad step towards a
+    rollback). With fp16 the scaler still lowers its scale after an overflow (`update` reads
+    the unscale's inf checks on the device), so a skipped step costs no other read.
+    `skip`: the caller wants this step skipped whatever the flags say.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    scaler = precision.scaler
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    max_norm = grad_clip if grad_clip is not None else math.inf
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if hasattr(norm, "full_tensor"):  # FSDP2's gradients are DTensors: so is their norm
+        norm = norm.full_tensor()
+    bad_loss = torch.zeros((), device=norm.device) if loss is None else ~torch.isfinite(loss)
+    flags = torch.stack([bad_loss.to(norm.device, torch.float32), (~torch.isfinite(norm)).float()])
+    loss_bad, grad_bad = sum_tensor_over_ranks(flags).tolist()  # the step's one read
+    stepped = not (skip or loss_bad or grad_bad)
+    if stepped:
+        optimizer.step()
+    else:
+        optimizer.zero_grad(set_to_none=True)
+    if scaler is not None:
+        scaler.update()
+    return norm.detach(), stepped, not loss_bad
+
+
+def move_batch(
+    batch: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """The batch on `device`, float inputs in `dtype` (the weights' dtype; labels keep theirs).
+    A pinned host tensor is copied without blocking the host."""
+
+    def move(name: str, value: torch.Tensor) -> torch.Tensor:
+        if device.type != "cpu":
+            value = value.to(device, non_blocking=value.is_pinned())
+        if name != LABEL_KEY and value.is_floating_point() and value.dtype != dtype:
+            value = value.to(dtype)
+        return value
+
+    return {name: move(name, value) for name, value in batch.items()}
+
+
+def inject_nan(batch: dict[str, torch.Tensor]) -> None:
+    """Fault injection (`guards.inject_nan_steps`): overwrite the float inputs with NaN."""
+    for name, value in batch.items():
+        if name != LABEL_KEY and value.is_floating_point():
+            batch[name] = torch.full_like(value, math.nan)
+    log.warning("fault injection: NaN inputs in this step's first micro-batch")
