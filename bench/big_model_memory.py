@@ -58,8 +58,9 @@ def make_baseline(folder: Path, layers: int) -> int:
 
 def make_run(root: Path, baseline: Path, steps: int) -> dict:
     """Text conversations in shards, a byte-level BPE, and the run's config (lr 0)."""
-    from mmtrain.data.shards import ShardWriter, write_manifest
-    from mmtrain.data.tokenizer import train_bpe
+    from mmtrain.data.storage.manifest import write_manifest
+    from mmtrain.data.storage.shard_writer import ShardWriter
+    from mmtrain.data.stream.tokenizer import train_bpe
     from mmtrain.models.hf import language_model_spec
     from mmtrain.models.hf_llama import spec_from_config
 

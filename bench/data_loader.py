@@ -43,12 +43,19 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mmtrain.data.cache import CachedDecoder, ImageCache
-from mmtrain.data.loader import StreamingLoader
-from mmtrain.data.media import decode_video
-from mmtrain.data.shards import ShardSet, ShardWriter, write_manifest
-from mmtrain.data.tokenizer import ByteTokenizer
-from mmtrain.data.transforms import AugmentConfig, ImageTransform, SampleDecoder, VideoTransform
+from mmtrain.data.storage.manifest import write_manifest
+from mmtrain.data.storage.shard_writer import ShardWriter
+from mmtrain.data.storage.shards import ShardSet
+from mmtrain.data.stream.decoded_cache import CachedDecoder, ImageCache
+from mmtrain.data.stream.loader import StreamingLoader
+from mmtrain.data.stream.media import decode_video
+from mmtrain.data.stream.tokenizer import ByteTokenizer
+from mmtrain.data.stream.transforms import (
+    AugmentConfig,
+    ImageTransform,
+    SampleDecoder,
+    VideoTransform,
+)
 from mmtrain.spec import ModelSpec, load_spec
 
 RESULTS = Path(__file__).with_name("RESULTS.md")

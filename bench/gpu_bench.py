@@ -30,15 +30,15 @@ import torch
 from common import command, machine
 
 import mmtrain
+from mmtrain.checkpoint import save_checkpoint
 from mmtrain.hardware import default_catalog
 from mmtrain.losses import ContrastiveLoss
 from mmtrain.plan.config import PlanConfig
 from mmtrain.plan.estimate import make_plan
-from mmtrain.plan.measure import random_batch
 from mmtrain.plan.workloads import load_model
 from mmtrain.spec import load_spec
-from mmtrain.train.checkpoint import save_checkpoint
 from mmtrain.train.loop import forward_backward, optimizer_step
+from mmtrain.train.measure_step import random_batch
 from mmtrain.train.metrics import detect_peak_flops
 from mmtrain.train.objectives import LABELS_KEY, ContrastiveObjective, NextTokenObjective
 from mmtrain.train.parallel import apply_activation_checkpointing, apply_compile
@@ -257,6 +257,49 @@ def checkpoint_seconds(model, optimizer) -> float:
         return time.perf_counter() - start
 
 
+def data_path_note(device: torch.device) -> str:
+    """The training data path on this device: micro shards through `TrainData` with 2 workers,
+    uint8 pixels pinned by the DataLoader's pin thread (on CUDA), copied without blocking and
+    normalised on the device, against the workers' float32 pixels: equal bit for bit?"""
+    import yaml
+
+    from mmtrain.config import config_from_dict
+    from mmtrain.train.data import TrainData
+    from mmtrain.train.step import move_batch
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+    from micro import MICRO_SPEC, make_shards
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_file = Path(tmp) / "spec.yaml"
+        spec_file.write_text(yaml.safe_dump(MICRO_SPEC))
+        shards = make_shards(Path(tmp) / "shards", 32)
+        config = config_from_dict(
+            {"model": str(spec_file), "data": {"train": shards, "workers": 2},
+             "train": {"steps": 1, "batch_size": 8}, "out": str(Path(tmp) / "run")}
+        )  # fmt: skip
+        spec = load_spec(str(spec_file))
+        on_cuda = device.type == "cuda"
+        fast = TrainData(config, spec, rank=0, world_size=1, micro_batch=8, uint8_pixels=True,
+                         pin_memory=on_cuda)  # fmt: skip
+        plain = TrainData(config, spec, rank=0, world_size=1, micro_batch=8)
+        pixels = {k: tuple(torch.as_tensor(v, device=device) for v in vs)
+                  for k, vs in fast.pixel_normalisation().items()}  # fmt: skip
+        equal, pinned = True, True
+        for _ in range(4):
+            a, b = fast.next_batch(), plain.next_batch()
+            pinned &= all(t.is_pinned() for t in a.values()) if on_cuda else True
+            got = move_batch(a, device, torch.float32, pixels)
+            want = move_batch(b, device, torch.float32)
+            equal &= all(torch.equal(got[k], want[k]) for k in want)
+        fast.close(), plain.close()
+    return (
+        f"data path ({'pinned ' if on_cuda else ''}uint8 pixels normalised on {device.type}, "
+        f"2 workers): {'equal' if equal else 'DIFFERENT'} to the workers' float32 pixels; "
+        f"batches pinned: {pinned}"
+    )
+
+
 def _or_dash(value, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
@@ -337,6 +380,11 @@ def main() -> int:
     lm = run("LM", language_model_case, args, device, 2 if args.dry_run else 8, positions)
     if lm is not None:
         notes.append(f"LM: {lm['tokens_s']:,.0f} tokens/s")
+    try:
+        notes.append(data_path_note(device))
+    except Exception as err:  # noqa: BLE001 - report and go on
+        notes.append(f"data path: failed: {type(err).__name__}: {err}")
+    print(notes[-1], flush=True)
     import importlib.util
 
     if importlib.util.find_spec("torchao") is None:

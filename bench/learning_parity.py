@@ -216,14 +216,14 @@ def save_legacy_init(spec, folder: Path, seed: int) -> Path:
     import torch
 
     from mmtrain.models import create_model, save_model
-    from mmtrain.models.build import _NORMS
+    from mmtrain.models.init_rules import NORMS
 
     model = create_model(spec, seed=seed)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for module in model.modules():
             for name, param in module.named_parameters(recurse=False):
-                if isinstance(module, _NORMS) or module is model or name == "bias":
+                if isinstance(module, NORMS) or module is model or name == "bias":
                     continue  # already 1/0, the spec's logit scale, zero
                 param.normal_(0.0, 0.01 if name.startswith("pos_") else 0.02, generator=generator)
     return save_model(model, folder)

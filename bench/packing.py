@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from common import append_results, load_average
 
-from mmtrain.data.chat_templates import IGNORE_INDEX, EncodedSample
-from mmtrain.data.packing import (
+from mmtrain.data.stream.chat_templates import IGNORE_INDEX, EncodedSample
+from mmtrain.data.stream.packing import (
     PackedRow,
     expand_images,
     pack_rows,

@@ -20,8 +20,8 @@ from pathlib import Path
 from mmtrain.hardware import default_catalog
 from mmtrain.plan.config import PlanConfig
 from mmtrain.plan.estimate import make_plan
-from mmtrain.plan.measure import measure_training_step
 from mmtrain.plan.workloads import load_model
+from mmtrain.train.measure_step import measure_training_step
 
 CASES = [
     # (model, micro-batch, ac, image_size, context)

@@ -6,8 +6,9 @@ instruction tuning takes around 20 hours for LLaVA-v1.5-13B on 8x A100 (80G) ...
 around 10 hours for LLaVA-v1.5-7B on 8x A100 (40G)"; the paper (Liu et al. 2023, "Improved
 Baselines with Visual Instruction Tuning", arXiv 2310.03744): the 13B model "finishes full
 training in ~1 day on a single 8-A100 node". Recipe (scripts/v1_5/finetune.sh): DeepSpeed
-ZeRO-3, bf16, gradient checkpointing, per-device batch 16, global batch 128, one epoch,
-model_max_length 2048, the vision tower frozen, group_by_modality_length.
+ZeRO-3, bf16 (the model in bf16, fp32 master weights and Adam states in the optimizer: the
+planner's `bf16-weights`), gradient checkpointing, per-device batch 16, global batch 128,
+one epoch, model_max_length 2048, the vision tower frozen, group_by_modality_length.
 
 No copy of llava_v1_5_mix665k.json is used here, so the lengths are SYNTHETIC, seeded, and
 stated (see `synthetic_llava_665k`). With the real file converted to conversation shards,
@@ -28,14 +29,20 @@ from dataclasses import replace
 from pathlib import Path
 
 from mmtrain.hardware import default_catalog
+from mmtrain.lengths import Lengths, summarize
 from mmtrain.plan.config import PlanConfig
 from mmtrain.plan.data_plan import plan_from_data
-from mmtrain.plan.lengths import Lengths, summarize
 from mmtrain.spec import load_spec
 
 PUBLISHED_H = 10.0  # LLaVA README: ~10 h for LLaVA-v1.5-7B stage 2 on 8x A100 (40G)
 SAMPLES = 665_298  # records of llava_v1_5_mix665k (mrm8488/llava_v1_5_mix665k dataset card)
 TEXT_ONLY = 40_000  # ShareGPT conversations (llava-v1.5-7b model card: "40K ShareGPT data")
+CASES = (  # (GPU, precision, bytes per parameter)
+    ("a100-40g", "bf16-weights", 16),
+    ("a100-40g", "bf16-weights", 18),
+    ("a100-40g", "bf16", 16),
+    ("a100", "bf16-weights", 16),
+)
 
 ASSUMPTION = (
     "Synthetic lengths (assumed, not measured): 94% of conversations hold one image (576 "
@@ -81,13 +88,17 @@ def main() -> int:
     dist = summarize(lengths.positions)
     catalog = default_catalog()
     rows = [
-        "| GPUs | layout | rows | samples/row | fill | mem GiB/GPU | fits | MFU | predicted h | published h |",
-        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|",
+        "| GPUs | precision | layout | rows | samples/row | fill | mem GiB/GPU | fits | MFU "
+        "| useful MFU | predicted h | published h |",
+        "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
-    for gpu in ("a100-40g", "a100"):
+    notes = []
+    # The recipe's DeepSpeed bf16 (the model in bf16, fp32 master and Adam states: 16 B/param,
+    # 18 with DeepSpeed's fp32 gradient partitions), then torch autocast for comparison.
+    for gpu, precision, bytes_per_param in CASES:
         cfg = PlanConfig(
-            gpu=gpu, gpus=8, precision="bf16", zero=3, ac="full", micro_batch=16,
-            global_batch=128,
+            gpu=gpu, gpus=8, precision=precision, bytes_per_param=bytes_per_param, zero=3,
+            ac="full", micro_batch=16, global_batch=128,
         )  # fmt: skip
         for p in plan_from_data(
             spec,
@@ -99,12 +110,17 @@ def main() -> int:
             adapt=lambda m: m.with_modes({"image": "frozen"}),
         ):
             lay, mem, t = p.layout, p.plan.memory, p.plan.time
+            useful = t.mfu * lay.useful_flops / lay.computed_flops
             rows.append(
-                f"| 8 x {p.plan.gpu.name} | {lay.name} | {p.plan.config.samples:,} | "
-                f"{lay.samples_per_row:.2f} | {lay.fill:.1%} | {mem.total_bytes / 2**30:.1f} | "
-                f"{'yes' if mem.fits else 'NO'} | {t.mfu:.0%} | {p.hours:.1f} | ~{PUBLISHED_H:g} |"
+                f"| 8 x {p.plan.gpu.name} | {precision} ({bytes_per_param} B/param) | "
+                f"{lay.name} | {p.plan.config.samples:,} | {lay.samples_per_row:.2f} | "
+                f"{lay.fill:.1%} | {mem.total_bytes / 2**30:.1f} | "
+                f"{'yes' if mem.fits else 'NO'} | {t.mfu:.1%} | {useful:.1%} | {p.hours:.1f} | "
+                f"~{PUBLISHED_H:g} |"
             )
             print(rows[-1], flush=True)
+            if gpu == CASES[0][0] and precision == CASES[0][1] and bytes_per_param == 16:
+                notes.append(f"{lay.name}: family {t.efficiency_family}, {t.efficiency_source}")
     text = "\n".join(
         [
             f"\n## plan_llava ({datetime.date.today()})",
@@ -112,13 +128,19 @@ def main() -> int:
             f"command: `{' '.join([Path(sys.executable).name, *sys.argv])}`",
             f"machine: {_machine()}",
             "",
-            "LLaVA-1.5-7B stage 2 (665K conversations, ZeRO-3, bf16, full checkpointing, "
+            "LLaVA-1.5-7B stage 2 (665K conversations, ZeRO-3, full checkpointing, "
             "micro-batch 16, global 128, tower frozen, rows of 2048) against the published "
-            "~10 h on 8x A100 (40G) (haotian-liu/LLaVA README).",
+            "~10 h on 8x A100 (40G) (haotian-liu/LLaVA README). The recipe's DeepSpeed bf16 "
+            "is `bf16-weights`; `bf16` (torch autocast, fp32 residual stream) for comparison. "
+            "MFU counts the computed positions (padding included); useful MFU the samples' own.",
             f"{ASSUMPTION} Drawn {args.draw:,}: positions mean {dist['mean']:,}, p50 "
             f"{dist['p50']:,}, p90 {dist['p90']:,}, p99 {dist['p99']:,}, max {dist['max']:,}.",
             "",
             *rows,
+            "",
+            "Achievable fraction of peak (plan/compute.py):",
+            "",
+            *(f"- {n}" for n in notes),
             "",
         ]
     )

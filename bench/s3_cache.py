@@ -36,11 +36,14 @@ from common import append_results, load_average, machine
 from PIL import Image
 
 from mmtrain.atomic import sha256_file
-from mmtrain.data.loader import StreamingLoader
-from mmtrain.data.shard_cache import CacheStats, ShardCache
-from mmtrain.data.shards import ShardSet, ShardWriter, index_shard, write_manifest
-from mmtrain.data.tokenizer import ByteTokenizer
-from mmtrain.data.transforms import SampleDecoder
+from mmtrain.data.storage.manifest import write_manifest
+from mmtrain.data.storage.remote_cache import CacheStats, ShardCache
+from mmtrain.data.storage.shard_writer import ShardWriter
+from mmtrain.data.storage.shards import ShardSet
+from mmtrain.data.storage.tar_index import index_shard
+from mmtrain.data.stream.loader import StreamingLoader
+from mmtrain.data.stream.tokenizer import ByteTokenizer
+from mmtrain.data.stream.transforms import SampleDecoder
 from mmtrain.spec import load_spec
 
 BATCH = 32

@@ -37,11 +37,11 @@ from PIL import Image
 
 import mmtrain
 from mmtrain.config import load_config
-from mmtrain.data.shards import ShardWriter
+from mmtrain.data.storage.shard_writer import ShardWriter
 from mmtrain.losses import ContrastiveLoss
-from mmtrain.plan.measure import random_batch
 from mmtrain.spec import ModelSpec, load_spec
 from mmtrain.train.loop import forward_backward, optimizer_step, train
+from mmtrain.train.measure_step import random_batch
 from mmtrain.train.objectives import ContrastiveObjective
 from mmtrain.train.parallel import apply_activation_checkpointing
 from mmtrain.train.precision import make_precision

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from mmtrain.data.shards import ShardWriter
+from mmtrain.data.storage.shard_writer import ShardWriter
 
 COLORS = ("red", "green", "blue", "white")
 
@@ -139,9 +139,9 @@ def crash_at_write(monkeypatch, n: int):
     """Make the n-th sample a data build writes raise BuildCrash (samples before it, and the
     shards they completed, are written as usual). Returns the function that ends it (and only
     it: the test's other patches, such as environment variables, stay)."""
-    from mmtrain.data import ingest
+    from mmtrain.data.ingest import pipeline
 
-    real_write = ingest.ShardWriter.write
+    real_write = pipeline.ShardWriter.write
     writes = [0]
 
     def crashing_write(self, sample):
@@ -150,5 +150,5 @@ def crash_at_write(monkeypatch, n: int):
             raise BuildCrash
         return real_write(self, sample)
 
-    monkeypatch.setattr(ingest.ShardWriter, "write", crashing_write)
-    return lambda: monkeypatch.setattr(ingest.ShardWriter, "write", real_write)
+    monkeypatch.setattr(pipeline.ShardWriter, "write", crashing_write)
+    return lambda: monkeypatch.setattr(pipeline.ShardWriter, "write", real_write)

@@ -9,11 +9,18 @@ import pytest
 import torch
 from PIL import Image
 
-from mmtrain.data.cache import CachedDecoder, CacheLimitError, ImageCache, resize_centre_square
-from mmtrain.data.loader import StreamingLoader
-from mmtrain.data.media import MediaError, decode_image
-from mmtrain.data.shards import ShardSet, ShardWriter, write_manifest
-from mmtrain.data.transforms import SampleDecoder
+from mmtrain.data.storage.manifest import write_manifest
+from mmtrain.data.storage.shard_writer import ShardWriter
+from mmtrain.data.storage.shards import ShardSet
+from mmtrain.data.stream.decoded_cache import (
+    CachedDecoder,
+    CacheLimitError,
+    ImageCache,
+    resize_centre_square,
+)
+from mmtrain.data.stream.loader import StreamingLoader
+from mmtrain.data.stream.media import MediaError, decode_image
+from mmtrain.data.stream.transforms import SampleDecoder
 from mmtrain.spec import load_spec
 
 SIZES = [(200, 150), (90, 130), (64, 64), (300, 120), (150, 200), (77, 99)]

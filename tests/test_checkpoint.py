@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from mmtrain.train.checkpoint import (
+from mmtrain.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,

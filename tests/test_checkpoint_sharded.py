@@ -15,10 +15,7 @@ import torch
 import mmtrain
 from dist_helpers import run_distributed
 from micro import MICRO_SPEC, make_shards, micro_run
-from mmtrain.spec import ModelSpec
-from mmtrain.structured import FieldError
-from mmtrain.train import parallel
-from mmtrain.train.checkpoint import (
+from mmtrain.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
@@ -27,6 +24,9 @@ from mmtrain.train.checkpoint import (
     save_sharded_checkpoint,
     verify_checkpoint,
 )
+from mmtrain.spec import ModelSpec
+from mmtrain.structured import FieldError
+from mmtrain.train import parallel
 from mmtrain.train.loop import train
 
 STEP2, STEP4 = "checkpoints/step_00000002", "checkpoints/step_00000004"

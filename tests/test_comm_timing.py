@@ -17,7 +17,6 @@ from dist_helpers import run_distributed
 from micro import micro_spec
 from mmtrain.distributed import timed_collective
 from mmtrain.losses import ContrastiveLoss
-from mmtrain.plan.measure import random_batch
 from mmtrain.report.plots import step_time_plot
 from mmtrain.report.rundata import load_run
 from mmtrain.spec import ModelSpec
@@ -30,6 +29,7 @@ from mmtrain.train.comm_timing import (
     union_length,
 )
 from mmtrain.train.loop import forward_backward
+from mmtrain.train.measure_step import random_batch
 from mmtrain.train.objectives import ContrastiveObjective
 from mmtrain.train.precision import make_precision
 from test_train import make_config, make_shards

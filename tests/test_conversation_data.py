@@ -19,15 +19,16 @@ from tokenizers import Tokenizer as RawTokenizer
 
 from micro import BuildCrash, crash_at_write
 from mmtrain.config import config_from_dict
-from mmtrain.data.chat_templates import IGNORE_INDEX, get_template
-from mmtrain.data.conversation_batches import (
+from mmtrain.data.storage.manifest import write_manifest
+from mmtrain.data.storage.shard_writer import ShardWriter
+from mmtrain.data.stream.chat_templates import IGNORE_INDEX, get_template
+from mmtrain.data.stream.conversation_batches import (
     ConversationDecoder,
     ConversationSample,
     conversation_batch,
 )
-from mmtrain.data.packing import PAD_DOCUMENT
-from mmtrain.data.shards import ShardWriter, write_manifest
-from mmtrain.data.tokenizer import get_tokenizer, train_bpe
+from mmtrain.data.stream.packing import PAD_DOCUMENT
+from mmtrain.data.stream.tokenizer import get_tokenizer, train_bpe
 from mmtrain.decoder_spec import DecoderSpec
 from mmtrain.spec import ImageStem, ModelSpec, ProjectorSpec, TowerSpec
 from mmtrain.structured import FieldError
@@ -193,6 +194,17 @@ def take(data: TrainData, n: int) -> list[tuple[list[str], dict[str, torch.Tenso
     return [(data.next_batch(), list(data.last_keys))[::-1] for _ in range(n)]
 
 
+def take_samples(data: TrainData, n: int) -> list[str]:
+    """Keys of the micro-batches handed out until they hold `n` samples (a micro-batch holds the
+    valid samples of its `micro_batch` stream entries: fewer where some were skipped)."""
+    keys: list[str] = []
+    while len(keys) < n:
+        data.next_batch()
+        assert 0 < len(data.last_keys) <= data.micro_batch
+        keys += data.last_keys
+    return keys
+
+
 def trained_text(raw: RawTokenizer, ids: torch.Tensor, labels: torch.Tensor) -> list[str]:
     """The runs of target labels, decoded (each must be one assistant answer + end of turn)."""
     spans: list[list[int]] = []
@@ -233,7 +245,8 @@ def test_padded_and_packed_batches_hold_the_same_samples_and_targets(
     )
     fewer_rows = 0
     for (keys, a), (packed_keys, b) in zip(take(padded, 5), take(packed, 5), strict=True):
-        assert keys == packed_keys and len(keys) == 4  # the same 4 samples of the stream
+        # the same samples of the stream: the valid ones of its next 4 entries
+        assert keys == packed_keys and 0 < len(keys) <= 4
         assert set(a) == {"text", "labels", "image", "position_ids", "attention_mask"}
         assert set(b) == {"text", "labels", "image", "position_ids", "document_ids"}
         assert (a["labels"] != IGNORE_INDEX).sum() == (b["labels"] != IGNORE_INDEX).sum() > 0
@@ -273,7 +286,7 @@ def test_padded_and_packed_batches_hold_the_same_samples_and_targets(
                 used += len(ids) + n * (image_tokens - 1)
                 seen.append(doc)
             assert used <= SEQUENCE
-        assert sorted(seen) == [0, 1, 2, 3]
+        assert sorted(seen) == list(range(len(keys)))
         fewer_rows += b["text"].shape[0] < 4
     assert fewer_rows > 0  # packing did put several samples in one row
     padded.close()
@@ -287,7 +300,7 @@ def test_refused_samples_are_skipped_and_counted_as_corrupt(tmp_path, shards, to
         run_config(tmp_path, folder, tok_dir), spec, rank=0, world_size=1, micro_batch=2
     )
     good = len(records) - len(kinds)
-    keys = [key for keys, _ in take(data, good // 2) for key in keys]
+    keys = take_samples(data, good)
     assert sorted(keys) == sorted(k for k in records if k not in kinds)  # one epoch, each once
     assert data.corrupt_samples() == len(kinds)
     assert Counter(data.loader.corrupt_counts) == Counter(kinds.values())
@@ -327,10 +340,11 @@ def test_text_only_lm_skips_conversations_with_images(tmp_path, shards, tok_dir,
         run_config(tmp_path, folder, tok_dir, pack=True), lm, rank=0, world_size=1, micro_batch=2
     )
     text_only = [k for k, r in records.items() if not r["images"] and k not in kinds]
-    got = take(data, len(text_only) // 2)
+    got = take(data, 2)
+    first = [key for batch_keys, _ in got for key in batch_keys]
+    keys = first + take_samples(data, len(text_only) - len(first))
     data.close()
-    keys = [k for keys, _ in got for k in keys]
-    assert len(set(keys)) == len(keys) == len(text_only) // 2 * 2 and set(keys) <= set(text_only)
+    assert len(set(keys)) == len(keys) == len(text_only) and set(keys) == set(text_only)
     assert all(set(batch) == {"text", "labels", "position_ids", "document_ids"} for _, batch in got)
     assert data.loader.corrupt_counts["images_without_tower"] > 0
 
@@ -416,8 +430,8 @@ def test_decoder_outside_training_uses_the_eval_transform(tok_dir, raw, shards):
 def build(*argv: str | Path) -> int:
     import argparse
 
+    from mmtrain.commands._data_args import add_build_arguments
     from mmtrain.commands.data import run_build
-    from mmtrain.data.build_args import add_build_arguments
 
     parser = argparse.ArgumentParser()
     add_build_arguments(parser)
@@ -425,7 +439,8 @@ def build(*argv: str | Path) -> int:
 
 
 def built_samples(out: Path) -> list[dict]:
-    from mmtrain.data.shards import read_manifest, read_shard
+    from mmtrain.data.storage.manifest import read_manifest
+    from mmtrain.data.storage.tar_index import read_shard
 
     return [s for shard in read_manifest(out)["shards"] for s in read_shard(out / shard["name"])]
 
@@ -542,7 +557,7 @@ def test_llava_json_builds_conversation_shards_and_rejects_with_reasons(tmp_path
     assert by_kind["missing_image"]["path"].endswith("coco/nowhere.jpg")
     assert "--image-root" in by_kind["missing_image"]["reason"]
     assert by_kind["undecodable"]["path"].endswith("web/broken.jpg")
-    from mmtrain.data.shards import read_manifest
+    from mmtrain.data.storage.manifest import read_manifest
 
     counts = read_manifest(out)["counts"]
     assert counts["samples"] == 3 and counts["rejected"] == 3
@@ -579,7 +594,7 @@ def test_messages_jsonl_builds_and_trains(tmp_path, tok_dir, raw):
 
 
 def test_conversation_build_resumes_to_identical_output_and_dedups(tmp_path, monkeypatch):
-    from mmtrain.data.shards import read_manifest
+    from mmtrain.data.storage.manifest import read_manifest
 
     image_folder(tmp_path)
     records = [dict(r, id=f"{r['id']}-{n}") for n in range(3) for r in LLAVA_RECORDS[:3]]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer as RawTokenizer
 
-from mmtrain.data.chat_templates import (
+from mmtrain.data.stream.chat_templates import (
     IGNORE_INDEX,
     TEMPLATES,
     VICUNA_SYSTEM,
@@ -20,7 +20,7 @@ from mmtrain.data.chat_templates import (
     load_jinja_template,
     render_text,
 )
-from mmtrain.data.conversations import (
+from mmtrain.data.stream.conversations import (
     Conversation,
     ConversationError,
     Turn,
@@ -28,7 +28,7 @@ from mmtrain.data.conversations import (
     read_conversations,
     scan_conversations,
 )
-from mmtrain.data.tokenizer import ByteTokenizer, HFTokenizer, get_tokenizer, train_bpe
+from mmtrain.data.stream.tokenizer import ByteTokenizer, HFTokenizer, get_tokenizer, train_bpe
 from mmtrain.structured import FieldError
 
 # ----------------------------------------------------------------------------- data

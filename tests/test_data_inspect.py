@@ -10,8 +10,10 @@ import soundfile
 from PIL import Image
 
 from mmtrain.cli import main
-from mmtrain.data.inspect import contact_sheet, inspect_shards, spectrogram_tile
-from mmtrain.data.shards import ShardSet, ShardWriter, write_manifest
+from mmtrain.data.ingest.inspect import contact_sheet, inspect_shards, spectrogram_tile
+from mmtrain.data.storage.manifest import write_manifest
+from mmtrain.data.storage.shard_writer import ShardWriter
+from mmtrain.data.storage.shards import ShardSet
 
 RED, BLUE = (230, 20, 20), (20, 40, 230)
 

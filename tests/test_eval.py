@@ -14,7 +14,8 @@ from PIL import Image
 
 import mmtrain
 from mmtrain.cli import main
-from mmtrain.data.shards import ShardWriter, write_manifest
+from mmtrain.data.storage.manifest import write_manifest
+from mmtrain.data.storage.shard_writer import ShardWriter
 from mmtrain.eval import (
     Evaluator,
     ZeroShotConfig,
@@ -337,7 +338,7 @@ def test_numpy_median_convention():
 
 def test_cli_evaluates_a_checkpoint_and_a_run_still_training(tmp_path, capsys):
     from micro import make_shards, micro_run
-    from mmtrain.train.checkpoint import verify_checkpoint
+    from mmtrain.checkpoint import verify_checkpoint
     from mmtrain.train.loop import train
 
     shards = make_shards(tmp_path / "shards", 16)

@@ -26,11 +26,11 @@ from tokenizers import Tokenizer as RawTokenizer
 import mmtrain
 from dist_helpers import run_distributed
 from mmtrain.cli import main
-from mmtrain.data.chat_templates import IGNORE_INDEX, encode_conversation, get_template
-from mmtrain.data.conversations import Conversation, Turn
-from mmtrain.data.shards import ShardWriter
-from mmtrain.data.tokenizer import HFTokenizer, train_bpe
-from mmtrain.data.transforms import ImageTransform
+from mmtrain.data.storage.shard_writer import ShardWriter
+from mmtrain.data.stream.chat_templates import IGNORE_INDEX, encode_conversation, get_template
+from mmtrain.data.stream.conversations import Conversation, Turn
+from mmtrain.data.stream.tokenizer import HFTokenizer, train_bpe
+from mmtrain.data.stream.transforms import ImageTransform
 from mmtrain.eval.answers import exact_match, normalize_answer, token_f1
 from mmtrain.eval.generation import VLMEvaluator, derangement, perplexity, target_nll
 from mmtrain.report import build_report

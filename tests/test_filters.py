@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFilter
 
-from mmtrain.data.filters import (
+from mmtrain.data.ingest.filters import (
     Features,
     FilterChain,
     FilterConfig,
@@ -182,9 +182,9 @@ def test_config_rejects_contradictory_relevance_settings():
 def test_relevance_scorer_is_clip_score_floored_at_zero(tmp_path):
     torch = pytest.importorskip("torch")
     import mmtrain
-    from mmtrain.data.filters import center_square, relevance_scorer
-    from mmtrain.data.tokenizer import ByteTokenizer
-    from mmtrain.data.transforms import CLIP_MEAN, CLIP_STD
+    from mmtrain.data.ingest.filters import center_square, relevance_scorer
+    from mmtrain.data.stream.tokenizer import ByteTokenizer
+    from mmtrain.data.stream.transforms import CLIP_MEAN, CLIP_STD
 
     model = mmtrain.create_model("tiny-clip", seed=0)
     scorer = relevance_scorer(mmtrain.save_model(model, tmp_path / "model"), batch_size=4)
@@ -211,7 +211,7 @@ def test_relevance_scorer_is_clip_score_floored_at_zero(tmp_path):
 
 
 def test_relevance_scorer_needs_a_model_folder(tmp_path):
-    from mmtrain.data.filters import relevance_scorer
+    from mmtrain.data.ingest.filters import relevance_scorer
 
     with pytest.raises(FileNotFoundError, match="spec.yaml"):
         relevance_scorer(tmp_path)

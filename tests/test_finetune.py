@@ -17,7 +17,7 @@ from PIL import Image
 
 from micro import micro_run, micro_spec
 from mmtrain.cli import main
-from mmtrain.data.shards import ShardWriter
+from mmtrain.data.storage.shard_writer import ShardWriter
 from mmtrain.eval.run import Evaluator
 from mmtrain.models import load_model
 from mmtrain.models.convert import mmtrain_to_openclip

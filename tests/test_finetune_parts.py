@@ -14,11 +14,11 @@ import yaml
 
 import mmtrain
 from micro import make_shards, micro_run, micro_spec
+from mmtrain.checkpoint import load_checkpoint
 from mmtrain.cli import main
 from mmtrain.config import LoraConfig, TowerTrainConfig, TrainConfig
 from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
-from mmtrain.train.checkpoint import load_checkpoint
 from mmtrain.train.loop import train
 from mmtrain.train.lora import (
     LORA_FILE,

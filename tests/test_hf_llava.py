@@ -30,12 +30,12 @@ from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 
 from mmtrain.cli import main
+from mmtrain.folders import INDEX_FILE, WEIGHTS_FILE
 from mmtrain.models import load_model, save_model
 from mmtrain.models.build import read_model_folder
 from mmtrain.models.hf import read_hf_model, write_hf_state
 from mmtrain.models.hf_clip import HFFolderError
 from mmtrain.models.hf_llava import read_hf_llava
-from mmtrain.models.safetensors_files import INDEX_FILE, WEIGHTS_FILE
 from mmtrain.spec import ModelSpec
 from test_decoder import randomize, rms_norm_in_input_precision
 

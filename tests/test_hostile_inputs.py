@@ -27,23 +27,24 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from faults.harness import FAULT_SPEC
+from mmtrain.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from mmtrain.cli import main
 from mmtrain.config import config_from_dict
-from mmtrain.data.media import (
+from mmtrain.data.storage.shard_writer import ShardWriter
+from mmtrain.data.storage.tar_index import ShardError, index_shard, read_shard
+from mmtrain.data.stream.media import (
     MediaError,
     decode_audio,
     decode_image,
     decode_text,
     decode_timeseries,
 )
-from mmtrain.data.shards import ShardError, ShardWriter, index_shard, read_shard
 from mmtrain.spec import ModelSpec
-from mmtrain.train.checkpoint import (
-    CheckpointError,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
 from mmtrain.train.data import TrainData
 
 FUZZ = settings(

@@ -17,9 +17,10 @@ import soundfile
 from PIL import Image, ImageFilter
 
 from micro import BuildCrash, crash_at_write
+from mmtrain.commands._data_args import add_build_arguments
 from mmtrain.commands.data import run_build
-from mmtrain.data.build_args import add_build_arguments
-from mmtrain.data.shards import read_manifest, read_shard
+from mmtrain.data.storage.manifest import read_manifest
+from mmtrain.data.storage.tar_index import read_shard
 from mmtrain.structured import FieldError
 
 
@@ -513,3 +514,37 @@ def test_command_line_entry_point(tmp_path, capsys):
     bad = ["data", "build", str(src), "--out", str(tmp_path / "o2"), "--modalities", "smell"]
     assert main(bad) == 2
     assert "--modalities: smell: not one of" in capsys.readouterr().err
+
+
+def test_flags_are_the_build_options_and_record_the_same_command(tmp_path):
+    """Each flag is a `BuildOptions` field (same name, same default, same order): the CLI and
+    the in-process build (quickstart) record the same command and fingerprint."""
+    import dataclasses
+
+    from mmtrain.commands._data_args import options_from_args
+    from mmtrain.data.ingest.options import BuildOptions, command_line, flag, option_defaults
+
+    parser = argparse.ArgumentParser()
+    add_build_arguments(parser)
+    actions = [a for a in parser._actions if a.dest != "help"]
+    assert [a.dest for a in actions] == [f.name for f in dataclasses.fields(BuildOptions)]
+    defaults = option_defaults()
+    for action in actions[1:]:  # SRC has no flag
+        assert action.option_strings[0] == flag(action.dest)
+        assert action.default == defaults.get(action.dest), action.dest
+    argv = [str(tmp_path / "src"), "--out", str(tmp_path / "out"), "--dedup", "--no-progress"]
+    argv += ["--min-side", "32", "--max-reject-rate", "0"]
+    from_flags = command_line(options_from_args(parser.parse_args(argv)))
+    options = BuildOptions(
+        src=str(tmp_path / "src"),
+        out=tmp_path / "out",
+        dedup=True,
+        progress=False,
+        min_side=32,
+        max_reject_rate=0.0,
+    )
+    assert command_line(options) == from_flags
+    assert from_flags[0] == (
+        f"mmtrain data build {tmp_path / 'src'} --out {tmp_path / 'out'} --dedup --min-side 32 "
+        "--max-reject-rate 0.0 --no-progress"
+    )

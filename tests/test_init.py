@@ -15,14 +15,15 @@ import torch
 import yaml
 
 from micro import make_shards, micro_run, micro_spec
+from mmtrain.checkpoint import latest_checkpoint
 from mmtrain.cli import main
 from mmtrain.config import apply_override, load_config
 from mmtrain.models import create_model, load_model, save_model
 from mmtrain.models.convert import mmtrain_to_openclip
 from mmtrain.spec import ModelSpec, with_tower
 from mmtrain.structured import FieldError
-from mmtrain.train.checkpoint import latest_checkpoint
-from mmtrain.train.init import InitError, InitMismatch, load_init, read_source
+from mmtrain.train.init import InitError, InitMismatch, read_source
+from mmtrain.train.init_start import load_init
 from mmtrain.train.loop import train
 from mmtrain.train.resolution import resize_pos_embed
 

@@ -25,13 +25,15 @@ from tokenizers import Tokenizer, models
 
 from micro import micro_spec
 from mmtrain.config import config_from_dict
-from mmtrain.data.shards import ShardWriter, write_manifest
-from mmtrain.data.tokenizer import train_bpe
+from mmtrain.data.storage.manifest import write_manifest
+from mmtrain.data.storage.shard_writer import ShardWriter
+from mmtrain.data.stream.tokenizer import train_bpe
 from mmtrain.models import create_model
 from mmtrain.models.convert import mmtrain_to_openclip
 from mmtrain.models.hf import read_hf_model
 from mmtrain.spec import ModelSpec, ProjectorSpec
-from mmtrain.train.init import InitError, InitMismatch, load_init
+from mmtrain.train.init import InitError, InitMismatch
+from mmtrain.train.init_start import load_init
 from mmtrain.train.loop import train
 from test_hf_llava import hf_lm, llava
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import mmtrain
-from mmtrain.models.build import init_rules
+from mmtrain.models.init_rules import init_rules
 from mmtrain.spec import load_spec, with_tower
 
 SIGMAS = 6.0

@@ -11,9 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mmtrain.cli import main
-from mmtrain.data.loader import StreamingLoader, merge_rank_states, planned_samples
-from mmtrain.data.order import Segment, epoch_order
-from mmtrain.data.shards import ShardSet, ShardWriter, write_manifest
+from mmtrain.data.storage.manifest import write_manifest
+from mmtrain.data.storage.shard_writer import ShardWriter
+from mmtrain.data.storage.shards import ShardSet
+from mmtrain.data.stream.loader import StreamingLoader, merge_rank_states, planned_samples
+from mmtrain.data.stream.order import Segment, epoch_order
 
 
 def make_dataset(folder, n, per_shard=7, corrupt=(), prefix=""):
@@ -154,6 +156,42 @@ def test_num_workers_never_change_the_stream(dirty):
     assert runs[(0, False)][1]["bad member"] >= 7  # all 7 in epoch 0, then some in epoch 1
 
 
+def collate_in_worker(outputs):
+    """A collate that shows where it ran: the samples' numbers and the process that laid them out
+    (a module-level function, so it pickles into worker processes)."""
+    import os
+
+    return {
+        "idx": torch.stack([o["idx"] for o in outputs]),
+        "draw": torch.stack([o["draw"] for o in outputs]),
+        "pid": torch.tensor(os.getpid()),
+    }
+
+
+def test_collate_runs_in_the_worker_on_each_tasks_valid_samples_and_resumes_exactly(dirty):
+    import os
+
+    def entries(n):  # the stream of valid samples, as the stacking loader hands it out
+        return take(StreamingLoader(dirty, decode, 1, seed=2), n)
+
+    loader = StreamingLoader(dirty, decode, 4, seed=2, num_workers=1, collate=collate_in_worker)
+    batches = list(itertools.islice(loader, 6))
+    assert all(int(b["pid"]) != os.getpid() for b in batches)  # laid out by the worker
+    got = [
+        pair for b in batches for pair in zip(b["idx"].tolist(), b["draw"].tolist(), strict=True)
+    ]
+    # A batch is the valid samples of its 4 stream entries: fewer where some were skipped, and
+    # together exactly the stream's valid samples, in order, with the same random draws.
+    assert all(1 <= len(b["idx"]) <= 4 for b in batches) and any(len(b["idx"]) < 4 for b in batches)
+    assert got == entries(len(got))
+    state = json.loads(json.dumps(loader.state_dict()))
+    rest = [b["idx"].tolist() for b in itertools.islice(loader, 3)]
+    loader.close()
+    resumed = StreamingLoader(dirty, decode, 4, seed=2, collate=collate_in_worker)
+    resumed.load_state_dict(state)
+    assert [b["idx"].tolist() for b in itertools.islice(resumed, 3)] == rest
+
+
 @pytest.mark.parametrize("stop_after", [1, 3, 7, 12])
 def test_resume_on_the_same_world_size_continues_exactly(dirty, stop_after):
     reference = [
@@ -208,7 +246,7 @@ def test_resume_on_another_world_size_with_corrupt_samples_and_padding(dirty):
 
 def test_corrupt_samples_are_counted_and_logged_with_shard_and_key(dirty, caplog):
     loader = StreamingLoader(dirty, decode, 8, seed=0, shuffle=False, drop_tail=True)
-    with caplog.at_level(logging.WARNING, logger="mmtrain.data.loader"):
+    with caplog.at_level(logging.WARNING, logger="mmtrain.data.stream.loader"):
         batches = list(loader)
     # 7 batches of 8 valid samples: the 7 corrupt ones are replaced by the next valid ones.
     assert [b["idx"].tolist() for b in batches][:1] == [[0, 1, 2, 5, 6, 7, 8, 9]]

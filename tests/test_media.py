@@ -13,7 +13,7 @@ import pytest
 import soundfile
 from PIL import Image
 
-from mmtrain.data.media import (
+from mmtrain.data.stream.media import (
     MediaError,
     check_extension,
     decode_audio,

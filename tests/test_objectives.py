@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dist_helpers import run_distributed
-from mmtrain.data.chat_templates import IGNORE_INDEX
+from mmtrain.data.stream.chat_templates import IGNORE_INDEX
 from mmtrain.models import create_model
 from mmtrain.spec import load_spec
 from mmtrain.train.loop import forward_backward

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmtrain.data.chat_templates import IGNORE_INDEX, EncodedSample
-from mmtrain.data.packing import (
+from mmtrain.data.stream.chat_templates import IGNORE_INDEX, EncodedSample
+from mmtrain.data.stream.packing import (
     PAD_DOCUMENT,
     PackedRow,
     SampleTooLong,

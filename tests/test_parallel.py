@@ -13,11 +13,11 @@ import mmtrain
 from dist_helpers import run_distributed
 from micro import micro_spec
 from mmtrain.losses import ContrastiveLoss
-from mmtrain.plan.measure import random_batch
 from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
 from mmtrain.train import parallel
 from mmtrain.train.loop import forward_backward, optimizer_step
+from mmtrain.train.measure_step import random_batch
 from mmtrain.train.objectives import ContrastiveObjective
 from mmtrain.train.precision import make_precision
 

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -384,3 +385,111 @@ def test_planner_imports_no_torch():
     code = "import sys, mmtrain.hardware, mmtrain.plan.recommend, mmtrain.plan.inference, mmtrain.plan.workloads, mmtrain.plan.lengths, mmtrain.plan.data_plan, mmtrain.commands.plan; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ----------------------------------------------------------------------------- achievable MFU
+def test_workload_families_come_from_the_model():
+    from mmtrain.plan.compute import workload_family
+
+    assert workload_family(load_model("ViT-B-32")) == "contrastive"
+    assert workload_family(load_model("clip-internvit-6b")) == "contrastive"
+    assert workload_family(load_model("dit-2b")) == "diffusion"  # no published figure
+    assert workload_family(load_model("tiny-fusion")) == "encoder"  # no pairs: no published figure
+    assert workload_family(load_model("llava-1.5-7b")) == "vlm-padded"
+    assert workload_family(load_model("llava-1.5-7b", packed=True)) == "vlm-packed"
+
+
+def test_a_published_recipe_on_its_gpu_gives_back_its_published_mfu():
+    """One GPU (no communication): the plan's MFU is the midpoint of the published range."""
+    from mmtrain.plan.compute import PUBLISHED, recompute_ratio
+    from mmtrain.plan.workloads import decoder
+
+    catalog = default_catalog()
+    clip = make_plan(load_model("ViT-L-14"), PlanConfig(gpu="a100", micro_batch=64), catalog)
+    assert clip.time.efficiency_family == "contrastive"
+    assert clip.time.mfu == pytest.approx((0.11 + 0.12) / 2)
+    llama = decoder("llama-3.1-8b", 32, 4096, 32, 8, 14336, 128256, 8192, "torchtitan recipe")
+    plan = make_plan(
+        PlanModel("llama", (llama,)), PlanConfig(gpu="h100", micro_batch=2, ac="selective"), catalog
+    )
+    assert plan.time.efficiency_family == "llm"
+    assert plan.time.mfu == pytest.approx((0.33 + 0.39) / 2)
+    assert PUBLISHED["llm"].recipe == (32, 4096, 32, 8, 14336, 128256, 8192)
+    assert recompute_ratio("vlm") == pytest.approx(4 / 3)  # full recompute: 8N over 6N
+    assert 1 < recompute_ratio("llm") < 4 / 3
+
+
+def test_the_fraction_moves_across_gpus_by_their_mamf():
+    model, catalog = load_model("ViT-B-16"), default_catalog()
+    a100 = make_plan(model, PlanConfig(gpu="a100"), catalog).time.achievable_fraction
+    for key in ("h100", "mi300x", "b200"):
+        other = make_plan(model, PlanConfig(gpu=key), catalog).time.achievable_fraction
+        assert other / a100 == pytest.approx(
+            get_gpu(key).mamf_fraction / get_gpu("a100").mamf_fraction
+        )
+
+
+def test_documented_shares_of_mamf():
+    """The table in plan/compute.py's docstring and docs/PLANNER.md."""
+    from mmtrain.plan.compute import share_of_mamf
+
+    assert round(share_of_mamf("contrastive"), 3) == 0.132
+    assert round(share_of_mamf("llm"), 3) == 0.502
+    assert round(share_of_mamf("vlm"), 3) == 0.537
+
+
+def test_unsourced_families_say_the_llm_figure_stands_in():
+    from mmtrain.plan.compute import share_of_mamf
+
+    catalog = default_catalog()
+    dit = make_plan(load_model("dit-2b"), PlanConfig(gpu="h100"), catalog).time
+    assert dit.efficiency_family == "diffusion"
+    assert "no published diffusion run" in dit.efficiency_source
+    assert "torchtitan" in dit.efficiency_source
+    assert dit.achievable_fraction == pytest.approx(
+        share_of_mamf("llm") * get_gpu("h100").mamf_fraction
+    )
+
+
+def test_mfu_flag_overrides_and_the_output_names_family_and_source(capsys):
+    argv = ["--model", "ViT-B-16", "--gpu", "h100", "--gpus", "8", "--samples", "1000000"]
+    out = _cli_json(capsys, *argv)["time"]
+    assert out["efficiency_family"] == "contrastive"
+    assert "OpenCLIP" in out["efficiency_source"]
+    assert out["achievable_fraction"] == pytest.approx(
+        0.115 / get_gpu("a100").mamf_fraction * get_gpu("h100").mamf_fraction, rel=1e-5
+    )
+    forced = _cli_json(capsys, *argv, "--mfu", "0.3")["time"]
+    assert forced["achievable_fraction"] == 0.3 and forced["efficiency_family"] == "contrastive"
+    assert forced["efficiency_source"].startswith("--mfu")
+    cfg = PlanConfig(gpu="h100", gpus=8, samples=10**6)
+    default = make_plan(load_model("ViT-B-16"), cfg, default_catalog()).time
+    overridden = make_plan(load_model("ViT-B-16"), replace(cfg, mfu=0.3), default_catalog()).time
+    assert overridden.compute_s == pytest.approx(
+        default.compute_s * default.achievable_fraction / 0.3, rel=1e-12
+    )  # compute time is hardware FLOPs over peak x fraction
+    assert main(["plan", *argv]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "family contrastive" in text and "OpenCLIP" in text
+
+
+# ----------------------------------------------------------------------------- precision modes
+def test_bf16_weights_keeps_the_mixed_precision_states():
+    model = _dense(30e9)
+    for bpp in (16, 18):
+        autocast = model_states(model, PlanConfig(precision="bf16", bytes_per_param=bpp))
+        weights = model_states(model, PlanConfig(precision="bf16-weights", bytes_per_param=bpp))
+        assert weights == autocast
+        assert sum(weights[:3]) / 1e9 == pytest.approx(30 * bpp)
+    assert get_gpu("a100").peak_flops("bf16-weights") == get_gpu("a100").peak_flops("bf16")
+
+
+def test_a_bad_precision_names_the_field(capsys):
+    with pytest.raises(FieldError) as err:
+        PlanConfig(precision="bf16-deepspeed").validate()
+    assert err.value.path == "--precision" and "bf16-weights" in str(err.value)
+    with pytest.raises(SystemExit) as exit_:  # argparse's choices come from PRECISIONS
+        main(["plan", "--precision", "bf16-deepspeed"])
+    assert exit_.value.code == 2
+    assert "--precision" in capsys.readouterr().err
+    assert main(["plan", "--precision", "bf16-weights", "--json"]) == 0

@@ -11,17 +11,21 @@ from PIL import Image
 from tokenizers import Tokenizer as RawTokenizer
 
 from mmtrain.cli import main
-from mmtrain.data.chat_templates import encode_conversation, get_template
-from mmtrain.data.conversations import parse_conversation
-from mmtrain.data.inspect import conversation_counts, inspect_shards, open_shards
-from mmtrain.data.packing import pack_rows
-from mmtrain.data.shards import ShardWriter, write_manifest
-from mmtrain.data.tokenizer import HFTokenizer, train_bpe
+from mmtrain.data.ingest.inspect import conversation_counts, inspect_shards, open_shards
+from mmtrain.data.storage.manifest import write_manifest
+from mmtrain.data.storage.shard_writer import ShardWriter
+from mmtrain.data.stream.chat_templates import encode_conversation, get_template
+from mmtrain.data.stream.conversations import parse_conversation
+from mmtrain.data.stream.packing import pack_rows
+from mmtrain.data.stream.tokenizer import HFTokenizer, train_bpe
 from mmtrain.decoder_spec import DecoderSpec
 from mmtrain.hardware import default_catalog
+from mmtrain.lengths import Lengths, summarize
 from mmtrain.plan.config import PlanConfig
 from mmtrain.plan.data_plan import plan_from_data
-from mmtrain.plan.lengths import Lengths, first_fit_rows, packed_layout, padded_layout, summarize
+from mmtrain.plan.estimate import make_plan
+from mmtrain.plan.lengths import first_fit_rows, packed_layout, padded_layout
+from mmtrain.plan.memory import training_memory
 from mmtrain.plan.workloads import load_model
 from mmtrain.spec import ModelSpec, load_spec
 from mmtrain.structured import FieldError
@@ -111,6 +115,58 @@ def test_workload_rows_come_from_specs():
     assert qwen.params == 32_763_876_352  # Qwen2.5-32B, q/k/v biases included
 
 
+def test_language_model_families(lm_path):
+    from mmtrain.plan.compute import workload_family
+
+    assert workload_family(load_model(str(lm_path))) == "llm"
+    assert workload_family(load_model(str(lm_path), packed=True)) == "llm"
+    assert workload_family(load_model("tiny-vlm")) == "vlm-padded"
+    assert workload_family(load_model("tiny-vlm", packed=True)) == "vlm-packed"
+    assert workload_family(load_model("doc-ocr-2b")) == "vlm-padded"  # built from its shape
+
+
+def test_vlm_packed_recipe_on_an_a100_gives_back_the_published_mfu():
+    """Every part trained with full recompute (lmms-engine's reading): MFU = the midpoint."""
+    model = load_model("tiny-vlm", packed=True)
+    plan = make_plan(model, PlanConfig(gpu="a100", ac="full"), default_catalog())
+    assert plan.time.efficiency_family == "vlm-packed"
+    assert plan.time.mfu == pytest.approx((0.30 + 0.40) / 2)
+
+
+def _stage2(ac: str, precision: str, gpu: str | None = None):
+    """LLaVA-1.5-7B stage 2 per GPU (scripts/v1_5/finetune.sh): 8 GPUs, ZeRO-3, 16 per device,
+    rows of 2,048, the tower frozen."""
+    model = load_model("llava-1.5-7b", context=2048).with_modes({"image": "frozen"})
+    cfg = PlanConfig(gpu=gpu or "a100-40g", gpus=8, zero=3, ac=ac, micro_batch=16,
+                     global_batch=128, precision=precision)  # fmt: skip
+    if gpu is None:  # the formula's terms alone: no CUDA context, no fragmentation
+        return model, training_memory(model, cfg, None, usable_bytes=40 * 2**30)
+    return model, make_plan(model, cfg, default_catalog()).memory
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_bf16_weights_differs_from_autocast_by_the_residual_stream(ac):
+    """The same model states; activations 4 - 2 bytes less per residual element: per decoder
+    layer and position the norm inputs (2h) and the RMSNorm's normalised copies (2h), or with
+    full checkpointing the kept block input (h), and the recomputed block's 4h."""
+    model, autocast = _stage2(ac, "bf16")
+    _, weights = _stage2(ac, "bf16-weights")
+    text = model.stack("text")
+    rows = 16 * text.tokens  # positions of one micro-batch
+    assert weights.model_state_bytes == autocast.model_state_bytes
+    kept = text.width if ac == "full" else 4 * text.width
+    saved = text.layers * rows * kept * (4 - 2)
+    assert autocast.saved_activations_bytes - weights.saved_activations_bytes == saved
+    if ac == "full":  # one block live again while it is recomputed
+        assert autocast.recompute_bytes - weights.recompute_bytes == rows * 4 * text.width * 2
+
+
+def test_llava_stage2_fits_a100_40g_with_deepspeed_bf16_only():
+    assert _stage2("full", "bf16-weights", "a100-40g")[1].fits
+    assert not _stage2("full", "bf16", "a100-40g")[1].fits  # autocast's fp32 residual stream
+    assert _stage2("full", "bf16", "a100")[1].fits
+
+
 # ----------------------------------------------------------------------------- lengths
 def test_summary_uses_nearest_rank_percentiles():
     s = summarize(list(range(1, 101)))
@@ -122,7 +178,7 @@ def test_summary_uses_nearest_rank_percentiles():
 def test_first_fit_rows_are_the_packers():
     rng = random.Random(3)
     sizes = [rng.randint(1, 40) for _ in range(300)]
-    from mmtrain.data.chat_templates import EncodedSample
+    from mmtrain.data.stream.chat_templates import EncodedSample
 
     samples = [EncodedSample([5] * n, [5] * n) for n in sizes]
     rows = [r.samples for r in pack_rows(samples, 64, image_token_id=9)]
@@ -252,6 +308,12 @@ def test_plan_from_data_padded_and_packed(conversations, tokenizer_path):
     assert packed.hours < to_max.hours  # rows of the same length, fewer of them
     assert padded.hours < to_max.hours  # a micro-batch's longest is shorter than the maximum
     assert packed.plan.memory.saved_activations_bytes > padded.plan.memory.saved_activations_bytes
+    # One VLM figure on computed positions: the padded layout pays its padding through its
+    # FLOPs (fill), not through a lower fraction as well.
+    assert padded.plan.time.efficiency_family == "vlm-padded"
+    assert packed.plan.time.efficiency_family == "vlm-packed"
+    assert padded.plan.time.achievable_fraction == packed.plan.time.achievable_fraction
+    assert padded.to_dict()["efficiency_family"] == "vlm-padded"
     for p in (padded, packed):  # time follows the FLOPs of the rows actually computed
         assert p.plan.model.forward_flops() == pytest.approx(
             p.layout.computed_flops / p.layout.rows, rel=1e-6

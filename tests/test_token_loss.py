@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import mmtrain
-from mmtrain.data.chat_templates import IGNORE_INDEX
+from mmtrain.data.stream.chat_templates import IGNORE_INDEX
 from mmtrain.models.token_loss import chunk_nll_sum, chunked_nll_sum, default_chunk_rows
 from mmtrain.spec import load_spec
 from mmtrain.train.objectives import token_nll_sum
@@ -87,7 +87,7 @@ def test_the_models_chunked_loss_equals_the_full_logits_loss(kind):
 
 
 def saved_shapes(fn) -> list[torch.Size]:
-    """Shapes of what autograd keeps for backward while `fn` runs (plan/measure.py's way)."""
+    """Shapes of what autograd keeps for backward while `fn` runs (train/measure_step.py's way)."""
     kept: list[torch.Size] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.shape) or t, lambda t: t):
         fn()

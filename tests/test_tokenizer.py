@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from mmtrain.data.tokenizer import (
+from mmtrain.data.stream.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     OpenClipBPE,

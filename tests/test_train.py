@@ -12,12 +12,13 @@ import signal
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 import mmtrain
 from micro import MICRO_SPEC, make_shards, micro_run
+from mmtrain.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from mmtrain.losses import ContrastiveLoss
 from mmtrain.structured import FieldError
-from mmtrain.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from mmtrain.train.loop import forward_backward, optimizer_step, train
 from mmtrain.train.metrics import LossSpikes
 from mmtrain.train.objectives import ContrastiveObjective
@@ -295,3 +296,17 @@ def test_activation_checkpointing_per_tower_keeps_the_gradient():
         torch.testing.assert_close(b.grad, a.grad, msg=name)
     with pytest.raises(FieldError, match="no tower 'audio'"):
         apply_activation_checkpointing(micro_model(), "full", ["audio"])
+
+
+def test_pixels_normalised_on_the_device_train_exactly_like_the_workers(tmp_path, shards):
+    # uint8 pixels to the device, normalised there (what CUDA runs do by default), against the
+    # workers' float32 pixels: the same float32 arithmetic, so the same weights bit for bit.
+    runs = {}
+    for on_device in (False, True):
+        config = micro_run(
+            tmp_path / str(on_device), shards, data={"normalise_on_device": on_device}
+        )
+        train(config)
+        runs[on_device] = load_file(str(tmp_path / str(on_device) / "run" / "model.safetensors"))
+    assert runs[True].keys() == runs[False].keys()
+    assert all(torch.equal(runs[True][k], runs[False][k]) for k in runs[False])

@@ -19,7 +19,7 @@ import torch
 import mmtrain
 from dist_helpers import run_distributed
 from micro import MIXED_SPEC, make_mixed_sources, make_shards, micro_run
-from mmtrain.train.checkpoint import load_checkpoint
+from mmtrain.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -16,12 +16,12 @@ from PIL import Image
 
 import mmtrain
 from micro import MICRO_SPEC, MIXED_SPEC, make_mixed_sources, make_shards
+from mmtrain.checkpoint import latest_checkpoint, load_checkpoint
 from mmtrain.config import config_from_dict
-from mmtrain.data.media import MediaError
-from mmtrain.data.shards import ShardWriter
+from mmtrain.data.storage.shard_writer import ShardWriter
+from mmtrain.data.stream.media import MediaError
 from mmtrain.spec import FusionSpec, ModelSpec, load_spec
 from mmtrain.structured import FieldError
-from mmtrain.train.checkpoint import latest_checkpoint, load_checkpoint
 from mmtrain.train.data import read_label
 from mmtrain.train.loop import train
 from mmtrain.train.metrics import planned_memory

@@ -10,8 +10,8 @@ import torch
 import mmtrain
 from dist_helpers import run_distributed
 from micro import make_shards, micro_run
+from mmtrain.checkpoint import load_checkpoint
 from mmtrain.structured import FieldError
-from mmtrain.train.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.slow
 EXACT = {"rtol": 1e-9, "atol": 1e-12}

@@ -25,8 +25,9 @@ from PIL import Image
 
 from dist_helpers import run_distributed
 from mmtrain.config import config_from_dict
-from mmtrain.data.shards import ShardWriter, write_manifest
-from mmtrain.data.tokenizer import train_bpe
+from mmtrain.data.storage.manifest import write_manifest
+from mmtrain.data.storage.shard_writer import ShardWriter
+from mmtrain.data.stream.tokenizer import train_bpe
 from mmtrain.models import LanguageModel
 from mmtrain.spec import load_spec
 from mmtrain.train.loop import train
@@ -163,7 +164,10 @@ def test_resume_is_exact(tmp_path, shards, pack, monkeypatch):
     stop dead (a crash: the checkpoint of step 2 resumes); packed rows get a SIGTERM during
     step 3's forward (the step finishes, its checkpoint is written, the run exits)."""
     whole = train(_config(tmp_path / "whole", shards, data={"pack": pack}, train={"steps": 6}))
-    config = _config(tmp_path / "stopped", shards, data={"pack": pack}, train={"steps": 6})
+    # The stopped run's packed images travel as uint8 and are normalised on the device (as on
+    # CUDA): the same float32 arithmetic as the workers', so the same weights still.
+    data = {"pack": pack, "normalise_on_device": pack}
+    config = _config(tmp_path / "stopped", shards, data=data, train={"steps": 6})
     if pack:
         forward, calls = LanguageModel.forward, []
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from mmtrain.data.media import MediaError
-from mmtrain.data.tokenizer import ByteTokenizer
-from mmtrain.data.transforms import (
+from mmtrain.data.stream.media import MediaError
+from mmtrain.data.stream.tokenizer import ByteTokenizer
+from mmtrain.data.stream.transforms import (
     CLIP_MEAN,
     CLIP_STD,
     AudioTransform,
@@ -293,13 +293,13 @@ def photo(width: int, height: int, fmt: str = "JPEG", seed: int = 0, exif=None) 
 
 
 def full_decode(transform: ImageTransform, data: bytes, seed: int) -> torch.Tensor:
-    from mmtrain.data.media import decode_image
+    from mmtrain.data.stream.media import decode_image
 
     return transform(decode_image(data), rng(seed))
 
 
 def test_draft_reduction_never_upsamples():
-    from mmtrain.data.media import draft_reduction
+    from mmtrain.data.stream.media import draft_reduction
 
     ratios = (0.5, 1.99, 2.0, 3.9, 4.0, 7.99, 8.0, 50)
     assert [draft_reduction(r) for r in ratios] == [1, 1, 2, 2, 4, 4, 8, 8]
@@ -344,7 +344,7 @@ def test_decode_without_reduction_is_the_full_decode_bit_for_bit():
 
 
 def test_eval_decode_is_the_centre_square_of_the_draft_decode():
-    from mmtrain.data.media import decode_image
+    from mmtrain.data.stream.media import decode_image
 
     data = photo(300, 260)  # 260 / 64 > 4: decoded at 1/4 (75 x 65), as the image cache does
     t = ImageTransform(64, train=False)

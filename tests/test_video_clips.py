@@ -11,11 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mmtrain.commands._data_args import add_build_arguments
 from mmtrain.commands.data import run_build
-from mmtrain.data.build_args import add_build_arguments
-from mmtrain.data.media import decode_video
-from mmtrain.data.shards import read_manifest, read_shard
-from mmtrain.data.video_clips import (
+from mmtrain.data.ingest.video_clips import (
     ClipOptions,
     Span,
     measure,
@@ -24,6 +22,9 @@ from mmtrain.data.video_clips import (
     split_video,
     video_codec,
 )
+from mmtrain.data.storage.manifest import read_manifest
+from mmtrain.data.storage.tar_index import read_shard
+from mmtrain.data.stream.media import decode_video
 from mmtrain.structured import FieldError
 
 RED, BLUE = (200, 40, 40), (30, 60, 210)

@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 
 import mmtrain
-from mmtrain.data.chat_templates import EncodedSample
-from mmtrain.data.packing import PAD_DOCUMENT, pack_rows
+from mmtrain.data.stream.chat_templates import EncodedSample
+from mmtrain.data.stream.packing import PAD_DOCUMENT, pack_rows
 from mmtrain.models import LanguageModel, load_model, save_model
-from mmtrain.models.build import init_rules
 from mmtrain.models.decoder import Decoder
+from mmtrain.models.init_rules import init_rules
 from mmtrain.models.vlm import PAD_DOCUMENT as MODEL_PAD_DOCUMENT
 from mmtrain.spec import ModelSpec, load_spec
 

@@ -54,7 +54,7 @@ class DataConfig:
     # $XDG_CACHE_HOME/mmtrain/shards), kept under cache_max_gb (decimal GB) by LRU eviction.
     cache_dir: str | None = None
     cache_max_gb: float = 100.0
-    # Conversation shards for a decoder LM (data/conversation_batches.py). chat_template: a name
+    # Conversation shards for a decoder LM (data/stream/conversation_batches.py). chat_template: a name
     # (plain, chatml, llama-3, vicuna-v1) or a tokenizer_config.json / .jinja / model folder;
     # null: the template stored with data.tokenizer (its folder), so a model's own format is the
     # default and a mismatch cannot slip in silently. sequence_length: LM positions per row,
@@ -63,6 +63,9 @@ class DataConfig:
     chat_template: str | None = None
     sequence_length: int | None = None
     pack: bool = False
+    # Image / video pixels travel as uint8 (a quarter of float32's bytes, page-locked) and are
+    # normalised on the device; null: when training on CUDA (on a CPU the workers do it).
+    normalise_on_device: bool | None = None
 
 
 @dataclass

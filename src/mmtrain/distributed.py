@@ -81,16 +81,30 @@ def world_size(group: Any = None) -> int:
     return dist.get_world_size(group) if is_initialized() else 1
 
 
+def backend_for(cuda: bool) -> str:
+    """The process group's backend: NCCL for CUDA tensors with gloo beside it for host values,
+    gloo alone on CPU. Flags, counts and shapes are host values: sent over gloo they never make
+    the host wait for the GPU's queue, where an NCCL collective's result read on the host would."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
+def _host_values_device() -> torch.device:
+    """Where host values travel in a collective: the CPU when the group has gloo (every group
+    `backend_for` makes), the current GPU only for a group someone made with NCCL alone."""
+    backend = str(dist.get_backend())
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def sum_over_ranks(
     values: list[float], device: Any = None, dtype: torch.dtype = torch.float64
 ) -> list[float]:
     """Element-wise sums of `values` over the ranks (one all-reduce; the values alone without
-    a process group). `device` defaults to the one the backend reduces on (CUDA for nccl)."""
+    a process group). Host values: they travel over gloo where the group has it."""
     if world_size() == 1:
         return list(values)
-    if device is None:
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    total = torch.tensor(values, dtype=dtype, device=device)
+    total = torch.tensor(values, dtype=dtype, device=device or _host_values_device())
     with timed_collective():
         dist.all_reduce(total)
     return total.tolist()
@@ -105,6 +119,15 @@ def sum_tensor_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
     with timed_collective():
         dist.all_reduce(total)
     return total
+
+
+def agree_any(flags: list[bool]) -> list[bool]:
+    """Per flag: True if it is True on any rank (one tiny all-reduce), so every rank branches alike."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return list(flags)
+    values = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=_host_values_device())
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in values.tolist()]
 
 
 def leave_process_group() -> None:
@@ -145,7 +168,9 @@ def _check_same_shape(tensor: torch.Tensor, group: Any) -> None:
     """Raise on every rank when ranks hold tensors of different shapes.
 
     Gathering unequal shapes fails obscurely (gloo) or hangs (NCCL); one tiny collective turns
-    that into a clear error, raised on all ranks alike so none is left waiting.
+    that into a clear error, raised on all ranks alike so none is left waiting. The shapes are
+    host values (`tensor.shape`): they travel over gloo where the group has it, so the check does
+    not wait for the GPU's queue.
     """
     if tensor.dim() > _MAX_DIMS:
         raise ValueError(
@@ -153,7 +178,7 @@ def _check_same_shape(tensor: torch.Tensor, group: Any) -> None:
         )
     # [ndim, size_0, ..., size_{ndim-1}, -1 padding]: one fixed-length row per rank.
     row = [tensor.dim(), *tensor.shape] + [-1] * (_MAX_DIMS - tensor.dim())
-    local = torch.tensor(row, dtype=torch.int64, device=tensor.device)
+    local = torch.tensor(row, dtype=torch.int64, device=_host_values_device())
     shapes = [torch.empty_like(local) for _ in range(world_size(group))]
     with timed_collective():
         dist.all_gather(shapes, local, group=group)

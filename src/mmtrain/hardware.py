@@ -104,9 +104,12 @@ class GPU:
 
         fp32 training is assumed to use TF32 tensor cores (`torch.backends.cuda.matmul.allow_tf32`).
         """
-        column = {"fp32": "tf32_tflops", "bf16": "bf16_tflops", "bf16-pure": "bf16_tflops"}.get(
-            precision, f"{precision}_tflops"
-        )
+        column = {
+            "fp32": "tf32_tflops",
+            "bf16": "bf16_tflops",
+            "bf16-weights": "bf16_tflops",
+            "bf16-pure": "bf16_tflops",
+        }.get(precision, f"{precision}_tflops")
         tflops = getattr(self, column, None)
         if not tflops:
             raise FieldError(

@@ -57,6 +57,11 @@ MAX_LOGIT_SCALE = math.log(100.0)  # CLIP's cap on the temperature: scale <= 100
 Features = Mapping[str, torch.Tensor]
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """`x` in fp32 for losses and metrics (they need its range), float64 kept as it is (fp64)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def logit_scale_value(logit_scale: torch.Tensor, max_logit_scale: float = MAX_LOGIT_SCALE):
     """exp(logit_scale clamped to [0, max_logit_scale]).
 

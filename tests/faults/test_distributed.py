@@ -11,7 +11,7 @@ import time
 import pytest
 
 from faults.harness import start, step_rows, tiny_run, wait_for
-from mmtrain.train.checkpoint import latest_checkpoint
+from mmtrain.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.slow
 

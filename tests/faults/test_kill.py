@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from faults.harness import start, step_rows, tiny_run, wait_for
-from mmtrain.train.checkpoint import latest_checkpoint
+from mmtrain.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.slow
 

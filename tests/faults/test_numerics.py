@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 
 import mmtrain
 from faults.harness import tiny_run
+from mmtrain.checkpoint import list_checkpoints
 from mmtrain.config import load_config
 from mmtrain.losses import ContrastiveLoss
 from mmtrain.train import loop
-from mmtrain.train.checkpoint import list_checkpoints
 from mmtrain.train.loop import train
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ import pytest
 
 from faults.conftest import STEPS
 from faults.harness import start, step_rows, tiny_run, wait_for
-from mmtrain.train.checkpoint import latest_checkpoint, verify_checkpoint
+from mmtrain.checkpoint import latest_checkpoint, verify_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ class SigtermInside:
 PLACES = {
     "data loading": (SigtermInside("mmtrain.train.data", "TrainData.next_batch"), 3),
     "forward": (SigtermInside("mmtrain.models.build", "MultimodalModel.forward"), 3),
-    "checkpoint write": (SigtermInside("mmtrain.train.checkpoint", "save_file"), 4),
+    "checkpoint write": (SigtermInside("mmtrain.checkpoint", "save_file"), 4),
 }
 
 

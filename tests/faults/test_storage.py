@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from faults.conftest import STEPS
 from faults.harness import start, step_rows, tiny_run, wait_for
-from mmtrain.train.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
+from mmtrain.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -1,13 +1,14 @@
 """`mmtrain data build|inspect|order`: make WebDataset shards, look at them and at their order.
 
 - `build SRC --out DIR [...]`: ingest files, a table or shards into filtered shards with a
-  manifest (options in `mmtrain.data.build_args`, the work in `mmtrain.data.ingest`); prints a
-  summary and exits 2 when the reject rate is too high.
+  manifest (flags in `mmtrain.commands._data_args`, the work in `mmtrain.data.ingest.pipeline`);
+  prints a summary and exits 2 when the reject rate is too high.
 - `inspect DIR|PATTERN [--verify] [--json] [--contact-sheet FILE.png]`: shards, samples, sample
   counts per extension and modality, the manifest's filter statistics and command, sizes and
   sha256 checked against the manifest, refused (unsafe) members and damaged shards; `--verify`
-  decodes every member and lists corrupt ones (logic in `mmtrain.data.inspect`). Exit code 1
-  when a shard does not match its manifest, is damaged, or holds corrupt samples; 2 bad input.
+  decodes every member and lists corrupt ones (logic in `mmtrain.data.ingest.inspect`). Exit
+  code 1 when a shard does not match its manifest, is damaged, or holds corrupt samples; 2 bad
+  input.
 - `order DIR|PATTERN --seed S --epoch E [--world-size W --rank R] [--skip N] [--limit N]`: the keys
   rank R reads in epoch E, one per line, after N global samples were consumed — the tool to debug
   reproducibility (`--skip` is what a resumed loader has behind it: steps x global batch).
@@ -23,11 +24,11 @@ from typing import Any
 
 from mmtrain.cli import UsageError
 from mmtrain.commands._args import count
-from mmtrain.data import ingest
-from mmtrain.data.build_args import add_build_arguments, config_from_args
-from mmtrain.data.inspect import contact_sheet, inspect_shards, open_shards
-from mmtrain.data.loader import planned_samples
-from mmtrain.data.shards import ShardSet
+from mmtrain.commands._data_args import add_build_arguments, config_from_args
+from mmtrain.data.ingest import pipeline
+from mmtrain.data.ingest.inspect import contact_sheet, inspect_shards, open_shards
+from mmtrain.data.storage.shards import ShardSet
+from mmtrain.data.stream.loader import planned_samples
 
 ORDER = 30
 
@@ -115,9 +116,9 @@ def run_build(args: argparse.Namespace) -> int:
                     tasks[phase] = bar.add_task(phase, total=total)
                 bar.update(tasks[phase], completed=done)
 
-            report = ingest.build(source, config, update)
+            report = pipeline.build(source, config, update)
     else:
-        report = ingest.build(source, config)
+        report = pipeline.build(source, config)
     counts = report.manifest["counts"]
     if report.already_complete:
         print(f"already built: {len(report.shards)} shard(s) verified against their sha256")
@@ -134,7 +135,7 @@ def run_build(args: argparse.Namespace) -> int:
     if not report.ok:
         print(
             f"mmtrain data build: error: reject rate {report.reject_rate:.1%} is above "
-            f"--max-reject-rate {config.max_reject_rate:.1%}; see {config.out_dir / ingest.REJECTS_NAME} "
+            f"--max-reject-rate {config.max_reject_rate:.1%}; see {config.out_dir / pipeline.REJECTS_NAME} "
             "(no manifest written)",
             file=sys.stderr,
         )
@@ -210,8 +211,8 @@ def _conversation_tools(args: argparse.Namespace) -> tuple[Any, Any]:
         raise UsageError("--image-tokens must be >= 1")
     if args.tokenizer is None:
         return None, None
-    from mmtrain.data.chat_templates import get_template
-    from mmtrain.data.tokenizer import get_tokenizer
+    from mmtrain.data.stream.chat_templates import get_template
+    from mmtrain.data.stream.tokenizer import get_tokenizer
 
     return get_tokenizer(args.tokenizer, language_model=True), get_template(args.chat_template)
 

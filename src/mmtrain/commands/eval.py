@@ -17,9 +17,9 @@ from typing import Any
 
 from mmtrain.cli import UsageError
 from mmtrain.commands._args import count
+from mmtrain.folders import EVAL_FILE
 
 ORDER = 40
-EVAL_FILE = "eval.json"
 SCHEMA_VERSION = 1
 
 
@@ -199,7 +199,7 @@ def _write(report: dict[str, Any], model: Any, run_dir: Path, source: Path, args
 
 def _language_model_report(model: Any, run_dir: Path, args: argparse.Namespace) -> dict:
     """Perplexity and generated answers (eval.generation) for a model with a decoder."""
-    from mmtrain.data.conversation_batches import resolve_chat_template
+    from mmtrain.data.stream.conversation_batches import resolve_chat_template
     from mmtrain.eval.generation import VLMEvaluator
     from mmtrain.structured import FieldError
 
@@ -276,12 +276,14 @@ def _evaluator(spec: Any, data: str, **options: Any) -> Any:
 
 def _init_distributed(device_arg: str | None, torch: Any) -> Any:
     """Join torchrun's process group when launched by it; the device this rank uses."""
+    from mmtrain import distributed
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available() and (device_arg is None or device_arg.startswith("cuda"))
     if world > 1 and not torch.distributed.is_initialized():
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        torch.distributed.init_process_group("nccl" if cuda else "gloo")
+        torch.distributed.init_process_group(distributed.backend_for(cuda))
     if device_arg and not (world > 1 and cuda):
         try:
             return torch.device(device_arg)
@@ -299,17 +301,18 @@ def _load_model(folder: Path, device: Any) -> tuple[Any, Path, Path]:
     (RUN_DIR/checkpoints/step_N, full or sharded under FSDP), or a run still training (its
     newest valid checkpoint)."""
     import mmtrain
-    from mmtrain.models.build import SPEC_FILE, WEIGHTS_FILE
-    from mmtrain.spec import ModelSpec
-    from mmtrain.train.checkpoint import (
+    from mmtrain.checkpoint import (
         MANIFEST_FILE,
         CheckpointError,
         latest_checkpoint,
         load_weights,
         read_meta,
     )
+    from mmtrain.folders import SPEC_FILE, WEIGHTS_FILE
+    from mmtrain.models.build import is_model_folder
+    from mmtrain.spec import ModelSpec
 
-    if (folder / WEIGHTS_FILE).is_file() and (folder / SPEC_FILE).is_file():
+    if is_model_folder(folder):  # final weights: one file, or shards + index
         return mmtrain.load_model(folder, device=device), folder, folder
     checkpoint, verified = folder, False
     if not (folder / MANIFEST_FILE).is_file():
@@ -360,7 +363,7 @@ def _run_tokenizer(model_dir: Path) -> str:
 
 def _manifest_class_names(data: str) -> list[str] | None:
     """The `classes` list of the data folder's manifest.json, if it has one."""
-    from mmtrain.data.shards import read_manifest
+    from mmtrain.data.storage.manifest import read_manifest
 
     folder = Path(data)
     if not (folder / "manifest.json").is_file():

@@ -17,7 +17,9 @@ from mmtrain.cli import UsageError
 from mmtrain.commands._args import count
 
 ORDER = 45
-IMAGE_TAG = "<image>"  # mmtrain.data.conversations.IMAGE_TAG (not imported: --help stays fast)
+IMAGE_TAG = (
+    "<image>"  # mmtrain.data.stream.conversations.IMAGE_TAG (not imported: --help stays fast)
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -163,8 +165,8 @@ def _in_run(value: str, run_dir: Path) -> str:
 
 
 def _tokenizer_and_template(args: argparse.Namespace, run_dir: Path, model_dir: Path) -> tuple:
-    from mmtrain.data.conversation_batches import resolve_chat_template
-    from mmtrain.data.tokenizer import get_tokenizer
+    from mmtrain.data.stream.conversation_batches import resolve_chat_template
+    from mmtrain.data.stream.tokenizer import get_tokenizer
 
     data = _run_data_config(run_dir)
     tokenizer = args.tokenizer or data.get("tokenizer")
@@ -197,10 +199,10 @@ def generate_answer(
     """The model's answer to one user turn `prompt` (its <image> tags matching `images`)."""
     import torch
 
-    from mmtrain.data.chat_templates import encode_segments
-    from mmtrain.data.conversations import Conversation, Turn
-    from mmtrain.data.media import MediaError
-    from mmtrain.data.transforms import ImageTransform
+    from mmtrain.data.stream.chat_templates import encode_segments
+    from mmtrain.data.stream.conversations import Conversation, Turn
+    from mmtrain.data.stream.media import MediaError
+    from mmtrain.data.stream.transforms import ImageTransform
     from mmtrain.eval.generation import prompt_and_reference, stop_ids
 
     spec = model.spec

@@ -37,7 +37,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--gpus", type=count, default=1, help="total GPUs")
     p.add_argument("--gpus-per-node", type=count, default=None)
-    p.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    p.add_argument(
+        "--precision",
+        default="bf16",
+        choices=PRECISIONS,
+        help="bf16: torch autocast (fp32 residual stream); bf16-weights: the model in bf16 with "
+        "fp32 master weights and Adam states (DeepSpeed bf16, FSDP2 bf16 parameters); "
+        "bf16-pure: no fp32 copy at all (docs/PLANNER.md)",
+    )
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument(
         "--bytes-per-param",
@@ -66,7 +73,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--mfu",
         type=float,
         default=None,
-        help="achievable fraction of peak (default: GPU MAMF x 0.65)",
+        help="achievable fraction of peak (default: the published figure of the model's "
+        "workload family, moved to the GPU by its MAMF; docs/PLANNER.md)",
     )
     p.add_argument("--headroom", type=float, default=0.07, help="share of usable memory kept free")
     p.add_argument(
@@ -289,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
     plan = make_plan(model, cfg, catalog)
     result = plan.to_dict()
     if args.measure:
-        from mmtrain.plan.measure import measure_training_step  # imports torch
+        from mmtrain.train.measure_step import measure_training_step  # imports torch
 
         measured = measure_training_step(
             args.model,
@@ -386,7 +394,10 @@ def _print_plan(plan: Plan, measured: dict | None) -> None:
         + f": {mem.total_bytes / mem.usable_bytes:.0%} of usable memory"
     )
     console.print(
-        f"step {t.step_time_s:.4g} s (compute {t.compute_s:.4g}, TP comm {t.tp_comm_s:.3g}, DP comm {t.dp_comm_s:.3g} of which exposed {t.dp_exposed_s:.3g}, bubble {t.bubble_s:.3g}); {t.samples_per_s:,.4g} samples/s; MFU {t.mfu:.1%} (achievable fraction {t.achievable_fraction:.2f})"
+        f"step {t.step_time_s:.4g} s (compute {t.compute_s:.4g}, TP comm {t.tp_comm_s:.3g}, DP comm {t.dp_comm_s:.3g} of which exposed {t.dp_exposed_s:.3g}, bubble {t.bubble_s:.3g}); {t.samples_per_s:,.4g} samples/s; MFU {t.mfu:.1%}"
+    )
+    console.print(
+        f"achievable fraction {t.achievable_fraction:.3f} of peak, family {t.efficiency_family}: {t.efficiency_source}"
     )
     if c.samples:
         console.print(
@@ -405,11 +416,11 @@ def _print_plan(plan: Plan, measured: dict | None) -> None:
 
 def _data(args: argparse.Namespace, catalog) -> int:
     """`--data DIR`: tokens per sample from conversation shards, then padded and packed plans."""
-    from mmtrain.data.chat_templates import get_template
-    from mmtrain.data.inspect import conversation_counts, open_shards
-    from mmtrain.data.tokenizer import get_tokenizer
+    from mmtrain.data.ingest.inspect import conversation_counts, open_shards
+    from mmtrain.data.stream.chat_templates import get_template
+    from mmtrain.data.stream.tokenizer import get_tokenizer
+    from mmtrain.lengths import Lengths, summarize
     from mmtrain.plan.data_plan import plan_from_data
-    from mmtrain.plan.lengths import Lengths, summarize
     from mmtrain.spec import with_input_sizes
 
     spec = with_input_sizes(load_spec(args.model), args.image_size, None, None)
@@ -506,9 +517,15 @@ def _print_data_plan(result: dict, plans) -> None:
             _usd(t.cost),
         )
     console.print(table)
+    for p in plans:
+        t = p.plan.time
+        console.print(
+            f"{p.layout.name}: achievable fraction {t.achievable_fraction:.3f} of peak, family "
+            f"{t.efficiency_family}: {t.efficiency_source}"
+        )
     console.print(
         "padded: each micro-batch's rows padded to its longest sample; packed: rows filled "
-        "first-fit (data/packing.py). Memory is planned for the worst micro-batch, time from "
+        "first-fit (data/stream/packing.py). Memory is planned for the worst micro-batch, time from "
         "the computed FLOPs of the mean row; costs at " + _price(plans[0].plan.time)
     )
 
@@ -599,7 +616,7 @@ def _inference(args, model, catalog) -> int:
     from mmtrain.plan.inference import inference_memory
 
     gpu = catalog.gpu(args.gpu)
-    precision = args.precision if args.precision != "bf16-pure" else "bf16"
+    precision = "bf16" if args.precision in ("bf16-weights", "bf16-pure") else args.precision
     est = inference_memory(model, gpu, args.context or 4096, args.batch, precision)
     result = {
         "model": {"name": model.name, "params": model.params()},

@@ -1,9 +1,8 @@
-"""CLIP score: how well each image matches its own caption, as 100 x cosine, floored at 0.
+"""CLIP score for evaluation: the score of each pair, and its summary for `eval.json`.
 
-The one implementation in mmtrain: the evaluator reports its mean over image-caption pairs, and
-the relevance filter of `mmtrain data build` (DataComp-style CLIP-score filtering) keeps or drops
-samples by it. The floor makes the score a relevance measure: below zero an image and a caption
-are simply unrelated, and how unrelated does not matter.
+`clip_score` (100 x cosine of an image's and its caption's embeddings, floored at 0) is
+implemented once, in `mmtrain.models.clip_score`, below both the evaluator and the relevance
+filter of `mmtrain data build`; it is re-exported here as part of the evaluation API.
 """
 
 from __future__ import annotations
@@ -11,22 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from mmtrain.models.clip_score import clip_score
 
 __all__ = ["clip_score", "clip_score_summary"]
-
-
-def clip_score(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """float32 [N]: 100 * max(0, cos(a[i], b[i])) for embeddings a, b of shape [N, D].
-
-    The inputs are normalised here, so raw (unnormalised) embeddings give the same score.
-    """
-    if a.shape != b.shape or a.dim() != 2:
-        raise ValueError(
-            f"clip_score needs two [N, D] tensors, got {list(a.shape)} and {list(b.shape)}"
-        )
-    cosine = (F.normalize(a.float(), dim=-1) * F.normalize(b.float(), dim=-1)).sum(dim=-1)
-    return 100.0 * cosine.clamp(min=0.0)
 
 
 def clip_score_summary(scores: torch.Tensor) -> dict[str, Any]:

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmtrain import distributed
-from mmtrain.data.chat_templates import (
+from mmtrain.data.storage.shards import ShardSet
+from mmtrain.data.stream.chat_templates import (
     IGNORE_INDEX,
     ChatTemplate,
     JinjaTemplate,
@@ -52,16 +53,11 @@ from mmtrain.data.chat_templates import (
     encode_segments,
     get_template,
 )
-from mmtrain.data.conversation_batches import (
-    NO_IMAGE_ID,
-    SkippedSample,
-    read_conversation,
-)
-from mmtrain.data.conversations import Conversation
-from mmtrain.data.media import MediaError
-from mmtrain.data.shards import ShardSet
-from mmtrain.data.tokenizer import Tokenizer, get_tokenizer
-from mmtrain.data.transforms import ImageTransform
+from mmtrain.data.stream.conversation_batches import NO_IMAGE_ID, SkippedSample, read_conversation
+from mmtrain.data.stream.conversations import Conversation
+from mmtrain.data.stream.media import MediaError
+from mmtrain.data.stream.tokenizer import Tokenizer, get_tokenizer
+from mmtrain.data.stream.transforms import ImageTransform
 from mmtrain.eval.answers import exact_match, token_f1
 from mmtrain.eval.run import flatten_metrics, spec_of
 from mmtrain.models.build import unwrap_model
@@ -459,9 +455,7 @@ class VLMEvaluator:
         model.eval()
         try:
             nll, tokens, broken = self._nll(model, device)
-            nll, tokens, broken_count = distributed.sum_over_ranks(
-                [nll, tokens, len(broken)], _model_parts(model)[0]
-            )
+            nll, tokens, broken_count = distributed.sum_over_ranks([nll, tokens, len(broken)])
             report: dict[str, Any] = {
                 "n_samples": len(self.samples),
                 "target_tokens": int(tokens),

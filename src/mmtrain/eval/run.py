@@ -34,8 +34,9 @@ import torch
 from torch import nn
 
 from mmtrain import distributed
-from mmtrain.data.loader import StreamingLoader
-from mmtrain.data.media import (
+from mmtrain.data.storage.shards import ShardSet
+from mmtrain.data.stream.loader import StreamingLoader
+from mmtrain.data.stream.media import (
     DEFAULT_MAX_PIXELS,
     MediaError,
     decode_audio,
@@ -44,9 +45,8 @@ from mmtrain.data.media import (
     decode_timeseries,
     decode_video,
 )
-from mmtrain.data.shards import ShardSet
-from mmtrain.data.tokenizer import Tokenizer, get_tokenizer
-from mmtrain.data.transforms import (
+from mmtrain.data.stream.tokenizer import Tokenizer, get_tokenizer
+from mmtrain.data.stream.transforms import (
     MODALITY_EXTENSIONS,
     AudioTransform,
     ImageTransform,
@@ -58,10 +58,10 @@ from mmtrain.eval.clipscore import clip_score, clip_score_summary
 from mmtrain.eval.probe import ProbeConfig, linear_probe, macro_f1
 from mmtrain.eval.retrieval import DEFAULT_CHUNK_ELEMENTS, DEFAULT_KS, retrieval_metrics
 from mmtrain.eval.zeroshot import DEFAULT_TEMPLATES, class_embeddings, zeroshot_metrics
+from mmtrain.losses import at_least_fp32
 from mmtrain.models.build import unwrap_model
 from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
-from mmtrain.train.precision import at_least_fp32
 
 logger = logging.getLogger(__name__)
 

@@ -6,12 +6,12 @@
 
 from mmtrain.models.build import (
     ModelFileError,
-    MultimodalModel,
     check_state_dict,
     create_model,
     load_model,
     save_model,
 )
+from mmtrain.models.multimodal import MultimodalModel
 from mmtrain.models.towers import Tower
 from mmtrain.models.vlm import LanguageModel
 

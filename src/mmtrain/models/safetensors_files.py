@@ -37,12 +37,11 @@ from safetensors import safe_open
 from torch import Tensor
 
 from mmtrain.atomic import atomic_write_text, fsync_dir
+from mmtrain.folders import INDEX_FILE, WEIGHTS_FILE
 from mmtrain.structured import FieldError
 
 log = logging.getLogger(__name__)
 
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 # transformers' default max_shard_size "5GB" (decimal, as huggingface_hub parses it)
 MAX_SHARD_BYTES = 5 * 10**9
 # transformers refuses a safetensors file whose metadata lacks a known "format"

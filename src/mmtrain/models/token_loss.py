@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-IGNORE_INDEX = -100  # data/chat_templates.py's "no target" label (models do not import data/)
+IGNORE_INDEX = -100  # "no target" label of data/stream/chat_templates.py (models import no data/)
 CHUNK_ELEMENTS = 2**26  # logits per chunk: 256 MiB in fp32 (512 positions at a 128k vocabulary)
 
 

@@ -25,13 +25,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mmtrain.models.decoder import Decoder, KVCache, document_positions, sample
+from mmtrain.models.init_rules import apply_init_rules, init_rules
 from mmtrain.models.materialize import initialised_parameters
 from mmtrain.models.token_loss import chunked_nll_sum
 from mmtrain.models.towers import Tower
 from mmtrain.spec import ModelSpec, ProjectorSpec
 
 TEXT = "text"  # the decoder's name among the towers and the batch key of the token ids
-PAD_DOCUMENT = -1  # data/packing.py's document id of padding (models do not import data/)
+PAD_DOCUMENT = -1  # data/stream/packing.py's document id of padding (models do not import data/)
 LABELS = "labels"  # the next-token targets, aligned with "text" (train/objectives.py's key)
 
 
@@ -421,12 +422,9 @@ class LanguageModel(nn.Module):
     def init_weights(self, generator: torch.Generator) -> None:
         """Random init for training from scratch, in `named_parameters()` order from
         `generator` (drawn on the CPU in float32: the same weights on any device): the image
-        tower and the projector by `models.build.init_rules` (the tower as in a
+        tower and the projector by `models.init_rules.init_rules` (the tower as in a
         MultimodalModel; the projector fan-in, biases 0), the decoder by
         `Decoder.init_weights`."""
-        # build.py imports this module (create_model builds a LanguageModel): import it here.
-        from mmtrain.models.build import apply_init_rules, init_rules
-
         rules = init_rules(self)
         prefix = f"towers.{TEXT}."
         # named_parameters order is: image tower, decoder, projector (registration order).

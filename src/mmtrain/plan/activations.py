@@ -27,7 +27,9 @@ softmax or lse, mask); "full" keeps only each block's input (h per token) and, d
 backward, one block's activations are live again while it is recomputed.
 
 Under bf16/fp16 autocast the residual stream (norm inputs) stays fp32 while the other tensors
-are 16-bit copies; "residual bytes" and "activation bytes" are therefore kept apart.
+are 16-bit copies; "residual bytes" and "activation bytes" are therefore kept apart. A model
+that runs in bf16 itself (`bf16-weights`: DeepSpeed bf16, FSDP2 with bf16 parameters;
+`bf16-pure`) keeps its residual stream in bf16 too: 2 bytes.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 from mmtrain.plan.model import FusionHead, PlanModel, Stack
 
 FP32 = 4
+BF16_MODEL = ("bf16-weights", "bf16-pure")  # the model runs in bf16: a 16-bit residual stream
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ def activation_options(
     """Byte sizes for a precision mode (fp8 keeps 16-bit activations: its casts are transient)."""
     if precision == "fp32":
         return ActivationOptions(4, 4, attention, ac, tp, sp, False, dense_packed_mask)
-    residual = 2 if precision == "bf16-pure" else 4
+    residual = 2 if precision in BF16_MODEL else 4
     return ActivationOptions(2, residual, attention, ac, tp, sp, False, dense_packed_mask)
 
 

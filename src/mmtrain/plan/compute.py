@@ -9,12 +9,48 @@ it. MFU counts model FLOPs only; hardware FLOPs add what activation checkpointin
 one more forward of the trained blocks with full recompute (Narayanan et al. 2021's 8N), the
 attention sub-block's forward with selective recompute.
 
-Achievable fraction of peak (default; `--mfu` overrides): the GPU's MAMF fraction (best
-measured bf16 matmul over spec peak, stas00/ml-engineering "Maximum Achievable Matmul FLOPS")
-times 0.65, the share of MAMF that large-model training reaches end to end: Korthikanti et al.
-2022 report 54.2% MFU on A100 (MAMF 86.9%: 0.62 of it); Llama 3 (Dubey et al. 2024) 38-43%
-BF16 MFU on H100 (MAMF 80.3%: 0.47-0.54). Small widths reach less; this model does not try to
-predict that, so treat the time of sub-1B models as optimistic.
+Achievable fraction of peak, per workload family (`--mfu` overrides). The step time divides
+the *hardware* FLOPs of the computed positions (padding included) by dense peak x fraction.
+Each family's fraction comes from one published MFU range, converted in three stated steps:
+1. the midpoint of the published range (no point is picked to fit a check);
+2. times the published run's hardware / model FLOPs as this planner counts them for that
+   run's recipe (a published MFU counts model FLOPs, while the run also spent time on what
+   its activation checkpointing recomputed): 1 without checkpointing, 4/3 with full
+   checkpointing, the planner's selective count for torchtitan's recipe (Llama-3.1-8B at
+   8,192 positions: 1.12);
+3. divided by the MAMF fraction of the GPU it was measured on, and multiplied by the planned
+   GPU's (best measured bf16 matmul over spec peak, stas00/ml-engineering "Maximum Achievable
+   Matmul FLOPS"; hardware/gpus.csv `mamf_fraction`). A share of MAMF transfers across GPUs
+   better than a share of peak: AMD's MI300X reaches 51% of its peak in a bare matmul, NVIDIA's
+   parts 73-87%, and no training run can exceed its GPU's matmul ceiling.
+So planning a published run's recipe on its GPU gives back its published MFU (before any
+exposed communication).
+
+| family | the planner picks it for | published MFU | on | recompute | share of MAMF | source |
+|---|---|---|---|---|---|---|
+| contrastive | encoder towers with contrastive pairs (CLIP, SigLIP) | 11-12% -> 11.5% (an estimate) | A100 (MAMF 86.9%) | none: 1 | 0.132 | OpenCLIP ViT-B/32 and ViT-L/14 on A100, derived from OpenCLIP's published throughput by this project's research, not a figure of OpenCLIP's authors (../shared/reference/published-runs.md, "Contrastive training") |
+| llm | a decoder LM without an image tower | 33-39% -> 36% | H100 SXM (80.3%) | selective: 1.12 | 0.502 | torchtitan, Llama-3.1-8B on 8 x H100, FSDP, selective AC, bf16: 33% eager to 39% compiled (its Table 1: 5,762 and 6,667 tokens/s/GPU at 57.9 GFLOPs per token, i.e. 8,192 positions; pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md; its H100s ran at 500 W with a peak below the SXM figure the MFU divides by, so the figure is low) |
+| vlm-packed | a decoder LM with an image tower and projector, packed rows | 30-40% -> 35% | A800 = A100 compute (86.9%) | full: 4/3 | 0.537 | lmms-engine, Qwen2.5-VL-7B / Qwen3-VL-8B on 32 x A800, FSDP2, first-fit packing to 61,440 positions, padding removed, ViT FLOPs not counted (EvolvingLMMs-Lab lmms-engine docs/reference/mfu.md, "Image Models") |
+| vlm-padded | the same with padded rows | vlm-packed's fraction, applied to the computed positions | | | 0.537 | as vlm-packed: see below |
+
+Padding is not counted twice. lmms-engine's MFU counts the tokens a row really holds, and
+its "35-40% with packing vs 20-25% without" (same page) compares useful work; the planner
+instead computes every padded position (a padded layout's FLOPs are those of its computed
+positions, plan/lengths.py) at the rate of a dense row. Applying the unpacked 20-25% to
+computed positions would charge padding twice; the packed figure applied to them, times the
+layout's fill, is the useful MFU (the LLaVA check's padded rows: 35% x 58.9% fill = 20.5%,
+inside the unpacked 20-25%). lmms-engine's checkpointing is not stated on that page; its
+example Qwen2.5-VL config sets `gradient_checkpointing: true`, and 61,440 positions of a 7B
+model do not fit 80 GB without it (Korthikanti's 34 s h bytes per layer alone: 28 x 61,440 x
+34 x 3,584 B = 210 GB), so the run is read as full recompute. It leaves the ViT's FLOPs out of
+its MFU, so the fraction is low for VLMs whose tower is a large share of the work (for
+LLaVA-1.5's frozen ViT-L/14-336 under 1%).
+
+Families the planner can tell apart but has no published figure for (diffusion transformers;
+encoder models without contrastive pairs: classifiers, fusion heads) borrow the llm figure,
+and the plan says so (`efficiency_source`); pass `--mfu` with a figure of your own. The
+figures are bf16 runs; other precisions apply the same share of MAMF to their own peak
+(not measured). Small widths reach less than these runs; treat sub-1B models as optimistic.
 
 Communication (comm.py) overlaps with compute where frameworks overlap it: data-parallel
 gradient reduction with the last micro-batch's backward, ZeRO-3 gathers with each micro-batch;
@@ -28,15 +64,118 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from mmtrain.hardware import CURRENCY, GPU, Catalog
+from mmtrain.hardware import CURRENCY, GPU, Catalog, default_catalog
 from mmtrain.plan.comm import all_gather_s, all_reduce_s, group_link, reduce_scatter_s
 from mmtrain.plan.config import PlanConfig
 from mmtrain.plan.model import PlanModel, Stack
 from mmtrain.plan.states import state_bytes
 from mmtrain.spec import FUSION_PART, PartTraining, train_flops
 
-END_TO_END_SHARE_OF_MAMF = 0.65
 OVERLAP = 0.8
+
+
+@dataclass(frozen=True)
+class PublishedMfu:
+    """A published MFU range (model FLOPs over dense bf16 peak) and the run it describes."""
+
+    low: float
+    high: float
+    gpu: str  # catalog key of the GPU it was measured on (for its MAMF fraction)
+    ac: str  # the run's activation checkpointing, in the planner's terms
+    source: str
+    # decoder shape of the run (layers, width, heads, kv heads, MLP width, vocab, positions),
+    # for the planner's count of what its checkpointing recomputed; None: nothing recomputed
+    recipe: tuple[int, ...] | None = None
+
+    @property
+    def point(self) -> float:
+        """The midpoint of the published range: the rule, for every family."""
+        return (self.low + self.high) / 2
+
+
+PUBLISHED = {
+    "contrastive": PublishedMfu(
+        0.11,
+        0.12,
+        "a100",
+        "none",
+        "OpenCLIP ViT-B/32 and ViT-L/14 on A100: about 11-12% MFU, an estimate derived from "
+        "OpenCLIP's published throughput (published-runs.md, Contrastive training)",
+    ),
+    "llm": PublishedMfu(
+        0.33,
+        0.39,
+        "h100",
+        "selective",
+        "torchtitan Llama-3.1-8B on 8 x H100, FSDP, selective AC, bf16: 33-39% MFU "
+        "(pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md)",
+        recipe=(32, 4096, 32, 8, 14336, 128256, 8192),
+    ),
+    "vlm": PublishedMfu(
+        0.30,
+        0.40,
+        "a100",  # A800: the A100's compute with fewer NVLink lanes
+        "full",
+        "lmms-engine Qwen2.5-VL-7B / Qwen3-VL-8B on 32 x A800, FSDP2, packed to 61,440 "
+        "positions, ViT FLOPs not counted: 30-40% MFU (EvolvingLMMs-Lab lmms-engine "
+        "docs/reference/mfu.md)",
+        recipe=(28, 3584, 28, 4, 18944, 152064, 61440),
+    ),
+}
+FAMILIES = ("contrastive", "llm", "vlm-padded", "vlm-packed")  # each with a published figure
+UNSOURCED = ("diffusion", "encoder")  # told apart, but no published figure: llm's stands in
+_FIGURE = {
+    "contrastive": "contrastive",
+    "llm": "llm",
+    "vlm-padded": "vlm",
+    "vlm-packed": "vlm",
+    "diffusion": "llm",
+    "encoder": "llm",
+}
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """The achievable fraction of dense peak a plan's hardware FLOPs run at, and its origin."""
+
+    family: str
+    fraction: float
+    source: str
+
+
+def workload_family(model: PlanModel) -> str:
+    """The workload family of `model`, from its stacks: a decoder with an image tower is a VLM
+    (packed when its rows hold several documents), a decoder alone an LLM; a diffusion stack;
+    encoder towers with contrastive pairs; other encoder models (classifiers, fusion heads)."""
+    decoder = next((s for s in model.stacks if s.kind == "decoder"), None)
+    if decoder is not None:
+        if any(s.kind in ("encoder", "projector") for s in model.stacks):
+            return "vlm-packed" if decoder.document_mask else "vlm-padded"
+        return "llm"
+    if any(s.kind == "diffusion" for s in model.stacks):
+        return "diffusion"
+    return "contrastive" if model.pairs else "encoder"
+
+
+@lru_cache(maxsize=8)
+def recompute_ratio(figure: str) -> float:
+    """Hardware over model FLOPs of a published run, as the planner counts its recipe."""
+    p = PUBLISHED[figure]
+    if p.ac == "none" or p.recipe is None:
+        return 1.0
+    from mmtrain.plan.workloads import decoder  # a Llama-style stack from its shape
+
+    layers, width, heads, kv, ffn, vocab, tokens = p.recipe
+    stack = decoder(figure, layers, width, heads, kv, ffn, vocab, tokens, p.source)
+    model_flops, hardware_flops = flops_per_sample(PlanModel(figure, (stack,)), p.ac)
+    return hardware_flops / model_flops
+
+
+def share_of_mamf(figure: str) -> float:
+    """A published figure as a share of its GPU's MAMF, in hardware FLOPs (module docstring)."""
+    p = PUBLISHED[figure]
+    measured_on = default_catalog().gpu(p.gpu)
+    return p.point * recompute_ratio(figure) / measured_on.mamf_fraction
 
 
 def _attention_block_forward(stack: Stack) -> float:
@@ -67,8 +206,28 @@ def flops_per_sample(model: PlanModel, ac: str) -> tuple[float, float]:
     return model_flops, hardware
 
 
-def achievable_fraction(gpu: GPU, cfg: PlanConfig) -> float:
-    return cfg.mfu if cfg.mfu is not None else gpu.mamf_fraction * END_TO_END_SHARE_OF_MAMF
+def efficiency(model: PlanModel, gpu: GPU, cfg: PlanConfig) -> Efficiency:
+    """The fraction of `gpu`'s dense peak the plan's hardware FLOPs run at: `--mfu`, else the
+    published figure of the model's workload family moved to `gpu` by MAMF (module docstring)."""
+    family = workload_family(model)
+    if cfg.mfu is not None:
+        return Efficiency(family, cfg.mfu, f"--mfu (in place of the {family} figure)")
+    figure = _FIGURE[family]
+    p = PUBLISHED[figure]
+    share = share_of_mamf(figure)
+    source = (
+        f"{p.source}; midpoint {p.point:.1%} x recompute {recompute_ratio(figure):.3g} "
+        f"/ MAMF {default_catalog().gpu(p.gpu).mamf_fraction:.1%} = {share:.3f} of MAMF, "
+        f"x {gpu.key} MAMF {gpu.mamf_fraction:.1%}"
+    )
+    if family == "vlm-padded":
+        source += "; applied to computed positions, padding included (fill gives useful MFU)"
+    if family in UNSOURCED:
+        source = (
+            f"no published {family} run in the reference: the llm figure stands in "
+            f"(--mfu overrides); {source}"
+        )
+    return Efficiency(family, share * gpu.mamf_fraction, source)
 
 
 @dataclass(frozen=True)
@@ -82,6 +241,8 @@ class TimeEstimate:
     samples_per_s: float
     mfu: float
     achievable_fraction: float
+    efficiency_family: str  # the workload family whose published figure gave the fraction
+    efficiency_source: str  # that figure, its source and its conversion (or --mfu)
     time_to_train_s: float
     cost: float
     price_per_gpu_hour: float
@@ -96,7 +257,8 @@ class TimeEstimate:
 
 def training_time(model: PlanModel, cfg: PlanConfig, gpu: GPU, catalog: Catalog) -> TimeEstimate:
     model_flops, hw_flops = flops_per_sample(model, cfg.ac)
-    fraction = achievable_fraction(gpu, cfg)
+    eff = efficiency(model, gpu, cfg)
+    fraction = eff.fraction
     rate = gpu.peak_flops(cfg.precision) * fraction
     m = cfg.accumulation
     # One micro-batch on one GPU: TP splits each layer, PP splits the layers.
@@ -155,6 +317,8 @@ def training_time(model: PlanModel, cfg: PlanConfig, gpu: GPU, catalog: Catalog)
         samples_per_s=samples_per_s,
         mfu=mfu,
         achievable_fraction=fraction,
+        efficiency_family=eff.family,
+        efficiency_source=eff.source,
         time_to_train_s=time_to_train,
         cost=time_to_train / 3600 * cfg.gpus * price,
         price_per_gpu_hour=price,

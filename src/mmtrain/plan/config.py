@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from mmtrain.structured import FieldError, check_choice
 
-PRECISIONS = ("fp32", "bf16", "bf16-pure", "fp16", "fp8")
+PRECISIONS = ("fp32", "bf16", "bf16-weights", "bf16-pure", "fp16", "fp8")
 OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
 AC_MODES = ("none", "selective", "full")
 ATTENTION = ("flash", "math")
@@ -20,9 +20,20 @@ BYTES_CONVENTIONS = (16, 18, 20)
 class PlanConfig:
     """A training strategy. `gpus` is the total count; data-parallel size = gpus / (tp * pp).
 
-    precision: fp32; bf16 (autocast, fp32 master weights); bf16-pure (no fp32 copy); fp16 (with
-    loss scaling, same states as bf16); fp8 (matmuls in fp8, states as bf16: Transformer Engine
-    keeps bf16/fp32 weights, so fp8 saves compute time, not model-state memory).
+    precision (what each keeps: states.py for the model states, activations.py for the rest):
+    - fp32: fp32 weights, grads, optimizer states and activations.
+    - bf16: torch autocast over an fp32 model. States: the mixed-precision convention of
+      `bytes_per_param` (16: autocast's fp32 weights 4 + fp32 grads 4 + Adam 8); activations:
+      16-bit copies, but the residual stream (norm inputs) stays fp32 (4 bytes).
+    - bf16-weights: the model itself in bf16 (weights and activations, residual stream
+      included: 2 bytes), fp32 master weights and Adam states in the optimizer: DeepSpeed's
+      `bf16` with ZeRO, FSDP2's `MixedPrecisionPolicy(param_dtype=bfloat16)` without autocast.
+      States: the same convention as bf16 (16: bf16 weights 2 + grads 2 + fp32 master,
+      momentum, variance 12; 18 with fp32 grads, as DeepSpeed accumulates them).
+    - bf16-pure: bf16 weights, grads and optimizer states, no fp32 copy (8 B/param for AdamW);
+      activations as bf16-weights.
+    - fp16: as bf16, with loss scaling. fp8: matmuls in fp8, states and activations as bf16
+      (Transformer Engine keeps bf16/fp32 weights, so fp8 saves compute time, not memory).
     bytes_per_param: the mixed-precision AdamW convention (16: 16-bit grads, ZeRO paper; 18: fp32
     grads, Megatron/DeepSpeed/HF; 20: 16-bit grads plus an fp32 accumulation buffer, nanotron).
     """

@@ -13,9 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from mmtrain.hardware import Catalog
+from mmtrain.lengths import Lengths
 from mmtrain.plan.config import PlanConfig
 from mmtrain.plan.estimate import Plan, make_plan
-from mmtrain.plan.lengths import Lengths, RowLayout, packed_layout, padded_layout
+from mmtrain.plan.lengths import RowLayout, packed_layout, padded_layout
 from mmtrain.plan.model import PlanModel, Rows, from_spec
 from mmtrain.spec import ModelSpec
 
@@ -46,6 +47,8 @@ class DataPlan:
             "memory_budget_bytes": int(self.plan.memory.budget_bytes),
             "step_time_s": t.step_time_s,
             "mfu": round(t.mfu, 4),
+            "achievable_fraction": round(t.achievable_fraction, 4),
+            "efficiency_family": t.efficiency_family,
             "time_to_train_h": round(self.hours, 3),
             "cost": round(t.cost, 2),
             "price_per_gpu_hour": t.price_per_gpu_hour,

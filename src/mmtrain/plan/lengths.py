@@ -9,69 +9,31 @@ shuffled order (seeded; the loader's order is another shuffle of the same sample
 - padded: `micro_batch` samples per micro-batch, each row padded to the longest of its
   micro-batch (`pad_to="longest"`, what a collate does) or to `sequence_length` ("max");
 - packed: rows of exactly `sequence_length` positions, filled first-fit over a window of
-  `open_rows` rows, the rule data/packing.py's `pack_rows` uses (held together by a test).
+  `open_rows` rows, the rule data/stream/packing.py's `pack_rows` uses (held together by a test).
 
 Samples longer than `sequence_length` are truncated to it (as encoding with `max_length`
 does; the count is reported). Per row the module computes every position of the row: padding
 costs as much as text, and a packed row's attention is computed over the whole row (the
 block-diagonal mask is applied to a dense s x s score matrix), so "computed" FLOPs count whole
 rows and "useful" FLOPs only each sample alone. Pure Python, no torch.
+
+The distribution (`Lengths`) and its statistics (`summarize`) are in `mmtrain.lengths`, below
+both the planner and `data/`, whose `data inspect` reports the same statistics.
 """
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mmtrain.lengths import Lengths
 from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
 
 LAYOUTS = ("padded", "packed")
 PAD_TO = ("longest", "max")
-OPEN_ROWS = 16  # data/packing.py's default window
-
-
-def percentile(sorted_values: Sequence[int], q: float) -> int:
-    """The nearest-rank percentile (a value that occurs in the data, never interpolated)."""
-    if not sorted_values:
-        return 0
-    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
-    return sorted_values[rank - 1]
-
-
-def summarize(values: Sequence[int]) -> dict[str, float]:
-    """count, mean, p50, p90, p99 and max of a list of counts."""
-    ordered = sorted(values)
-    n = len(ordered)
-    return {
-        "count": n,
-        "mean": round(sum(ordered) / n, 2) if n else 0.0,
-        "p50": percentile(ordered, 50),
-        "p90": percentile(ordered, 90),
-        "p99": percentile(ordered, 99),
-        "max": ordered[-1] if n else 0,
-    }
-
-
-@dataclass(frozen=True)
-class Lengths:
-    """Per sample: LM positions (images spliced in) and images. `source` names where they
-    came from (shards, or a stated synthetic distribution)."""
-
-    positions: tuple[int, ...]
-    images: tuple[int, ...]
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        if len(self.positions) != len(self.images):
-            raise ValueError(f"{len(self.positions)} lengths but {len(self.images)} image counts")
-        if not self.positions:
-            raise FieldError("--data", f"{self.source or 'the data'} holds no usable sample")
-
-    def summary(self) -> dict[str, dict[str, float]]:
-        return {"positions": summarize(self.positions), "images": summarize(self.images)}
+OPEN_ROWS = 16  # data/stream/packing.py's default window
 
 
 @dataclass(frozen=True)
@@ -206,7 +168,7 @@ def first_fit_rows(
     sizes: Sequence[int], row_length: int, open_rows: int = OPEN_ROWS
 ) -> list[list[int]]:
     """Sample indices per row, placed first-fit over a window of `open_rows` open rows, rows
-    emitted when full or pushed out of the window (data/packing.py's `pack_rows` rule)."""
+    emitted when full or pushed out of the window (data/stream/packing.py's `pack_rows` rule)."""
     window: list[list] = []  # [free, members]
     rows: list[list[int]] = []
     for index, size in enumerate(sizes):

@@ -2,8 +2,9 @@
 
 Conventions (bytes per trainable parameter under mixed-precision AdamW):
 - 16: 16-bit weights 2 + 16-bit grads 2 + fp32 master, momentum, variance 12 (ZeRO paper,
-  Rajbhandari et al. 2019, "(2 + 2 + K) x Psi", K = 12). Also what torch autocast holds:
-  fp32 weights 4 + fp32 grads 4 + Adam 8.
+  Rajbhandari et al. 2019, "(2 + 2 + K) x Psi", K = 12): what `bf16-weights` (DeepSpeed bf16,
+  FSDP2 with bf16 parameters) holds, the bf16 weights being the copy the model computes with.
+  Also what torch autocast (`bf16`) holds: fp32 weights 4 + fp32 grads 4 + Adam 8.
 - 18: fp32 gradients (Megatron-LM without distributed optimizer; DeepSpeed and HF docs).
 - 20: 16-bit grads plus an fp32 gradient accumulation buffer (nanotron / Ultra-Scale Playbook).
 The "8 bytes per parameter" rule (weights + grads + Adam in 16-bit) holds only for pure bf16.

@@ -40,7 +40,7 @@ def time_steps(
 
     from mmtrain.losses import ContrastiveLoss
     from mmtrain.models import create_model
-    from mmtrain.plan.measure import random_batch
+    from mmtrain.train.measure_step import random_batch
 
     probe = min(probe_batch, batch_size)
     generator = torch.Generator().manual_seed(0)
@@ -69,7 +69,7 @@ def time_language_model_steps(spec: ModelSpec, batch_size: int, positions: int) 
     import torch
 
     from mmtrain.models import create_model
-    from mmtrain.plan.measure import language_batch, next_token_loss
+    from mmtrain.train.measure_step import language_batch, next_token_loss
 
     probe = min(16, batch_size)
     generator = torch.Generator().manual_seed(0)

@@ -7,7 +7,6 @@ the demos never import each other's run code.
 
 from __future__ import annotations
 
-import argparse
 import math
 import shutil
 import time
@@ -93,14 +92,18 @@ def build_shards(
 ) -> dict[str, Any]:
     """`mmtrain data build SRC --out OUT --modalities MODALITIES` through its Python API;
     returns the manifest. Nothing may be rejected: the source is ours."""
-    from mmtrain.data.build_args import add_build_arguments, config_from_args
-    from mmtrain.data.ingest import build
+    from mmtrain.data.ingest.options import BuildOptions, config_from_options
+    from mmtrain.data.ingest.pipeline import build
 
-    parser = argparse.ArgumentParser(prog="mmtrain data build")
-    add_build_arguments(parser)
-    argv = [str(src), "--out", str(out), "--modalities", modalities]
-    argv += ["--workers", str(workers), "--max-reject-rate", "0", "--no-progress"]
-    source, build_config = config_from_args(parser.parse_args(argv))
+    options = BuildOptions(
+        src=str(src),
+        out=out,
+        modalities=modalities,
+        workers=workers,
+        max_reject_rate=0.0,
+        progress=False,
+    )
+    source, build_config = config_from_options(options)
     report = build(source, build_config)
     if not report.ok or report.manifest["counts"]["rejected"]:
         raise RuntimeError(f"building {out} rejected samples; see {out / 'rejects.jsonl'}")

@@ -432,7 +432,7 @@ def _hook(on_step: StepHook | None, steps: int) -> StepHook | None:
 
 def build_conversation_shards(source: Path, out: Path, workers: int) -> dict[str, Any]:
     """`mmtrain data build CONVERSATIONS.json --out OUT`: one sample per conversation, its
-    images as members (data/ingest.py)."""
+    images as members (data/ingest/pipeline.py)."""
     return build_shards(source, out, workers, modalities="image,text")
 
 

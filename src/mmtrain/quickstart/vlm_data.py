@@ -122,7 +122,7 @@ def write_tokenizer(
     folder: Path, records: list[dict[str, Any]], vocab_size: int
 ) -> TokenizerFolder:
     """Train the BPE on the training conversations and write it with its chat template."""
-    from mmtrain.data.tokenizer import train_bpe
+    from mmtrain.data.stream.tokenizer import train_bpe
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = train_bpe(training_texts(records), vocab_size, folder / "tokenizer.json")

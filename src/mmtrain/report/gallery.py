@@ -33,8 +33,9 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.transforms import IdentityTransform
 
+from mmtrain.folders import CHECKPOINT_DIR, WEIGHTS_FILE
 from mmtrain.report.plots import DPI, Plot, to_png
-from mmtrain.report.rundata import CHECKPOINT_DIR, SPEC_FILE, WEIGHTS_FILE, RunData
+from mmtrain.report.rundata import RunData
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +114,10 @@ def _model_and_towers(run: RunData) -> tuple[Any, str, str]:
     from safetensors import SafetensorError
 
     import mmtrain
+    from mmtrain.checkpoint import latest_checkpoint, load_weights
     from mmtrain.models import create_model
+    from mmtrain.models.build import is_model_folder
     from mmtrain.structured import FieldError
-    from mmtrain.train.checkpoint import latest_checkpoint, load_weights
 
     spec = run.spec
     if spec is None:
@@ -131,7 +133,7 @@ def _model_and_towers(run: RunData) -> tuple[Any, str, str]:
     if pair is None:
         raise GallerySkipped(f"{spec.name} has no image-text pair; the gallery is for image-text")
     try:
-        if (run.run_dir / WEIGHTS_FILE).is_file() and (run.run_dir / SPEC_FILE).is_file():
+        if is_model_folder(run.run_dir):  # final weights: one file, or shards + index
             return mmtrain.load_model(run.run_dir), *pair
         checkpoint = latest_checkpoint(run.run_dir / CHECKPOINT_DIR)  # the newest that verifies
         if checkpoint is not None:
@@ -160,10 +162,10 @@ def _candidates(
     run: RunData, spec: Any, image_tower: str, text_tower: str, limit: int
 ) -> Candidates:
     """The first `limit` validation samples that decode, with thumbnails and caption text."""
-    from mmtrain.data.media import MediaError, decode_image, decode_text
-    from mmtrain.data.shards import ShardSet
-    from mmtrain.data.tokenizer import get_tokenizer
-    from mmtrain.data.transforms import MODALITY_EXTENSIONS
+    from mmtrain.data.storage.shards import ShardSet
+    from mmtrain.data.stream.media import MediaError, decode_image, decode_text
+    from mmtrain.data.stream.tokenizer import get_tokenizer
+    from mmtrain.data.stream.transforms import MODALITY_EXTENSIONS
     from mmtrain.eval.run import EvalDecoder
     from mmtrain.structured import FieldError
 
@@ -385,8 +387,8 @@ def _eval_examples(report: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 def _example_images(run: RunData, examples: Sequence[Mapping[str, Any]]) -> list[list[np.ndarray]]:
     """Thumbnails of each example's images, read by key from the data eval.json names (else
     the run's validation shards); an image that cannot be read is left out."""
-    from mmtrain.data.media import MediaError, decode_image
-    from mmtrain.data.shards import ShardSet
+    from mmtrain.data.storage.shards import ShardSet
+    from mmtrain.data.stream.media import MediaError, decode_image
 
     data = run.eval_report.get("data")
     paths = ([str(p) for p in data] if isinstance(data, list) else [str(data)]) if data else []

@@ -28,14 +28,10 @@ from typing import Any
 
 import yaml
 
+from mmtrain.folders import CHECKPOINT_DIR, CONFIG_FILE, EVAL_FILE, METRICS_FILE, SPEC_FILE
+
 log = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
-CONFIG_FILE = "config.yaml"
-EVAL_FILE = "eval.json"
-SPEC_FILE = "spec.yaml"
-WEIGHTS_FILE = "model.safetensors"
-CHECKPOINT_DIR = "checkpoints"
 
 EVAL_PARTS = ("val", "eval", "retrieval", "zeroshot", "clip_score", "probe", "fusion")
 GIB = 2**30
@@ -170,7 +166,7 @@ def _read_spec(run_dir: Path, config: Mapping[str, Any], notes: list[str]) -> An
 
 
 def _checkpoint_steps(root: Path) -> list[int]:
-    from mmtrain.train.checkpoint import list_checkpoints
+    from mmtrain.checkpoint import list_checkpoints
 
     return [step for step, _ in list_checkpoints(root)]
 

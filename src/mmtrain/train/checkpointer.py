@@ -5,7 +5,7 @@ a signal), the format (full: gathered to rank 0, `model.safetensors`; sharded: e
 writes its own shards through `torch.distributed.checkpoint`) and the time spent writing.
 What the rest of the run keeps (schedule, scaler, loader position, counters, EMA) comes in as
 one `state` dict the trainer assembles; every rank's RNG states join it here. Files are
-written atomically by train/checkpoint.py: the newest folder whose manifest verifies is the
+written atomically by checkpoint.py: the newest folder whose manifest verifies is the
 checkpoint, so a crash while writing never costs the last good one.
 """
 
@@ -19,10 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmtrain.config import RunConfig
-from mmtrain.spec import ModelSpec
-from mmtrain.train import parallel
-from mmtrain.train.checkpoint import (
+from mmtrain import distributed
+from mmtrain.checkpoint import (
     Checkpoint,
     latest_checkpoint,
     load_checkpoint,
@@ -30,11 +28,13 @@ from mmtrain.train.checkpoint import (
     save_checkpoint,
     save_sharded_checkpoint,
 )
+from mmtrain.config import RunConfig
+from mmtrain.folders import CHECKPOINT_DIR
+from mmtrain.spec import ModelSpec
+from mmtrain.train import parallel
 from mmtrain.train.rng import gather_rng_states
 
 log = logging.getLogger(__name__)
-
-CHECKPOINT_DIR = "checkpoints"
 
 
 class Checkpointer:
@@ -61,7 +61,7 @@ class Checkpointer:
         by_time_here = bool(self.every_minutes) and (
             time.monotonic() - self.last_save_time >= 60 * self.every_minutes
         )
-        by_time, signalled = parallel.agree_any([by_time_here, stop_requested])
+        by_time, signalled = distributed.agree_any([by_time_here, stop_requested])
         return signalled or by_time or by_steps or step == total_steps, signalled
 
     def save(
@@ -151,7 +151,7 @@ def check_finite_weights(weights: dict[str, torch.Tensor], sharded: bool = False
     """Refuse to checkpoint NaN or infinite weights. `sharded`: each rank checks its own
     shards and all agree (a collective), so every rank raises alike."""
     bad = parallel.nonfinite_names(weights)
-    if sharded and parallel.agree_any([bool(bad)])[0] and not bad:
+    if sharded and distributed.agree_any([bool(bad)])[0] and not bad:
         bad = ["(in another rank's shards)"]
     if bad:
         raise FloatingPointError(f"refusing to save non-finite weights: {', '.join(bad[:5])}")

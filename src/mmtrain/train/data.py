@@ -13,10 +13,15 @@ takes all its micro-batches from one source, chosen by a schedule that is a pure
 has the same towers, on every rank, and the loop aligns the pairs present in the batch.
 Sources with the same modalities are mixed by sample, as before.
 
-A decoder LM (a VLM, or a text-only LM) reads conversation shards instead: the loader hands out
-one sample at a time (their lengths and image counts differ, so it cannot stack them), and each
-micro-batch takes the next `micro_batch` valid samples and pads or packs them into rows
-(`data.conversation_batches`). The loader's position still counts samples, so resume is exact.
+A decoder LM (a VLM, or a text-only LM) reads conversation shards instead: the loader's workers
+pad or pack the valid samples of each `micro_batch` stream entries into rows
+(`ConversationBatcher.collate`), so collation runs beside the step; skipped samples make that
+micro-batch smaller. The loader's position still counts entries, so resume is exact.
+
+On CUDA (`data.normalise_on_device`, default: when training on a GPU), image and video pixels
+stay uint8 from the workers to the device, a quarter of float32's bytes, in page-locked memory
+for an asynchronous copy; `pixel_normalisation()` gives the per-channel values the trainer
+normalises them with there (the same float32 arithmetic the workers would have done).
 """
 
 from __future__ import annotations
@@ -29,15 +34,20 @@ import numpy as np
 import torch
 
 from mmtrain.config import RunConfig
-from mmtrain.data.conversation_batches import ConversationBatcher, ConversationDecoder
-from mmtrain.data.loader import StreamingLoader
-from mmtrain.data.media import MediaError, decode_text
-from mmtrain.data.order import apportion, mixing_schedule
-from mmtrain.data.remote import is_remote
-from mmtrain.data.shard_cache import ShardCache, cache_stats, open_cache
-from mmtrain.data.shards import ShardSet
-from mmtrain.data.tokenizer import Tokenizer, get_tokenizer
-from mmtrain.data.transforms import MODALITY_EXTENSIONS, SampleDecoder
+from mmtrain.data.storage.remote_cache import ShardCache, cache_stats, open_cache
+from mmtrain.data.storage.s3 import is_remote
+from mmtrain.data.storage.shards import ShardSet
+from mmtrain.data.stream.conversation_batches import ConversationBatcher, ConversationDecoder
+from mmtrain.data.stream.loader import StreamingLoader
+from mmtrain.data.stream.media import MediaError, decode_text
+from mmtrain.data.stream.order import apportion, mixing_schedule
+from mmtrain.data.stream.tokenizer import Tokenizer, get_tokenizer
+from mmtrain.data.stream.transforms import (
+    MODALITY_EXTENSIONS,
+    ImageTransform,
+    SampleDecoder,
+    VideoTransform,
+)
 from mmtrain.spec import FusionSpec, ModelSpec
 from mmtrain.structured import FieldError
 
@@ -115,8 +125,9 @@ class TrainDecoder:
         label_field: str = "label",
         class_names: Sequence[str] = (),
         towers: Sequence[str] | None = None,
+        uint8_pixels: bool = False,
     ):
-        self.towers = SampleDecoder(spec, train=True, tokenizer=tokenizer)
+        self.towers = SampleDecoder(spec, train=True, tokenizer=tokenizer, uint8=uint8_pixels)
         self.names = list(spec.towers) if towers is None else list(towers)
         self.fusion = spec.fusion
         self.label_field = label_field
@@ -133,7 +144,15 @@ class TrainData:
     """Micro-batches of `micro_batch` samples for one rank, endlessly (epoch after epoch)."""
 
     def __init__(
-        self, config: RunConfig, spec: ModelSpec, *, rank: int, world_size: int, micro_batch: int
+        self,
+        config: RunConfig,
+        spec: ModelSpec,
+        *,
+        rank: int,
+        world_size: int,
+        micro_batch: int,
+        uint8_pixels: bool = False,
+        pin_memory: bool = False,
     ):
         sources = []
         self.cache = _shard_cache(config)
@@ -156,6 +175,7 @@ class TrainData:
         self.label_field = config.data.label_field
         self.class_names = config.data.class_names
         self.spec = spec  # the spec whose sizes the current transforms produce
+        self.uint8_pixels = uint8_pixels
         options = dict(
             seed=config.seed,
             rank=rank,
@@ -164,15 +184,21 @@ class TrainData:
             num_workers=config.data.workers,
             persistent_workers=config.data.workers > 0,
             with_keys=True,
+            pin_memory=pin_memory,
         )
         self.towers: list[tuple[str, ...] | None] = [None]  # None: every tower
         towers = [] if self.conversations else [source_towers(s, spec) for s in sources]
         if self.conversations is not None:
-            # One sample per loader batch; `prefetch_factor` counts batches, so keep about two
-            # micro-batches per worker in flight, as image-text batches do.
-            options["prefetch_factor"] = 2 * micro_batch
+            collate = self.conversations.collate(spec)
             self.loaders = [
-                StreamingLoader(sources, self._decoder(spec), 1, weights=weights, **options)
+                StreamingLoader(
+                    sources,
+                    self._decoder(spec),
+                    micro_batch,
+                    weights=weights,
+                    collate=collate,
+                    **options,
+                )  # fmt: skip
             ]
         elif len(set(towers)) <= 1:  # one source, or several with the same modalities
             self.loaders = [
@@ -220,39 +246,32 @@ class TrainData:
         self, spec: ModelSpec, towers: Sequence[str] | None = None
     ) -> TrainDecoder | ConversationDecoder:
         if self.conversations is not None:
-            return self.conversations.decoder(spec)
-        return TrainDecoder(spec, self.tokenizer, self.label_field, self.class_names, towers)
+            return self.conversations.decoder(spec, uint8=self.uint8_pixels)
+        return TrainDecoder(
+            spec, self.tokenizer, self.label_field, self.class_names, towers, self.uint8_pixels
+        )
+
+    def pixel_normalisation(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """{batch key: (mean, inv_std) per channel} of the inputs that arrive as uint8 pixels,
+        for `ImageTransform.to_float` on the device; {} when the workers normalise."""
+        if not self.uint8_pixels:
+            return {}
+        decoder = self.loaders[0].decode
+        if isinstance(decoder, ConversationDecoder):
+            t = decoder.image_transform
+            return {} if t is None else {"image": t.scale_and_shift()}
+        found = {}
+        for loader in self.loaders:
+            for name, t in loader.decode.towers.transforms.items():
+                image = t.image if isinstance(t, VideoTransform) else t
+                if isinstance(image, ImageTransform):
+                    found[name] = image.scale_and_shift()
+        return found
 
     def _current_source(self) -> int:
         if len(self.loaders) == 1:
             return 0
         return self.mix.source(self._micro_batches // self.accumulation)
-
-    def _batches(self, loader: StreamingLoader) -> Iterator[dict[str, Any]]:
-        if self.conversations is not None:
-            return self._conversation_batches(loader)
-        return _endless(loader)
-
-    def _conversation_batches(self, loader: StreamingLoader) -> Iterator[dict[str, Any]]:
-        """Micro-batches of the next `micro_batch` samples of the loader's stream (which may
-        cross an epoch's end), laid out by the current spec's settings. Pulled lazily: the
-        loader has handed out exactly the samples of the micro-batches handed out."""
-        assert self.conversations is not None
-        singles = _endless(loader)
-        try:
-            while True:
-                samples, keys = [], []
-                for _ in range(self.micro_batch):
-                    single = next(singles)
-                    keys += single.pop("__key__", [])
-                    samples += ConversationDecoder.from_tensors(single)
-                batch: dict[str, Any] = self.conversations.batch(samples, self.spec)
-                batch["__key__"] = keys
-                yield batch
-        finally:
-            # Closing this stream must end the loader's iteration now (as `yield from` would),
-            # before a new one starts: its clean-up resets the loader's task list.
-            singles.close()
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         """The next micro-batch {tower name: tensor, "label": targets (fusion models)}; its
@@ -261,7 +280,7 @@ class TrainData:
         "labels", "position_ids", "image", and "attention_mask" or, packed, "document_ids")."""
         index = self._current_source()
         if index not in self._streams:
-            self._streams[index] = self._batches(self.loaders[index])
+            self._streams[index] = _endless(self.loaders[index])
         batch = next(self._streams[index])
         self._micro_batches += 1
         self.last_keys = batch.pop("__key__", [])
@@ -279,6 +298,8 @@ class TrainData:
         for loader, towers in zip(self.loaders, self.towers, strict=True):
             loader.close()  # the next iteration starts workers with the new decoder
             loader.decode = self._decoder(spec, towers)
+            if self.conversations is not None:
+                loader.collate = self.conversations.collate(spec)
         self.spec = spec
 
     def cache_stats(self) -> dict[str, float]:

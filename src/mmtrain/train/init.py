@@ -15,7 +15,7 @@ A source is recognised by what it holds, not by its name:
 
 A language model (a spec with a decoder: LM or LLaVA-style VLM) is filled by
 `mmtrain.train.init_lm`, where the decoder is the tower `text` and a VLM's projector comes
-only from a whole-model source.
+only from a whole-model source; `mmtrain.train.init_start.load_init` picks one of the two.
 
 Every source becomes a `Source`: a `ModelSpec` and a state dict in mmtrain's names. Weights then
 move tower by tower (`tower_for` says which source tower feeds which tower of the model) and by
@@ -38,7 +38,6 @@ checkpoint and ignores `init`.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections.abc import Iterable, Mapping
@@ -50,8 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from mmtrain.atomic import sha256_file
-from mmtrain.config import RunConfig
-from mmtrain.models.build import SPEC_FILE, WEIGHTS_FILE
+from mmtrain.folders import SPEC_FILE, WEIGHTS_FILE
 from mmtrain.models.convert import (
     OPENCLIP_SUFFIXES,
     CheckpointMismatch,
@@ -151,7 +149,7 @@ def _read_mmtrain(weights: Path, spec_file: Path, field: str) -> Source:
 
 def _read_checkpoint(path: Path, field: str) -> Source:
     """A checkpoint folder of a run (full or sharded), its manifest verified."""
-    from mmtrain.train.checkpoint import CheckpointError, load_weights, read_meta
+    from mmtrain.checkpoint import CheckpointError, load_weights, read_meta
 
     try:
         meta = read_meta(path, verify=True)
@@ -514,17 +512,14 @@ def plan_init(
     return plans
 
 
-def load_init(model: nn.Module, init: str | Mapping[str, str], strict: bool = True) -> InitReport:
-    """Copy the weights of `init` into `model` (a MultimodalModel or LanguageModel, before any
-    wrapping).
+def load_init_towers(
+    model: nn.Module, init: str | Mapping[str, str], strict: bool = True
+) -> InitReport:
+    """Copy the weights of `init` into `model` (a MultimodalModel, before any wrapping).
 
     Raises InitError/InitMismatch; with `strict=False` loads what fits and reports the rest.
     """
     spec: ModelSpec = model.spec
-    if spec.decoder is not None:  # a LanguageModel: its decoder is a tower spec.towers lacks
-        from mmtrain.train.init_lm import load_init_lm
-
-        return load_init_lm(model, init, strict)
     paths = [init] if isinstance(init, str) else list(dict.fromkeys(init.values()))
     names = clip_tower_names(spec)
     sources = {}
@@ -608,40 +603,3 @@ def _log(report: InitReport, init: str | Mapping[str, str], strict: bool) -> Non
             "init: %d tensors of the source(s) not used: %s",
             len(report.ignored), _first(report.ignored),
         )  # fmt: skip
-
-
-# ----------------------------------------------------------------------------- the loop's call
-def start_from_init(
-    model: nn.Module, config: RunConfig, resumed_meta: Mapping[str, Any] | None
-) -> RunConfig:
-    """The training loop's one call, right after building the model: on a fresh run load
-    `config.init` and return the config with `init_sha256` recorded; on a resume (`resumed_meta`:
-    the checkpoint's meta) load nothing and return the config with the `init` the run started
-    from, so its resolved config keeps telling the truth."""
-    if resumed_meta is not None:
-        started = resumed_meta.get("config", {})
-        before, hashes = started.get("init"), started.get("init_sha256", {})
-        if config.init is not None and config.init != before:
-            log.info(
-                "init %s ignored: the run resumes from its checkpoint (it started from %s)",
-                config.init, before or "a random init",
-            )  # fmt: skip
-        return dataclasses.replace(config, init=before, init_sha256=dict(hashes))
-    if config.init is None:
-        return config
-    report = load_init(model, config.init, strict=config.init_strict)
-    return record_init_hashes(config, report.sha256)
-
-
-def record_init_hashes(config: RunConfig, sha256: Mapping[str, str]) -> RunConfig:
-    """The config with the sha256 of every file `init` read; InitError when a file the config
-    pinned (`init_sha256`) has another hash now."""
-    for file, digest in sha256.items():
-        pinned = config.init_sha256.get(file)
-        if pinned is not None and pinned != digest:
-            raise InitError(
-                f"init_sha256.{file}",
-                f"the file's sha256 is {digest}, the config expects {pinned}: the baseline "
-                "changed since the config was written",
-            )
-    return dataclasses.replace(config, init_sha256=dict(sha256))

@@ -200,7 +200,7 @@ def match_whole(state: Mapping[str, Tensor], match: Match, taken: list[str]) -> 
 def load_init_lm(
     model: nn.Module, init: str | Mapping[str, str], strict: bool = True
 ) -> InitReport:
-    """`init.load_init` for a LanguageModel (before any wrapping)."""
+    """`init_start.load_init` for a LanguageModel (before any wrapping)."""
     spec: ModelSpec = model.spec
     plan = _plan(spec, init)
     names = clip_tower_names(spec)

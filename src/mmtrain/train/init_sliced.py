@@ -32,8 +32,8 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from mmtrain.atomic import sha256_file
+from mmtrain.folders import INDEX_FILE, WEIGHTS_FILE
 from mmtrain.models.materialize import copy_rows_, local_rows
-from mmtrain.models.safetensors_files import INDEX_FILE, WEIGHTS_FILE
 from mmtrain.spec import ModelSpec
 from mmtrain.train.init_lm import DECODER, VOCAB_ROWS, grow_rows
 from mmtrain.train.lora import is_adapter

@@ -35,14 +35,15 @@ import torch
 
 from mmtrain import __version__
 from mmtrain.atomic import atomic_write_text
+from mmtrain.checkpoint import Checkpoint
 from mmtrain.config import RunConfig, diff_configs, parse_yaml
 from mmtrain.distributed import sum_over_ranks
+from mmtrain.folders import CONFIG_FILE
 from mmtrain.losses import logit_scale_value
 from mmtrain.models import save_model
 from mmtrain.spec import ModelSpec, load_spec
 from mmtrain.structured import FieldError
 from mmtrain.train import parallel
-from mmtrain.train.checkpoint import Checkpoint
 from mmtrain.train.checkpointer import Checkpointer
 from mmtrain.train.comm_timing import CommTimer
 from mmtrain.train.data import TrainData
@@ -73,8 +74,6 @@ from mmtrain.train.validator import Validator
 __all__ = ["TrainResult", "Trainer", "forward_backward", "optimizer_step", "train"]
 
 log = logging.getLogger(__name__)
-
-CONFIG_FILE = "config.yaml"
 
 
 @dataclass
@@ -150,9 +149,17 @@ class Trainer:
         ckpt = self.checkpointer.latest()
         if ckpt is None:
             seed_everything(config.seed)
+        on_cuda = env.device.type == "cuda"
+        uint8 = config.data.normalise_on_device
         self.data = TrainData(
-            config, spec, rank=self.rank, world_size=self.world, micro_batch=self.micro_batch
-        )
+            config, spec, rank=self.rank, world_size=self.world, micro_batch=self.micro_batch,
+            uint8_pixels=on_cuda if uint8 is None else uint8, pin_memory=on_cuda,
+        )  # fmt: skip
+        # Per-channel values of the pixels normalised on the device, put there once.
+        self.pixels = {
+            key: tuple(torch.as_tensor(v, device=env.device) for v in values)
+            for key, values in self.data.pixel_normalisation().items()
+        }
         built = build_model(
             config, spec, self.precision, env, ckpt,
             unused_parameters=bool(self.data.idle_towers()),
@@ -284,7 +291,7 @@ class Trainer:
             world=self.world,
         )  # fmt: skip
         dtype = self.precision.param_dtype
-        micro_batches = [move_batch(b, self.env.device, dtype) for b in micro_batches]
+        micro_batches = [move_batch(b, self.env.device, dtype, self.pixels) for b in micro_batches]
         step = self.state.step + 1
         if step in self.config.guards.inject_nan_steps and step not in self.injected:
             self.injected.add(step)

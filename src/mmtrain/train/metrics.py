@@ -33,11 +33,10 @@ import torch
 
 from mmtrain.atomic import atomic_write_text
 from mmtrain.config import RunConfig
+from mmtrain.folders import METRICS_FILE
 from mmtrain.spec import ModelSpec, PartTraining
 
 log = logging.getLogger(__name__)
-
-METRICS_FILE = "metrics.jsonl"
 
 
 def part_modes(spec: ModelSpec, config: RunConfig) -> dict[str, PartTraining]:

@@ -11,14 +11,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mmtrain.checkpoint import Checkpoint
 from mmtrain.config import RunConfig
 from mmtrain.models import create_model
 from mmtrain.models.materialize import materialize_scalars_
 from mmtrain.spec import ModelSpec
 from mmtrain.train import parallel
-from mmtrain.train.checkpoint import Checkpoint
-from mmtrain.train.init import record_init_hashes, start_from_init
 from mmtrain.train.init_sliced import SlicedInit, load_sliced_init, plan_sliced_init
+from mmtrain.train.init_start import record_init_hashes, start_from_init
 from mmtrain.train.lora import apply_lora, lora_scales, lora_towers, reset_lora_adapters
 from mmtrain.train.optim import freeze_parameters
 from mmtrain.train.precision import Precision, convert_to_fp8

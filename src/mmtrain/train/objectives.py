@@ -36,12 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmtrain.data.chat_templates import IGNORE_INDEX
+from mmtrain.data.stream.chat_templates import IGNORE_INDEX
 from mmtrain.distributed import sum_tensor_over_ranks
-from mmtrain.losses import ContrastiveLoss
+from mmtrain.losses import ContrastiveLoss, at_least_fp32
 from mmtrain.spec import ModelSpec
 from mmtrain.train.data import LABEL_KEY  # the fusion head's targets
-from mmtrain.train.precision import at_least_fp32
 
 LABELS_KEY = "labels"  # batch key of a decoder's next-token targets (aligned with "text")
 

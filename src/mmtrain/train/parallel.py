@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from mmtrain.distributed import backend_for
 from mmtrain.models.build import unwrap_model
 from mmtrain.structured import FieldError
 
@@ -153,9 +154,9 @@ def init_distributed(device: str = "auto") -> DistributedEnv:
     owns = False
     if world > 1 and not dist.is_initialized():
         if use_cuda:
-            dist.init_process_group("nccl", device_id=dev)
+            dist.init_process_group(backend_for(cuda=True), device_id=dev)
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group(backend_for(cuda=False))
         owns = True
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -173,17 +174,6 @@ def shutdown(env: DistributedEnv) -> None:
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-
-
-def agree_any(flags: list[bool]) -> list[bool]:
-    """Per flag: True if it is True on any rank (one tiny all-reduce), so every rank branches alike."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return list(flags)
-    on_gpu = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    values = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in values.tolist()]
 
 
 # ----------------------------------------------------------------------------- data parallel

@@ -58,11 +58,6 @@ class Precision:
             yield
 
 
-def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
-    """`x` in fp32 for losses and metrics (they need its range), float64 kept as it is (fp64)."""
-    return x if x.dtype == torch.float64 else x.float()
-
-
 def make_precision(name: str, device: torch.device, *, tf32: bool = True) -> Precision:
     """The Precision for `name` on `device`; raises FieldError("train.precision") where it cannot run.
 

@@ -12,17 +12,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
+from mmtrain.data.stream.transforms import ImageTransform
 from mmtrain.distributed import sum_tensor_over_ranks
+from mmtrain.losses import at_least_fp32
 from mmtrain.models.build import unwrap_model
 from mmtrain.train import parallel
 from mmtrain.train.data import LABEL_KEY
 from mmtrain.train.objectives import Objective, model_inputs
-from mmtrain.train.precision import Precision, at_least_fp32
+from mmtrain.train.precision import Precision
 
 log = logging.getLogger(__name__)
 
@@ -116,14 +118,20 @@ def optimizer_step(
 
 
 def move_batch(
-    batch: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype = torch.float32
+    batch: dict[str, torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    pixels: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The batch on `device`, float inputs in `dtype` (the weights' dtype; labels keep theirs).
-    A pinned host tensor is copied without blocking the host."""
+    A pinned host tensor is copied without blocking the host. `pixels`: {batch key: (mean,
+    inv_std) on `device`} of uint8 pixels to normalise there (`TrainData.pixel_normalisation`)."""
 
     def move(name: str, value: torch.Tensor) -> torch.Tensor:
         if device.type != "cpu":
             value = value.to(device, non_blocking=value.is_pinned())
+        if pixels and name in pixels and value.dtype == torch.uint8:
+            value = ImageTransform.to_float(value, *pixels[name])
         if name != LABEL_KEY and value.is_floating_point() and value.dtype != dtype:
             value = value.to(dtype)
         return value

@@ -12,12 +12,12 @@ from torch import nn
 from mmtrain import __version__
 from mmtrain.atomic import atomic_write_text
 from mmtrain.config import RunConfig
-from mmtrain.data.shards import ShardSet
+from mmtrain.data.storage.shards import ShardSet
+from mmtrain.folders import EVAL_FILE
 from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
 from mmtrain.train.data import source_towers
 
-EVAL_FILE = "eval.json"
 EVAL_SCHEMA_VERSION = 1
 
 
@@ -38,7 +38,7 @@ def _pairs_held_by(path: str, spec: ModelSpec) -> list[tuple[str, str]] | None:
 
 
 def _conversation_settings(config: RunConfig, spec: ModelSpec) -> Any:
-    from mmtrain.data.conversation_batches import ConversationBatcher
+    from mmtrain.data.stream.conversation_batches import ConversationBatcher
 
     return ConversationBatcher(config.data, spec)
 

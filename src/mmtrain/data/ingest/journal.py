@@ -4,7 +4,7 @@ records it after each finished shard (`Journal`, `.build-journal.jsonl`).
 After each finished shard a line goes to the journal with the shard's sha256 and the build state
 right after its last sample (source position, counts, log offsets). A rerun of the same command
 keeps every shard that `shard_intact` finds unchanged, up to the first one missing or changed,
-and restores the state there (`ingest.build` does the resuming).
+and restores the state there (`pipeline.build` does the resuming).
 
 Kept apart from the build loop because it is the on-disk format of a build in progress: what it
 records decides what a resumed build can trust.
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mmtrain.atomic import atomic_write_text, sha256_file
-from mmtrain.data.filters import FilterStats
+from mmtrain.data.ingest.filters import FilterStats
 
 JOURNAL_NAME = ".build-journal.jsonl"
 

@@ -1,6 +1,6 @@
 """StreamingLoader: batches from WebDataset shards in a deterministic, resumable order.
 
-The main process owns the order (`mmtrain.data.order`): it cuts this rank's stream of global
+The main process owns the order (`mmtrain.data.stream.order`): it cuts this rank's stream of global
 positions into tasks of `batch_size` entries and hands them to a `torch.utils.data.DataLoader`
 as explicit indices. Workers only read and decode the positions they are given and return them
 in order, so `num_workers` never changes the stream.
@@ -9,6 +9,13 @@ A batch is the next `batch_size` *valid* samples of the rank's stream: a sample 
 decode raises is skipped (no sleep), counted per reason and logged with its shard and key. The
 state counts the stream *entries* (valid or not) behind the batches handed out — not what the
 workers prefetched — so a resumed run skips the same corrupt samples the same way.
+
+With `collate` (a decoder LM's padded or packed rows: samples of different lengths that cannot
+be stacked), the worker lays out each task's valid samples as one batch itself, so collation
+runs beside the training step instead of in series with it. Such a batch holds the valid
+samples among its `batch_size` stream entries: fewer when some were skipped (a next-token loss
+is normalised by the target tokens of the step, so a smaller micro-batch is still exact), and
+a task with no valid sample gives no batch. The state still counts entries: resume is exact.
 
 State (`state_dict()`): seed, epoch, the segment of the epoch not yet consumed, world size and
 batch size at save time, and how many entries each rank consumed: a few integers. Loaded on the
@@ -19,6 +26,7 @@ sees exactly the samples it had not seen.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections import Counter
@@ -29,17 +37,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmtrain.data.order import Segment, epoch_order, sample_rng, steps_in
-from mmtrain.data.prefetch import Prefetcher
-from mmtrain.data.shard_cache import STORAGE_ERRORS, cache_stats
-from mmtrain.data.shards import ShardIndex, ShardSet
+from mmtrain.data.storage.prefetch import Prefetcher
+from mmtrain.data.storage.remote_cache import STORAGE_ERRORS, cache_stats
+from mmtrain.data.storage.shards import ShardSet
+from mmtrain.data.storage.tar_index import ShardIndex
+from mmtrain.data.stream.order import Segment, epoch_order, sample_rng, steps_in
 
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 Decode = Callable[[dict[str, Any], np.random.Generator], dict[str, torch.Tensor]]
+Collate = Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]]
 
-__all__ = ["StreamingLoader", "merge_rank_states", "planned_samples", "Decode"]
+__all__ = ["StreamingLoader", "merge_rank_states", "planned_samples", "Collate", "Decode"]
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -170,13 +180,21 @@ class _TaskResult:
     keys: list[str]
     corrupt: list[_Corrupt] = field(default_factory=list)
 
+    def pin_memory(self) -> _TaskResult:
+        """The result with page-locked tensors: the DataLoader's pin thread calls this, so a
+        batch reaches the main process ready for an asynchronous copy to the GPU."""
+        pinned = {name: tensor.pin_memory() for name, tensor in self.tensors.items()}
+        return dataclasses.replace(self, tensors=pinned)
+
 
 class _TaskDataset(torch.utils.data.Dataset):
-    """Reads and decodes the samples of a task `(epoch, first entry, positions, flat ids)`."""
+    """Reads and decodes the samples of a task `(epoch, first entry, positions, flat ids)`;
+    stacks them, or lays them out with `collate`."""
 
-    def __init__(self, plan: _Plan, decode: Decode):
+    def __init__(self, plan: _Plan, decode: Decode, collate: Collate | None = None):
         self.plan = plan
         self.decode = decode
+        self.collate = collate
 
     def __getitem__(self, task: tuple[int, int, list[int], list[int]]) -> _TaskResult:
         epoch, first, positions, flat_ids = task
@@ -197,7 +215,11 @@ class _TaskDataset(torch.utils.data.Dataset):
             outputs.append(_check_output(out, key))
             valid.append(entry)
             keys.append(key)
-        return _TaskResult(first, len(positions), valid, _stack(outputs), keys, corrupt)
+        if self.collate is None:
+            tensors = _stack(outputs)
+        else:
+            tensors = self.collate(outputs) if outputs else {}
+        return _TaskResult(first, len(positions), valid, tensors, keys, corrupt)
 
 
 def _check_output(out: Any, key: str) -> dict[str, torch.Tensor]:
@@ -277,7 +299,9 @@ class StreamingLoader:
     drop_tail: the last positions of an epoch that do not fill a batch on every rank are left
       out; by default they are padded with samples from the start of the epoch (wrap-around).
     with_keys: add `"__key__"` to each batch: the sample keys, for logging and debugging.
-    pin_memory: page-locked batches (when CUDA is available), for asynchronous copies.
+    pin_memory: page-locked batches (when CUDA is available), for asynchronous copies; pinned
+        in the DataLoader's pin thread, beside the training step.
+    collate: lay out each task's valid samples in the worker (module docstring); None: stack.
     Iterating yields the rest of the current epoch, then moves on to the next.
     """
 
@@ -302,6 +326,7 @@ class StreamingLoader:
         pin_memory: bool = False,
         max_consecutive_corrupt: int = 1000,
         multiprocessing_context: Any = None,
+        collate: Collate | None = None,
     ):
         _check_rank(rank, world_size)
         if batch_size < 1:
@@ -309,6 +334,7 @@ class StreamingLoader:
         sets = [sources] if isinstance(sources, ShardSet) else list(sources)
         self.plan = _Plan(sets, seed, weights, epoch_samples, shuffle, shuffle_window)
         self.decode = decode
+        self.collate = collate
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
@@ -432,14 +458,17 @@ class StreamingLoader:
         self._sampler.tasks = tasks
         results = iter(self._loader())
         try:
-            for batch, entries in self._assemble(results, self._entry):
+            assemble = self._assemble if self.collate is None else self._whole_tasks
+            for batch, entries in assemble(results, self._entry):
                 self._entry = entries
                 self._batches += 1
-                if self._batches == steps:
+                last = self._batches == steps
+                if last:
                     self.set_epoch(self.epoch + 1)
+                if batch is not None:  # None: a collated task without one valid sample
                     yield batch
+                if last:
                     return
-                yield batch
         finally:
             del results  # shuts down non-persistent workers and drops what they prefetched
             self._sampler.tasks = iter(())
@@ -467,11 +496,12 @@ class StreamingLoader:
                     "multiprocessing_context": self._workers["multiprocessing_context"],
                 }
             self._dataloader = torch.utils.data.DataLoader(
-                _TaskDataset(self.plan, self.decode),
+                _TaskDataset(self.plan, self.decode, self.collate),
                 batch_size=None,
                 sampler=self._sampler,
                 num_workers=workers,
                 collate_fn=_as_is,
+                pin_memory=self.pin_memory,
                 # Its own generator: creating worker seeds must not draw from torch's global RNG.
                 generator=torch.Generator().manual_seed(self.seed),
                 **extra,
@@ -507,6 +537,23 @@ class StreamingLoader:
                 pieces.append((result, lo, row))
             entry += result.count
 
+    def _whole_tasks(
+        self, results: Iterator[_TaskResult], entry: int
+    ) -> Iterator[tuple[dict[str, Any] | None, int]]:
+        """One batch per task, collated by the worker (None when no sample of it was valid),
+        with the stream entry after it."""
+        bad_in_a_row = 0
+        for result in results:
+            if result.first != entry:
+                raise RuntimeError(f"task for entry {result.first} arrived, expected {entry}")
+            corrupt = {c.entry: c for c in result.corrupt}
+            for i in range(result.count):
+                bad_in_a_row = bad_in_a_row + 1 if i in corrupt else 0
+                if i in corrupt:
+                    self._report(corrupt[i], bad_in_a_row)
+            entry += result.count
+            yield (self._collate([(result, 0, len(result.valid))]) if result.valid else None), entry
+
     def _report(self, bad: _Corrupt, in_a_row: int) -> None:
         self.corrupt_counts[bad.reason] += 1
         logger.warning(
@@ -527,8 +574,8 @@ class StreamingLoader:
         else:
             names = list(pieces[0][0].tensors)
             batch = {n: torch.cat([r.tensors[n][lo:hi] for r, lo, hi in pieces]) for n in names}
-        if self.pin_memory:
-            batch = {name: tensor.pin_memory() for name, tensor in batch.items()}
+        if self.pin_memory:  # tasks come pinned (the pin thread); a batch cut from several not
+            batch = {n: t if t.is_pinned() else t.pin_memory() for n, t in batch.items()}
         if self.with_keys:
             batch["__key__"] = [k for r, lo, hi in pieces for k in r.keys[lo:hi]]
         return batch

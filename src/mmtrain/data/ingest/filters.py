@@ -29,7 +29,7 @@ import numpy as np
 from PIL import Image
 
 if TYPE_CHECKING:  # torch is imported only where a relevance model is used
-    from mmtrain.data.tokenizer import Tokenizer
+    from mmtrain.data.stream.tokenizer import Tokenizer
 
 
 # ----------------------------------------------------------------------------- settings
@@ -324,7 +324,7 @@ def center_square(image: np.ndarray, size: int) -> np.ndarray:
 class RelevanceScorer:
     """Image-text CLIP score from an mmtrain model: 100 * cos(image, text), floored at 0.
 
-    `tokenizer` must be the one the model was trained with (`mmtrain.data.tokenizer`); the
+    `tokenizer` must be the one the model was trained with (`mmtrain.data.stream.tokenizer`); the
     byte-level tokenizer is the default, right for models with its 258-id vocabulary."""
 
     def __init__(
@@ -344,7 +344,7 @@ class RelevanceScorer:
         text_stem = towers[self.text_tower].stem
         self.context_length = text_stem.context_length
         if tokenizer is None:
-            from mmtrain.data.tokenizer import ByteTokenizer
+            from mmtrain.data.stream.tokenizer import ByteTokenizer
 
             tokenizer = ByteTokenizer()
         self.tokenizer = tokenizer
@@ -368,8 +368,8 @@ class RelevanceScorer:
     def _score_batch(self, images: Sequence[np.ndarray], texts: Sequence[str]) -> np.ndarray:
         import torch
 
-        from mmtrain.data.transforms import CLIP_MEAN, CLIP_STD
-        from mmtrain.eval.clipscore import clip_score
+        from mmtrain.data.stream.transforms import CLIP_MEAN, CLIP_STD
+        from mmtrain.models.clip_score import clip_score
 
         pixels = np.stack([center_square(im, self.image_size) for im in images])
         x = torch.from_numpy(pixels).permute(0, 3, 1, 2).float().div_(255.0)
@@ -399,7 +399,7 @@ def relevance_scorer(
     """A `RelevanceScorer` for the mmtrain model saved in `model_dir` (model.safetensors +
     spec.yaml, as `mmtrain.save_model` writes); `tokenizer` as `get_tokenizer` takes it."""
     import mmtrain
-    from mmtrain.data.tokenizer import get_tokenizer
+    from mmtrain.data.stream.tokenizer import get_tokenizer
 
     path = Path(model_dir)
     if not (path / "spec.yaml").is_file():

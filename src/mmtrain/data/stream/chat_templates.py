@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from mmtrain.data.conversations import IMAGE_TAG, Conversation
+from mmtrain.data.stream.conversations import IMAGE_TAG, Conversation
 from mmtrain.structured import FieldError, closest
 
 __all__ = [

@@ -22,15 +22,16 @@ next-token loss is normalised by) equal to the labels actually scored, padded or
   "document_ids" keep attention inside a sample (-1: padding), "position_ids" restart per
   sample, no label crosses a sample boundary, and a sample (with its images) is never split.
 Both give "text" and "labels" int64 [R, T], "position_ids" int64 [R, T] (each id's first LM
-position, an image counting `image_tokens`), and "image" float [N, C, H, W] in reading order
+position, an image counting `image_tokens`), and "image" [N, C, H, W] (float32, or uint8 for the device to normalise) in reading order
 (row 0's placeholders left to right, then row 1's), absent for a text-only model.
 Tensors are in placeholder space: a row with images holds fewer ids than positions, so rows are
 padded to the most ids in the batch; each row's content is at most `row_length` positions and
 everything after it is padding (label -100, document -1 / attention_mask False).
 
-Why packing per micro-batch keeps resume exact: the micro-batch takes the next `micro_batch`
-valid samples of the loader's stream, as without packing, so the loader's position, the run's
-samples_seen and a resumed run's next samples are unchanged. Packing is then a pure function of
+Why packing per micro-batch keeps resume exact: the micro-batch takes the valid samples of the
+next `micro_batch` entries of the loader's stream (`ConversationBatcher.collate`, run in the
+loader's workers), as without packing, so the loader's position and a resumed run's next
+samples are unchanged. Packing is then a pure function of
 those samples (no state carried between micro-batches, no look-ahead), so a resumed run packs
 the same rows. The cost: rows do not span micro-batches, so the last row of each is partly
 empty; with micro-batches of several rows that waste is a fraction of one row.
@@ -38,6 +39,7 @@ empty; with micro-batches of several rows that waste is a fraction of one row.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,7 +50,7 @@ import numpy as np
 import torch
 
 from mmtrain.config import DataConfig
-from mmtrain.data.chat_templates import (
+from mmtrain.data.stream.chat_templates import (
     IGNORE_INDEX,
     ChatTemplate,
     EncodedSample,
@@ -57,22 +59,22 @@ from mmtrain.data.chat_templates import (
     encode_conversation,
     get_template,
 )
-from mmtrain.data.conversations import (
+from mmtrain.data.stream.conversations import (
     Conversation,
     ConversationError,
     Turn,
     parse_conversation,
 )
-from mmtrain.data.media import DEFAULT_MAX_PIXELS, MediaError
-from mmtrain.data.packing import (
+from mmtrain.data.stream.media import DEFAULT_MAX_PIXELS, MediaError
+from mmtrain.data.stream.packing import (
     PAD_DOCUMENT,
     PackedRow,
     SampleTooLong,
     pack_rows,
     sample_positions,
 )
-from mmtrain.data.tokenizer import get_tokenizer
-from mmtrain.data.transforms import AugmentConfig, ImageTransform, make_transform
+from mmtrain.data.stream.tokenizer import get_tokenizer
+from mmtrain.data.stream.transforms import AugmentConfig, ImageTransform, make_transform
 from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
 
@@ -168,16 +170,20 @@ class ConversationDecoder:
         *,
         train: bool = True,
         augment: AugmentConfig | None = None,
+        uint8: bool = False,
     ) -> ConversationDecoder:
         """The decoder for a decoder-LM spec: image token and length from its projector, the
-        image tower's transform (train: random crop and flip; eval: centre crop)."""
+        image tower's transform (train: random crop and flip; eval: centre crop; `uint8`:
+        pixels left for the device to normalise)."""
         if spec.decoder is None:
             raise FieldError("decoder", "conversation batches are for a decoder LM spec")
         transform = None
         image_token_id = NO_IMAGE_ID
         if spec.projector is not None:
             name = spec.projector.tower
-            transform = make_transform(spec.towers[name], train, augment=augment, name=name)
+            transform = make_transform(
+                spec.towers[name], train, augment=augment, name=name, uint8=uint8
+            )
             if not isinstance(transform, ImageTransform):
                 raise FieldError(f"towers.{name}", "the projector's tower must take images")
             image_token_id = spec.projector.image_token_id
@@ -239,7 +245,7 @@ class ConversationDecoder:
         if out:
             return torch.stack(out)
         t = self.image_transform
-        return torch.empty(0, t.channels, t.size, t.size)
+        return torch.empty(0, t.channels, t.size, t.size, dtype=torch.uint8 if t.uint8 else None)
 
     def __call__(self, sample: dict[str, Any], rng: np.random.Generator) -> dict[str, torch.Tensor]:
         encoded = self.encode(sample, rng)
@@ -252,19 +258,11 @@ class ConversationDecoder:
         return out
 
     @staticmethod
-    def from_tensors(batch: dict[str, Any]) -> list[ConversationSample]:
-        """The samples of a loader batch of `__call__` outputs (one sample per batch: their
-        lengths and image counts differ, so the loader cannot stack several)."""
-        rows = batch["input_ids"].shape[0]
-        images = batch.get("image")
-        return [
-            ConversationSample(
-                batch["input_ids"][r].tolist(),
-                batch["labels"][r].tolist(),
-                None if images is None else images[r],
-            )
-            for r in range(rows)
-        ]
+    def sample_of(out: dict[str, torch.Tensor]) -> ConversationSample:
+        """The sample back from what `__call__` returned for it."""
+        return ConversationSample(
+            out["input_ids"].tolist(), out["labels"].tolist(), out.get("image")
+        )
 
 
 # ----------------------------------------------------------------------------- batches
@@ -396,11 +394,19 @@ class ConversationBatcher:
         # Padding is masked everywhere; its id only has to differ from the image placeholder.
         self.pad_id = 0 if self.image_token_id != 0 else 1
 
-    def decoder(self, spec: ModelSpec, train: bool = True) -> ConversationDecoder:
-        """The decoder of `spec` (train: random crops and flips; eval: centre crops)."""
+    def decoder(
+        self, spec: ModelSpec, train: bool = True, uint8: bool = False
+    ) -> ConversationDecoder:
+        """The decoder of `spec` (train: random crops and flips; eval: centre crops; `uint8`:
+        images left for the device to normalise)."""
         return ConversationDecoder.for_spec(
-            spec, self.tokenizer, self.template, self.sequence_length, train=train
+            spec, self.tokenizer, self.template, self.sequence_length, train=train, uint8=uint8
         )
+
+    def collate(self, spec: ModelSpec) -> functools.partial:
+        """The streaming loader's `collate` for `spec`: the decoded samples of one task (what
+        `ConversationDecoder.__call__` returns) -> their micro-batch, laid out in the worker."""
+        return functools.partial(_collate_decoded, self, spec)
 
     def batch(
         self, samples: Sequence[ConversationSample], spec: ModelSpec
@@ -414,6 +420,13 @@ class ConversationBatcher:
             image_tokens=spec.image_tokens(),
             pad_id=self.pad_id,
         )
+
+
+def _collate_decoded(
+    batcher: ConversationBatcher, spec: ModelSpec, outputs: list[dict[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    # Module level, so the partial pickles into the loader's worker processes.
+    return batcher.batch([ConversationDecoder.sample_of(out) for out in outputs], spec)
 
 
 def _sequence_length(data: DataConfig, spec: ModelSpec) -> int:

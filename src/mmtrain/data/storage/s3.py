@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
-from mmtrain.data.shards import MANIFEST_NAME, expand_braces, parse_manifest
+from mmtrain.data.storage.manifest import MANIFEST_NAME, parse_manifest
+from mmtrain.data.storage.shard_lists import expand_braces
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from mmtrain.data.media import DEFAULT_MAX_PIXELS, MediaError, first_video_stream
+from mmtrain.data.stream.media import DEFAULT_MAX_PIXELS, MediaError, first_video_stream
 
 __all__ = [
     "ClipOptions",

@@ -1,8 +1,8 @@
 """`mmtrain data build SRC --out DIR`: raw files, tables or shards -> filtered WebDataset shards.
 
 This file holds the build itself (`build`, its `BuildConfig` and `BuildReport`). The per-item work
-is in `process` (run in worker processes), the resumable state in `journal`, and the command-line
-options that make a `BuildConfig` in `build_args`.
+is in `process` (run in worker processes), the resumable state in `journal`, and the options
+that make a `BuildConfig` in `options` (their flags in `commands/_data_args.py`).
 
 The pipeline, in source order:
 
@@ -42,7 +42,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from mmtrain.data.filters import (
+from mmtrain.data.ingest.filters import (
     Features,
     FilterChain,
     FilterConfig,
@@ -50,17 +50,14 @@ from mmtrain.data.filters import (
     sample_reason,
     top_fraction_cutoff,
 )
-from mmtrain.data.journal import JOURNAL_NAME, Journal, State, shard_intact
-from mmtrain.data.process import Outcome, ProcessOptions, json_bytes, ordered_map, process_item
-from mmtrain.data.remote import Uploader
-from mmtrain.data.shards import (
-    MANIFEST_NAME,
-    SCHEMA_VERSION,
-    ShardWriter,
-    read_shard,
-    write_manifest,
-)
-from mmtrain.data.sources import Source
+from mmtrain.data.ingest.journal import JOURNAL_NAME, Journal, State, shard_intact
+from mmtrain.data.ingest.outcome import Outcome, ProcessOptions, json_bytes
+from mmtrain.data.ingest.process import ordered_map, process_item
+from mmtrain.data.ingest.sources import Source
+from mmtrain.data.storage.manifest import MANIFEST_NAME, SCHEMA_VERSION, write_manifest
+from mmtrain.data.storage.s3 import Uploader
+from mmtrain.data.storage.shard_writer import ShardWriter
+from mmtrain.data.storage.tar_index import read_shard
 from mmtrain.structured import FieldError
 
 logger = logging.getLogger(__name__)
@@ -88,7 +85,7 @@ class BuildConfig:
     relevance_device: str = "cpu"
     relevance_tokenizer: str = "byte"
     # `--out s3://...`: the build runs in `out_dir` (a local staging folder) and each finished
-    # shard is uploaded here, the manifest last (remote.Uploader).
+    # shard is uploaded here, the manifest last (s3.Uploader).
     publish_to: str | None = None
 
 

@@ -44,8 +44,8 @@ from safetensors.torch import load_file, save_file
 
 from mmtrain import __version__, distributed
 from mmtrain.atomic import atomic_open, atomic_write_text, fsync_dir, sha256_file
+from mmtrain.distributed import agree_any
 from mmtrain.structured import FieldError
-from mmtrain.train.parallel import agree_any
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from mmtrain.atomic import atomic_write_bytes, fsync_dir
-from mmtrain.data.remote import (
+from mmtrain.data.storage.s3 import (
     RemoteError,
     RemoteObject,
     S3Store,
@@ -50,12 +50,11 @@ from mmtrain.data.remote import (
     list_shards,
     local_name,
 )
-from mmtrain.data.shards import (
+from mmtrain.data.storage.shard_lists import expand_shards
+from mmtrain.data.storage.tar_index import (
     ShardIndex,
-    ShardSet,
     SkippedMember,
     TruncatedShardError,
-    expand_shards,
     index_shard,
 )
 from mmtrain.structured import FieldError
@@ -77,7 +76,6 @@ __all__ = [
     "default_cache",
     "open_cache",
     "open_remote_indexes",
-    "open_remote_set",
     "cache_stats",
 ]
 
@@ -482,18 +480,6 @@ class RemoteShardIndex(ShardIndex):
 
     def stale(self, fd: int) -> bool:
         return os.fstat(fd).st_nlink == 0  # evicted: reopen (and fetch again) to free its space
-
-
-def open_remote_set(
-    spec: str | Sequence[str | Path], cache: ShardCache | None = None, threads: int = 8
-) -> tuple[ShardSet, dict[str, Any] | None]:
-    """`ShardSet.open(spec)` for an s3:// spec, and the manifest of its folder (None when there
-    is none, or `spec` is a list)."""
-    cache = cache if cache is not None else default_cache()
-    if isinstance(spec, str):
-        objects, manifest = list_shards(spec, cache.store)
-        return ShardSet(cache.index_all(objects, threads)), manifest
-    return ShardSet(open_remote_indexes(spec, cache, threads)), None
 
 
 def open_remote_indexes(

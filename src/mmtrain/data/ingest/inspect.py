@@ -8,7 +8,7 @@ Three pieces, each usable on its own:
   (unsafe) members; with `verify=True` also every member decoded, and `corrupt` listing those
   that fail as `{key, shard, member, reason}`.
 - `verify_samples(sources)`: that decode pass alone. It uses the decoders the loader uses
-  (`media.py`), so "verified" means "the loader will not skip it".
+  (`data/stream/media.py`), so "verified" means "the loader will not skip it".
 - `contact_sheet(sources, path)`: a PNG grid of a few samples spread over the dataset, each
   captioned with its key: the image, the middle frame of a video, a spectrogram of audio, a
   plot of a time-series or the text itself.
@@ -35,14 +35,19 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from mmtrain.atomic import atomic_open
-from mmtrain.data.chat_templates import (
+from mmtrain.data.storage.manifest import MANIFEST_NAME, read_manifest, verify_manifest
+from mmtrain.data.storage.s3 import is_remote
+from mmtrain.data.storage.shard_lists import expand_shards
+from mmtrain.data.storage.shards import ShardSet, open_remote_set
+from mmtrain.data.storage.tar_index import ShardIndex
+from mmtrain.data.stream.chat_templates import (
     ChatTemplate,
     RefusedSample,
     TextEncoder,
     encode_conversation,
 )
-from mmtrain.data.conversations import ConversationError, parse_conversation
-from mmtrain.data.media import (
+from mmtrain.data.stream.conversations import ConversationError, parse_conversation
+from mmtrain.data.stream.media import (
     DEFAULT_MAX_PIXELS,
     MediaError,
     check_extension,
@@ -52,17 +57,8 @@ from mmtrain.data.media import (
     decode_timeseries,
     decode_video,
 )
-from mmtrain.data.remote import is_remote
-from mmtrain.data.shard_cache import open_remote_set
-from mmtrain.data.shards import (
-    MANIFEST_NAME,
-    ShardIndex,
-    ShardSet,
-    expand_shards,
-    read_manifest,
-    verify_manifest,
-)
-from mmtrain.data.transforms import MODALITY_EXTENSIONS
+from mmtrain.data.stream.transforms import MODALITY_EXTENSIONS
+from mmtrain.lengths import summarize  # the planner reports the same statistics
 
 logger = logging.getLogger(__name__)
 
@@ -261,8 +257,6 @@ def conversation_summary(
 ) -> dict[str, Any] | None:
     """The distribution of tokens per conversation (count, mean, p50, p90, p99, max) as
     `data inspect` reports it; None when the shards hold no conversation."""
-    from mmtrain.plan.lengths import summarize  # pure Python, the planner's own statistics
-
     counts = conversation_counts(sources, tokenizer, template, image_tokens)
     if not counts.images and not counts.refused:
         return None

@@ -9,15 +9,15 @@ A broken item comes back as an `Outcome` with a reject (kind, path, reason) inst
 one bad file never stops a build. `ordered_map` runs it in worker processes and hands the outcomes
 back in source order, whatever the number of workers.
 
-Kept apart from the build loop (`ingest`) because this is the only part that runs in the workers
-(everything it takes and returns is picklable) and the only part that knows about media; the
-build orders, filters and writes what comes back.
+Kept apart from the build loop (`pipeline`) because this is the only part that runs in the
+workers (everything it takes and returns, `outcome.ProcessOptions` and `outcome.Outcome`, is
+picklable) and the only part that knows about media; the build orders, filters and writes what
+comes back. Conversation items go to `conversation_items.process_conversation`.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import multiprocessing
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from mmtrain.data.filters import (
+from mmtrain.data.ingest.conversation_items import process_conversation
+from mmtrain.data.ingest.filters import (
     Features,
     center_square,
     clean_caption,
@@ -37,8 +38,16 @@ from mmtrain.data.filters import (
     phash,
     rms_dbfs,
 )
-from mmtrain.data.media import (
-    DEFAULT_MAX_PIXELS,
+from mmtrain.data.ingest.outcome import (
+    Outcome,
+    ProcessOptions,
+    json_bytes,
+    reencode_image,
+    sample_key,
+)
+from mmtrain.data.ingest.sources import Item
+from mmtrain.data.ingest.video_clips import split_video
+from mmtrain.data.stream.media import (
     MediaError,
     check_extension,
     decode_audio,
@@ -47,40 +56,8 @@ from mmtrain.data.media import (
     decode_timeseries,
     decode_video,
 )
-from mmtrain.data.sources import Item
-from mmtrain.data.video_clips import ClipOptions, split_video
 
 VIDEO_PROBE_FRAMES = 4  # frames decoded to validate a video (spread over it: catches truncation)
-# Re-encoding keeps the source format; quality high enough that training does not see artefacts.
-ENCODERS = {"jpg": ("JPEG", {"quality": 95}), "png": ("PNG", {}), "webp": ("WEBP", {"quality": 95})}
-
-
-@dataclass(frozen=True)
-class ProcessOptions:
-    """What a worker needs to turn an item into samples (picklable)."""
-
-    modalities: tuple[str, ...]
-    image_max_side: int | None = None
-    max_pixels: int = DEFAULT_MAX_PIXELS
-    audio_rate: int = 16000
-    timeseries_window: int | None = None
-    video: ClipOptions | None = None  # split and/or re-encode videos (None: stored as they are)
-    fix_text: bool = False
-    sharpness: bool = False  # measure the Laplacian variance (blur filter on)
-    phash: bool = False  # compute the perceptual hash (near-duplicate filter on)
-    relevance_size: int | None = None  # return a square thumbnail for the relevance model
-
-
-@dataclass
-class Outcome:
-    """The result of one item: samples and features, or a reject (path and reason)."""
-
-    index: int
-    origin: str
-    samples: list[dict[str, Any]] = field(default_factory=list)
-    features: Features | None = None
-    reject: tuple[str, str, str] | None = None  # (kind, path, reason)
-    thumb: np.ndarray | None = None
 
 
 @dataclass
@@ -105,20 +82,12 @@ class _Work:
     thumb: np.ndarray | None = None
 
 
-def sample_key(index: int) -> str:
-    """Keys are source positions: unique, dot-free, and sorted like the source."""
-    return f"{index:09d}"
-
-
 def process_item(item: Item, opts: ProcessOptions) -> Outcome:
     """Read, validate, normalise and measure one item (runs in a worker process)."""
     reject = partial(Outcome, item.index, item.origin)
     if item.problem:
         return reject(reject=(item.problem_kind, item.origin, item.problem))
     if item.conversation is not None:
-        # Imported here: conversation_ingest builds on this module (Outcome, json_bytes, ...).
-        from mmtrain.data.conversation_ingest import process_conversation
-
         return process_conversation(item, opts)
     missing = [m for m in opts.modalities if m not in item.parts]
     if missing:
@@ -171,11 +140,6 @@ def _samples(item: Item, work: _Work) -> list[dict[str, Any]]:
     ]
 
 
-def json_bytes(meta: dict[str, Any]) -> bytes:
-    """A sample's json member: sorted keys, UTF-8 (the same bytes for the same metadata)."""
-    return json.dumps(meta, sort_keys=True, ensure_ascii=False).encode("utf-8")
-
-
 def _npy_bytes(array: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
@@ -195,23 +159,9 @@ def _image(data: bytes, ext: str, opts: ProcessOptions, work: _Work) -> None:
         work.thumb = center_square(pixels, opts.relevance_size)
     ext = "jpg" if ext == "jpeg" else ext
     if opts.image_max_side and max(height, width) > opts.image_max_side:
-        data, (width, height) = _reencode(pixels, ext, opts.image_max_side)
+        data, (width, height) = reencode_image(pixels, ext, opts.image_max_side)
     work.members[ext] = data
     work.meta.update(width=width, height=height)
-
-
-def _reencode(pixels: np.ndarray, ext: str, max_side: int) -> tuple[bytes, tuple[int, int]]:
-    from PIL import Image
-
-    height, width = pixels.shape[:2]
-    scale = max_side / max(height, width)
-    size = (max(1, round(width * scale)), max(1, round(height * scale)))
-    # reducing_gap: a cheap integer downscale first, then Lanczos (visually identical, faster).
-    image = Image.fromarray(pixels).resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
-    fmt, kwargs = ENCODERS.get(ext, ENCODERS["png"])
-    buffer = io.BytesIO()
-    image.save(buffer, format=fmt, **kwargs)
-    return buffer.getvalue(), size
 
 
 def _video(data: bytes, ext: str, opts: ProcessOptions, work: _Work) -> None:
@@ -234,7 +184,7 @@ def _video(data: bytes, ext: str, opts: ProcessOptions, work: _Work) -> None:
         work.meta.update(clip.meta)
         return
     # Keys `<item key>_c0003`. No clip at all only when the video is shorter than the minimum
-    # clip, which the short-video filter (forced on by build_args.config_from_args) then removes.
+    # clip, which the short-video filter (forced on by options.config_from_options) then removes.
     work.windows = [
         _Piece(f"c{c:04d}", {"mp4": clip.data}, clip.meta) for c, clip in enumerate(clips)
     ]

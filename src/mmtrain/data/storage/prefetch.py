@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from mmtrain.data.remote import DownloadStopped
+from mmtrain.data.storage.s3 import DownloadStopped
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mmtrain.data.media import (
+from mmtrain.data.stream.media import (
     DEFAULT_MAX_PIXELS,
     LazyImage,
     MediaError,
@@ -41,7 +41,7 @@ from mmtrain.data.media import (
     decode_video,
     draft_reduction,
 )
-from mmtrain.data.tokenizer import ByteTokenizer, Tokenizer
+from mmtrain.data.stream.tokenizer import ByteTokenizer, Tokenizer
 from mmtrain.spec import (
     AudioStem,
     ImageStem,
@@ -172,14 +172,25 @@ class ImageTransform:
     `size` and centre-crop (done as one bicubic resize of the centred square, as CLIP's eval
     preprocessing up to sub-pixel rounding). `decode` does the same from encoded bytes,
     decoding JPEGs at the smallest size the crop allows.
+
+    `uint8=True` stops before normalising: uint8 [C, size, size], a quarter of float32's bytes
+    to pin and copy to the GPU, where `to_float` normalises them (the trainer does this on
+    CUDA: train/inputs.py). `to_float` is the very float32 subtract and multiply the float
+    output applies, so both give the same numbers bit for bit.
     """
 
     def __init__(
-        self, size: int, train: bool, channels: int = 3, augment: AugmentConfig | None = None
+        self,
+        size: int,
+        train: bool,
+        channels: int = 3,
+        augment: AugmentConfig | None = None,
+        uint8: bool = False,
     ):
         self.size = size
         self.train = train
         self.channels = channels
+        self.uint8 = uint8
         self.augment = augment or AugmentConfig()
         self.augment.validate()
         if channels not in (1, 3):
@@ -194,8 +205,14 @@ class ImageTransform:
         self._inv_std = 1.0 / (np.asarray(std, dtype=np.float32) * 255.0)
 
     @classmethod
-    def from_stem(cls, stem: ImageStem, train: bool, augment: AugmentConfig | None = None):
-        return cls(stem.image_size, train, stem.channels, augment)
+    def from_stem(
+        cls, stem: ImageStem, train: bool, augment: AugmentConfig | None = None, uint8: bool = False
+    ):
+        return cls(stem.image_size, train, stem.channels, augment, uint8)
+
+    def scale_and_shift(self) -> tuple[np.ndarray, np.ndarray]:
+        """(mean * 255, 1 / (std * 255)) per channel, float32: what `to_float` applies."""
+        return self._mean, self._inv_std
 
     def min_decode_size(self) -> int:
         """The shortest source side that still gives full-resolution crops, whatever crop is
@@ -256,7 +273,8 @@ class ImageTransform:
         return self._resize(pil, box, flip)
 
     def normalise(self, pixels: np.ndarray) -> torch.Tensor:
-        """uint8 [H, W, C] already at its final size -> normalised float32 [C, H, W].
+        """uint8 [H, W, C] already at its final size -> normalised float32 [C, H, W] (uint8
+        [C, H, W] with `uint8`).
 
         Bit-for-bit what `apply` computes after its resize (the same float32 subtract and
         multiply), in torch: about 4x faster than numpy's temporaries, which matters when the
@@ -265,9 +283,16 @@ class ImageTransform:
         if not pixels.flags.writeable or not pixels.flags.c_contiguous:
             pixels = np.array(pixels)  # torch wraps only writable arrays (a cache is read-only)
         x = torch.from_numpy(pixels).permute(2, 0, 1)
+        if self.uint8:
+            return x.contiguous()
+        return self.to_float(x, torch.from_numpy(self._mean), torch.from_numpy(self._inv_std))
+
+    @staticmethod
+    def to_float(x: torch.Tensor, mean: torch.Tensor, inv_std: torch.Tensor) -> torch.Tensor:
+        """uint8 [..., C, H, W] -> normalised float32, on `x`'s device: (x - mean) * inv_std
+        with `scale_and_shift`'s per-channel values (on that device already)."""
         x = x.to(torch.float32, memory_format=torch.contiguous_format)
-        mean = torch.from_numpy(self._mean).view(-1, 1, 1)
-        return x.sub_(mean).mul_(torch.from_numpy(self._inv_std).view(-1, 1, 1))
+        return x.sub_(mean.view(-1, 1, 1)).mul_(inv_std.view(-1, 1, 1))
 
     def __call__(self, image: np.ndarray, rng: np.random.Generator | None = None) -> torch.Tensor:
         _check_image(image, "image")
@@ -295,14 +320,17 @@ class VideoTransform:
         train: bool,
         channels: int = 3,
         augment: AugmentConfig | None = None,
+        uint8: bool = False,
     ):
         self.frames = frames
         self.train = train
-        self.image = ImageTransform(size, train, channels, augment)
+        self.image = ImageTransform(size, train, channels, augment, uint8)
 
     @classmethod
-    def from_stem(cls, stem: VideoStem, train: bool, augment: AugmentConfig | None = None):
-        return cls(stem.image_size, stem.frames, train, stem.channels, augment)
+    def from_stem(
+        cls, stem: VideoStem, train: bool, augment: AugmentConfig | None = None, uint8: bool = False
+    ):
+        return cls(stem.image_size, stem.frames, train, stem.channels, augment, uint8)
 
     def __call__(self, clip: np.ndarray, rng: np.random.Generator | None = None) -> torch.Tensor:
         if clip.ndim != 4 or clip.shape[0] == 0:
@@ -426,15 +454,17 @@ def make_transform(
     tokenizer: Tokenizer | None = None,
     augment: AugmentConfig | None = None,
     name: str = "",
+    uint8: bool = False,
 ) -> Transform:
     """The transform that feeds `tower`'s stem. Text towers need `tokenizer`, except with the
-    byte tokenizer's vocabulary size (258), where the byte tokenizer is the default."""
+    byte tokenizer's vocabulary size (258), where the byte tokenizer is the default. `uint8`:
+    image and video pixels stay uint8, to be normalised on the device (ImageTransform)."""
     stem = tower.stem
     path = f"towers.{name or tower.modality}.stem"
     if isinstance(stem, ImageStem):
-        return ImageTransform.from_stem(stem, train, augment)
+        return ImageTransform.from_stem(stem, train, augment, uint8)
     if isinstance(stem, VideoStem):
-        return VideoTransform.from_stem(stem, train, augment)
+        return VideoTransform.from_stem(stem, train, augment, uint8)
     if isinstance(stem, AudioStem):
         return AudioTransform.from_stem(stem, train)
     if isinstance(stem, TimeSeriesStem):
@@ -457,10 +487,11 @@ def make_transforms(
     train: bool,
     tokenizer: Tokenizer | None = None,
     augment: AugmentConfig | None = None,
+    uint8: bool = False,
 ) -> dict[str, Transform]:
     """One transform per tower of `spec`, keyed by tower name (the batch key)."""
     return {
-        name: make_transform(tower, train, tokenizer, augment, name)
+        name: make_transform(tower, train, tokenizer, augment, name, uint8)
         for name, tower in spec.towers.items()
     }
 
@@ -493,9 +524,10 @@ class SampleDecoder:
         tokenizer: Tokenizer | None = None,
         augment: AugmentConfig | None = None,
         max_pixels: int = DEFAULT_MAX_PIXELS,
+        uint8: bool = False,
     ):
         self.spec = spec
-        self.transforms = make_transforms(spec, train, tokenizer, augment)
+        self.transforms = make_transforms(spec, train, tokenizer, augment, uint8)
         self.max_pixels = max_pixels
 
     def __call__(self, sample: dict[str, Any], rng: np.random.Generator) -> dict[str, torch.Tensor]:

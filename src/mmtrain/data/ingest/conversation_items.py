@@ -14,7 +14,7 @@ conversation (kind and reason in rejects.jsonl): its `<image>` tag would have no
 Filters: exact duplicates (`--dedup`) hash the conversation's text and image bytes, so the same
 image with another question is kept. Resolution and blur filters look at the weakest image (the
 smallest shorter side; the lowest sharpness). Near duplicates (pHash), caption length,
-relevance and `--fix-text` do not apply and their flags are refused (`build_args.CHAT_IGNORED`:
+relevance and `--fix-text` do not apply and their flags are refused (`options.CHAT_IGNORED`:
 several conversations about one image are not duplicates, a chat is no caption, and chat
 templates are whitespace-sensitive, so text is kept exactly as written).
 """
@@ -23,10 +23,16 @@ from __future__ import annotations
 
 from functools import partial
 
-from mmtrain.data.filters import Features, content_sha256, laplacian_variance
-from mmtrain.data.media import MediaError, check_extension, decode_image
-from mmtrain.data.process import Outcome, ProcessOptions, _reencode, json_bytes, sample_key
-from mmtrain.data.sources import EXTENSION_MODALITY, ConversationItem, Item, Part
+from mmtrain.data.ingest.filters import Features, content_sha256, laplacian_variance
+from mmtrain.data.ingest.outcome import (
+    Outcome,
+    ProcessOptions,
+    json_bytes,
+    reencode_image,
+    sample_key,
+)
+from mmtrain.data.ingest.sources import EXTENSION_MODALITY, ConversationItem, Item, Part
+from mmtrain.data.stream.media import MediaError, check_extension, decode_image
 
 __all__ = ["process_conversation"]
 
@@ -119,5 +125,5 @@ def _image(
             features.sharpness = sharpness
     ext = "jpg" if part.ext == "jpeg" else part.ext
     if opts.image_max_side and max(height, width) > opts.image_max_side:
-        data, (width, height) = _reencode(pixels, ext, opts.image_max_side)
+        data, (width, height) = reencode_image(pixels, ext, opts.image_max_side)
     return f"{n}.{ext}", data, [width, height]

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from mmtrain.data.chat_templates import IGNORE_INDEX, EncodedSample
+from mmtrain.data.stream.chat_templates import IGNORE_INDEX, EncodedSample
 
 __all__ = [
     "PAD_DOCUMENT",

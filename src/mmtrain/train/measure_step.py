@@ -14,7 +14,8 @@ micro-batch and checkpointing mode, and count what it holds, to set beside the p
   gradient and those holding optimizer state are counted, to set beside the planner's
   trainable-parameter count, which must equal both.
 
-Imports torch (lazily, from the CLI): the rest of the planner stays torch-free.
+It lives in train/ because it runs the trainer's own set-up; `mmtrain plan` imports it only
+with --measure, so the planner itself stays torch-free.
 """
 
 from __future__ import annotations
@@ -25,9 +26,15 @@ import torch
 import torch.nn.functional as F
 
 from mmtrain.config import LoraConfig, TowerTrainConfig, TrainConfig
+from mmtrain.losses import ContrastiveLoss
+from mmtrain.models.build import create_model
 from mmtrain.plan.estimate import Plan
 from mmtrain.plan.memory import training_memory
 from mmtrain.spec import ModelSpec, load_spec, with_input_sizes
+from mmtrain.train.lora import apply_lora
+from mmtrain.train.objectives import count_targets, token_nll_sum
+from mmtrain.train.optim import freeze_parameters, make_optimizer
+from mmtrain.train.parallel import apply_activation_checkpointing
 
 
 @dataclass(frozen=True)
@@ -155,8 +162,6 @@ def next_token_loss(out: dict[str, torch.Tensor], labels: torch.Tensor) -> torch
     `out`: the summed cross-entropy of each position against the next id's label (the model's
     own chunked "nll_sum" when the batch held the labels, else from "logits"), over the
     target count."""
-    from mmtrain.train.objectives import count_targets, token_nll_sum
-
     nll = out["nll_sum"] if "nll_sum" in out else token_nll_sum(out["logits"], labels)
     return nll / count_targets(labels)
 
@@ -189,9 +194,6 @@ def measure_training_step(
 ) -> Measured:
     """One training step of the real module at the plan's micro-batch and checkpointing mode,
     with `freeze` towers frozen and `lora` towers LoRA-adapted as the trainer does it."""
-    from mmtrain.models.build import create_model
-    from mmtrain.train.parallel import apply_activation_checkpointing
-
     spec = spec_with_overrides(
         model_name, image_size, frames, None if _is_lm(model_name) else context
     )
@@ -272,9 +274,6 @@ def _towers(
 
 def _trainer_set_up(model, towers: dict[str, TowerTrainConfig], seed: int) -> torch.optim.Optimizer:
     """Freeze and adapt `model` and build its AdamW through the trainer's own functions."""
-    from mmtrain.train.lora import apply_lora
-    from mmtrain.train.optim import freeze_parameters, make_optimizer
-
     config = TrainConfig(steps=1, batch_size=1, lr=1e-4, towers=towers)
     apply_lora(model, config, seed=seed)
     freeze_parameters(model, config)
@@ -284,8 +283,6 @@ def _trainer_set_up(model, towers: dict[str, TowerTrainConfig], seed: int) -> to
 def _loss(spec: ModelSpec, model, out: dict, generator: torch.Generator) -> torch.Tensor:
     """The training objective: contrastive over the pairs, plus the fusion head's
     cross-entropy (classify, random labels) or MSE (regress, random targets)."""
-    from mmtrain.losses import ContrastiveLoss
-
     total = torch.zeros(())
     if "fusion" in out:
         logits = out["fusion"].float()

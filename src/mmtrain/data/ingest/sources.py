@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mmtrain.data.conversations import ConversationError, scan_conversations
+from mmtrain.data.stream.conversations import ConversationError, scan_conversations
 from mmtrain.structured import FieldError
 
 # File extensions per modality (lower case, no dot). `json` is metadata, `cls` a class label.
@@ -277,7 +277,8 @@ class ShardSource(Source):
     kind = "shards"
 
     def __init__(self, spec: str | Path):
-        from mmtrain.data.shards import expand_shards, index_shard
+        from mmtrain.data.storage.shard_lists import expand_shards
+        from mmtrain.data.storage.tar_index import index_shard
 
         self.indexes = [index_shard(p) for p in expand_shards(str(spec))]
         self.count = sum(len(self._entries(index)) for index in self.indexes)

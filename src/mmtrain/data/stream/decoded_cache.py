@@ -46,9 +46,10 @@ import torch
 from PIL import Image
 
 from mmtrain.atomic import atomic_write_text, fsync_dir
-from mmtrain.data.media import DEFAULT_MAX_PIXELS, MediaError, decode_image
-from mmtrain.data.shards import ShardIndex, ShardSet
-from mmtrain.data.transforms import MODALITY_EXTENSIONS, SampleDecoder, centre_square_box
+from mmtrain.data.storage.shards import ShardSet
+from mmtrain.data.storage.tar_index import ShardIndex
+from mmtrain.data.stream.media import DEFAULT_MAX_PIXELS, MediaError, decode_image
+from mmtrain.data.stream.transforms import MODALITY_EXTENSIONS, SampleDecoder, centre_square_box
 
 logger = logging.getLogger(__name__)
 
