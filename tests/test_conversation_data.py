@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 from tokenizers import Tokenizer as RawTokenizer
 
+import mmtrain
 from micro import BuildCrash, crash_at_write
 from mmtrain.config import config_from_dict
 from mmtrain.data.storage.manifest import write_manifest
@@ -194,6 +195,11 @@ def take(data: TrainData, n: int) -> list[tuple[list[str], dict[str, torch.Tenso
     return [(data.next_batch(), list(data.last_keys))[::-1] for _ in range(n)]
 
 
+def same(a, b) -> bool:
+    """Equal batch values: tensors element by element, host values ("splice_sizes") as values."""
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
 def take_samples(data: TrainData, n: int) -> list[str]:
     """Keys of the micro-batches handed out until they hold `n` samples (a micro-batch holds the
     valid samples of its `micro_batch` stream entries: fewer where some were skipped)."""
@@ -243,12 +249,18 @@ def test_padded_and_packed_batches_hold_the_same_samples_and_targets(
     packed = TrainData(
         run_config(tmp_path, folder, tok_dir, pack=True), spec, rank=0, world_size=1, micro_batch=4
     )
+    model = mmtrain.create_model(spec, seed=0)
     fewer_rows = 0
     for (keys, a), (packed_keys, b) in zip(take(padded, 5), take(packed, 5), strict=True):
         # the same samples of the stream: the valid ones of its next 4 entries
         assert keys == packed_keys and 0 < len(keys) <= 4
-        assert set(a) == {"text", "labels", "image", "position_ids", "attention_mask"}
-        assert set(b) == {"text", "labels", "image", "position_ids", "document_ids"}
+        common = {"text", "labels", "image", "position_ids", "splice_sizes"}
+        assert set(a) == common | {"attention_mask"} and set(b) == common | {"document_ids"}
+        for batch in (a, b):  # the host's sizes are those the model reads without them
+            with torch.no_grad():
+                given = model(batch)["nll_sum"]
+                read = model({k: v for k, v in batch.items() if k != "splice_sizes"})["nll_sum"]
+            assert torch.equal(given, read)
         assert (a["labels"] != IGNORE_INDEX).sum() == (b["labels"] != IGNORE_INDEX).sum() > 0
         for batch in (a, b):
             assert (batch["text"] == image_id).sum() == batch["image"].shape[0]
@@ -327,7 +339,7 @@ def test_resume_mid_epoch_gives_the_same_next_batches(tmp_path, shards, tok_dir,
     for (keys, a), (keys_got, b), (keys_again, c) in zip(expected, got, again, strict=True):
         assert keys == keys_got == keys_again
         assert a.keys() == b.keys() == c.keys()
-        assert all(torch.equal(a[name], b[name]) and torch.equal(a[name], c[name]) for name in a)
+        assert all(same(a[name], b[name]) and same(a[name], c[name]) for name in a)
 
 
 def test_text_only_lm_skips_conversations_with_images(tmp_path, shards, tok_dir, raw):
@@ -345,7 +357,8 @@ def test_text_only_lm_skips_conversations_with_images(tmp_path, shards, tok_dir,
     keys = first + take_samples(data, len(text_only) - len(first))
     data.close()
     assert len(set(keys)) == len(keys) == len(text_only) and set(keys) == set(text_only)
-    assert all(set(batch) == {"text", "labels", "position_ids", "document_ids"} for _, batch in got)
+    expected = {"text", "labels", "position_ids", "document_ids", "splice_sizes"}
+    assert all(set(batch) == expected for _, batch in got)
     assert data.loader.corrupt_counts["images_without_tower"] > 0
 
 

@@ -34,6 +34,9 @@ from mmtrain.spec import ModelSpec, ProjectorSpec
 TEXT = "text"  # the decoder's name among the towers and the batch key of the token ids
 PAD_DOCUMENT = -1  # data/stream/packing.py's document id of padding (models do not import data/)
 LABELS = "labels"  # the next-token targets, aligned with "text" (train/objectives.py's key)
+# (length, right_padded, images) of the splice as host ints (`splice_sizes`), set by whoever
+# laid out the rows (the loader's workers): the forward then reads nothing from the device.
+SPLICE_SIZES = "splice_sizes"
 
 
 # ----------------------------------------------------------------------------- projector
@@ -76,25 +79,52 @@ class Layout:
         return self.owner.shape[1]
 
 
+def image_placeholders(
+    text: Tensor,
+    image_token_id: int | None,
+    attention_mask: Tensor | None = None,
+    document_ids: Tensor | None = None,
+) -> Tensor:
+    """Bool [R, T]: the ids of `text` that take an image (the placeholders not in padding)."""
+    if image_token_id is None:
+        return torch.zeros_like(text, dtype=torch.bool)
+    is_image = text == image_token_id
+    if attention_mask is not None:
+        is_image &= attention_mask.bool()
+    if document_ids is not None:
+        is_image &= document_ids != PAD_DOCUMENT
+    return is_image
+
+
+def splice_sizes(
+    is_image: Tensor, image_tokens: int, key_mask: Tensor | None = None
+) -> tuple[int, int, int]:
+    """(length of the expanded rows, 1 if the padding is on the right, images): the shapes a
+    layout needs, in one read of `is_image`'s device (none when it is the host's)."""
+    totals = torch.where(is_image, image_tokens, 1).sum(dim=1)
+    trailing = totals.new_ones(())  # no real id after a padding one
+    if key_mask is not None:
+        key_mask = key_mask.bool()
+        trailing = (key_mask[:, 1:] & ~key_mask[:, :-1]).any().logical_not().long()
+    length, right_padded, images = torch.stack([totals.max(), trailing, is_image.sum()]).tolist()
+    return length, right_padded, images
+
+
 def make_layout(
     is_image: Tensor,
     image_tokens: int,
     right_align: bool = False,
     key_mask: Tensor | None = None,
+    sizes: tuple[int, int, int] | None = None,
 ) -> Layout:
     """The layout of rows whose ids are images where `is_image` [R, T] (bool) is True;
-    `key_mask` [R, T] (False: padding ids) only sets `Layout.right_padded`."""
+    `key_mask` [R, T] (False: padding ids) only sets `Layout.right_padded`. `sizes`: what
+    `splice_sizes` returns, when the host knows it already; else it is read from the device
+    (the expanded length is a shape)."""
     spans = torch.where(is_image, image_tokens, 1)
     ends = spans.cumsum(dim=1) - 1
     totals = ends[:, -1] + 1
-    # The only host sync: the expanded length is a shape. Whether the padding is on the right
-    # (no real id after a padding one) and the number of images ride along in the same
-    # device-to-host copy.
-    trailing = totals.new_ones(())
-    if key_mask is not None:
-        key_mask = key_mask.bool()
-        trailing = (key_mask[:, 1:] & ~key_mask[:, :-1]).any().logical_not().long()
-    length, right_padded, images = torch.stack([totals.max(), trailing, is_image.sum()]).tolist()
+    length, right_padded, images = sizes or splice_sizes(is_image, image_tokens, key_mask)
     shift = length - totals if right_align else torch.zeros_like(totals)
     e = torch.arange(length, device=is_image.device)[None, :] - shift[:, None]
     valid = (e >= 0) & (e < totals[:, None])
@@ -249,15 +279,10 @@ class LanguageModel(nn.Module):
     # ------------------------------------------------------------------------- logits
     def _is_image(self, batch: Mapping[str, Tensor]) -> Tensor:
         """Bool [R, T]: the placeholders that take an image (not those in padding)."""
-        text = batch[TEXT]
-        if self.projector_spec is None:
-            return torch.zeros_like(text, dtype=torch.bool)
-        is_image = text == self.projector_spec.image_token_id
-        if "attention_mask" in batch:
-            is_image &= batch["attention_mask"].bool()
-        if "document_ids" in batch:
-            is_image &= batch["document_ids"] != PAD_DOCUMENT
-        return is_image
+        image_id = None if self.projector_spec is None else self.projector_spec.image_token_id
+        return image_placeholders(
+            batch[TEXT], image_id, batch.get("attention_mask"), batch.get("document_ids")
+        )
 
     def _check_text(self, batch: Mapping[str, Tensor]) -> Tensor:
         if TEXT not in batch:
@@ -286,7 +311,9 @@ class LanguageModel(nn.Module):
         text = self._check_text(batch)
         is_image = self._is_image(batch)
         p = self.spec.image_tokens()
-        layout = make_layout(is_image, p, right_align, batch.get("attention_mask"))
+        layout = make_layout(
+            is_image, p, right_align, batch.get("attention_mask"), batch.get(SPLICE_SIZES)
+        )
         images = self._image_embeds(batch, layout.images)
         text_embeds = self.decoder.embed(text)
         if images is None:

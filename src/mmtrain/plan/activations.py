@@ -2,7 +2,7 @@
 
 Per transformer layer we follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in
 Large Transformer Models", arXiv 2205.05198, Table 2), itemised tensor by tensor so the same
-terms can be checked against what PyTorch saves (plan/measure.py). Per token, in elements:
+terms can be checked against what PyTorch saves (train/measure_step.py). Per token, in elements:
 
     norm inputs 2h | qkv input h | q, k, v 3h | attention output h | fc1 input h |
     activation input f | fc2 input f                         (GELU MLP: 8h + 2f = 16h at f = 4h)

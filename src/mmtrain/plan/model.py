@@ -248,7 +248,7 @@ def _proj_input(tower: TowerSpec) -> int:
 def _stem_saved(tower: TowerSpec) -> tuple[int, int]:
     """(float elements, int64 elements) per sample that a tower keeps outside its blocks.
 
-    Calibrated against mmtrain's module (plan/measure.py): the stem's input to its patch
+    Calibrated against mmtrain's module (train/measure_step.py): the stem's input to its patch
     projection, the inputs of norm_pre and norm_final (plus 2 fp32 statistics per token for
     LayerNorm), the pooled token (a view of the final norm's output for cls/last pooling, a
     gathered copy for eot, the mean for mean pooling), and text ids.
@@ -374,7 +374,7 @@ def _text_ids(spec: ModelSpec, rows: Rows) -> int:
 def decoder_stack(spec: ModelSpec, rows: Rows, name: str = "text") -> Stack:
     """The decoder LM (models/decoder.py) as a stack over `rows.positions` positions.
 
-    Outside its blocks it keeps (per row, calibrated with plan/measure.py against vlm.py's
+    Outside its blocks it keeps (per row, calibrated with train/measure_step.py against vlm.py's
     LanguageModel): the token ids, the splice index (one per position) and the gather index
     of the text ids (int64); the rotary cos and sin tables (2 s d, shared by every layer); the
     final RMSNorm's input, statistic, normalised copy and output (the gather that picks the

@@ -128,6 +128,8 @@ def move_batch(
     inv_std) on `device`} of uint8 pixels to normalise there (`TrainData.pixel_normalisation`)."""
 
     def move(name: str, value: torch.Tensor) -> torch.Tensor:
+        if not isinstance(value, torch.Tensor):
+            return value  # a host value the layout computed (models.vlm.SPLICE_SIZES)
         if device.type != "cpu":
             value = value.to(device, non_blocking=value.is_pinned())
         if pixels and name in pixels and value.dtype == torch.uint8:
@@ -142,6 +144,6 @@ def move_batch(
 def inject_nan(batch: dict[str, torch.Tensor]) -> None:
     """Fault injection (`guards.inject_nan_steps`): overwrite the float inputs with NaN."""
     for name, value in batch.items():
-        if name != LABEL_KEY and value.is_floating_point():
+        if name != LABEL_KEY and isinstance(value, torch.Tensor) and value.is_floating_point():
             batch[name] = torch.full_like(value, math.nan)
     log.warning("fault injection: NaN inputs in this step's first micro-batch")

@@ -24,7 +24,9 @@ next-token loss is normalised by) equal to the labels actually scored, padded or
 Both give "text" and "labels" int64 [R, T], "position_ids" int64 [R, T] (each id's first LM
 position, an image counting `image_tokens`), and "image" [N, C, H, W] (float32, or uint8 for the device to normalise) in reading order
 (row 0's placeholders left to right, then row 1's), absent for a text-only model.
-Tensors are in placeholder space: a row with images holds fewer ids than positions, so rows are
+"splice_sizes" holds the expanded rows' length, whether their padding is on the right and the
+image count as host ints (`models.vlm.splice_sizes`), so the model's forward need not read
+them from the device. Tensors are in placeholder space: a row with images holds fewer ids than positions, so rows are
 padded to the most ids in the batch; each row's content is at most `row_length` positions and
 everything after it is padding (label -100, document -1 / attention_mask False).
 
@@ -75,6 +77,7 @@ from mmtrain.data.stream.packing import (
 )
 from mmtrain.data.stream.tokenizer import get_tokenizer
 from mmtrain.data.stream.transforms import AugmentConfig, ImageTransform, make_transform
+from mmtrain.models.vlm import SPLICE_SIZES, image_placeholders, splice_sizes
 from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
 
@@ -314,6 +317,11 @@ def conversation_batch(
     images = _images_in_reading_order(samples, rows)
     if images is not None:
         batch["image"] = images
+    # The splice's sizes, counted here on the host as the model would count them on the device.
+    placeholders = image_placeholders(
+        batch["text"], image_token_id, batch.get("attention_mask"), batch.get("document_ids")
+    )
+    batch[SPLICE_SIZES] = splice_sizes(placeholders, image_tokens, batch.get("attention_mask"))
     return batch
 
 

@@ -183,8 +183,16 @@ class _TaskResult:
     def pin_memory(self) -> _TaskResult:
         """The result with page-locked tensors: the DataLoader's pin thread calls this, so a
         batch reaches the main process ready for an asynchronous copy to the GPU."""
-        pinned = {name: tensor.pin_memory() for name, tensor in self.tensors.items()}
+        pinned = {n: _pinned(v) for n, v in self.tensors.items()}
         return dataclasses.replace(self, tensors=pinned)
+
+
+def _pinned(value: Any) -> Any:
+    """`value` in page-locked memory when it is a tensor (host values such as a collated
+    batch's sizes pass as they are)."""
+    if isinstance(value, torch.Tensor) and not value.is_pinned():
+        return value.pin_memory()
+    return value
 
 
 class _TaskDataset(torch.utils.data.Dataset):
@@ -575,7 +583,7 @@ class StreamingLoader:
             names = list(pieces[0][0].tensors)
             batch = {n: torch.cat([r.tensors[n][lo:hi] for r, lo, hi in pieces]) for n in names}
         if self.pin_memory:  # tasks come pinned (the pin thread); a batch cut from several not
-            batch = {n: t if t.is_pinned() else t.pin_memory() for n, t in batch.items()}
+            batch = {n: _pinned(v) for n, v in batch.items()}
         if self.with_keys:
             batch["__key__"] = [k for r, lo, hi in pieces for k in r.keys[lo:hi]]
         return batch
