@@ -61,8 +61,8 @@ def make_run(root: Path, baseline: Path, steps: int) -> dict:
     from mmtrain.data.storage.manifest import write_manifest
     from mmtrain.data.storage.shard_writer import ShardWriter
     from mmtrain.data.stream.tokenizer import train_bpe
-    from mmtrain.models.hf import language_model_spec
-    from mmtrain.models.hf_llama import spec_from_config
+    from mmtrain.models.formats.hf import language_model_spec
+    from mmtrain.models.formats.hf_llama import spec_from_config
 
     shards = root / "shards"
     words = ["the quick brown fox jumps over the lazy dog"] * 8
@@ -130,7 +130,7 @@ def run(config: dict, out: Path, variant: str, threshold: bool) -> list[dict]:
 
 
 def exported_equals_source(out: Path, baseline: Path) -> bool:
-    from mmtrain.models.hf_llama import hf_to_mmtrain, spec_from_config
+    from mmtrain.models.formats.hf_llama import hf_to_mmtrain, spec_from_config
     from mmtrain.models.safetensors_files import read_weights
 
     config_file = baseline / "config.json"

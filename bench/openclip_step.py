@@ -39,7 +39,7 @@ from open_clip.loss import ClipLoss  # noqa: E402
 import mmtrain  # noqa: E402
 from mmtrain.config import load_config  # noqa: E402
 from mmtrain.losses import ContrastiveLoss  # noqa: E402
-from mmtrain.models.convert import key_map, mmtrain_to_openclip  # noqa: E402
+from mmtrain.models.formats.openclip import key_map, mmtrain_to_openclip  # noqa: E402
 from mmtrain.spec import ModelSpec, load_spec  # noqa: E402
 from mmtrain.train.loop import forward_backward, optimizer_step  # noqa: E402
 from mmtrain.train.objectives import ContrastiveObjective  # noqa: E402

@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 
 from mmtrain.cli import main
 from mmtrain.models.build import create_model, load_model
-from mmtrain.models.convert import (
-    CheckpointMismatch,
+from mmtrain.models.formats.keys import CheckpointMismatch
+from mmtrain.models.formats.openclip import (
     IncompatibleSpec,
     key_map,
     mmtrain_to_openclip,

@@ -24,7 +24,8 @@ from safetensors.torch import load_file, save_file
 
 from mmtrain.cli import main
 from mmtrain.models.build import create_model, load_model, save_model
-from mmtrain.models.hf_clip import HFFolderError, is_hf_folder, read_hf_folder
+from mmtrain.models.formats.hf_clip import read_hf_folder
+from mmtrain.models.formats.hf_common import HFFolderError, is_hf_folder
 from mmtrain.models.multimodal import MultimodalModel
 
 FP64_ATOL = 1e-10

@@ -1,6 +1,7 @@
-"""The decoder LM (models/decoder.py) and its Hugging Face Llama / Qwen2 interop (hf_llama.py):
-converted weights give transformers' own logits and greedy generations, the export loads back
-into transformers, the KV cache and packing change nothing, and the spec counts what is built.
+"""The decoder LM (models/decoder.py) and its Hugging Face Llama / Qwen2 interop
+(models/formats/hf_llama.py): converted weights give transformers' own logits and greedy
+generations, the export loads back into transformers, the KV cache and packing change nothing,
+and the spec counts what is built.
 
 Tiny transformers models are built from configs (no download), every parameter randomised
 (transformers initialises norms to 1, which would hide a swapped norm), saved with
@@ -35,8 +36,8 @@ from transformers.models.qwen2 import modeling_qwen2
 
 from mmtrain.decoder_spec import DecoderSpec, RopeScaling
 from mmtrain.models.decoder import Decoder, KVCache, document_positions
-from mmtrain.models.hf_clip import HFFolderError
-from mmtrain.models.hf_llama import (
+from mmtrain.models.formats.hf_common import HFFolderError
+from mmtrain.models.formats.hf_llama import (
     hf_config,
     load_hf_decoder,
     read_hf_decoder,

@@ -20,7 +20,7 @@ from mmtrain.cli import main
 from mmtrain.data.storage.shard_writer import ShardWriter
 from mmtrain.eval.run import Evaluator
 from mmtrain.models import load_model
-from mmtrain.models.convert import mmtrain_to_openclip
+from mmtrain.models.formats.openclip import mmtrain_to_openclip
 from mmtrain.train.loop import train
 
 pytestmark = pytest.mark.slow

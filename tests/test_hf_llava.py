@@ -1,5 +1,5 @@
-"""Hugging Face LLaVA interop (models/hf_llava.py) and the HF dispatch (models/hf.py): a
-converted LlavaForConditionalGeneration gives transformers' own logits, row for row; the export
+"""Hugging Face LLaVA interop (models/formats/hf_llava.py) and the HF dispatch (formats/hf.py):
+a converted LlavaForConditionalGeneration gives transformers' own logits, row for row; the export
 loads back into transformers with no missing or unexpected key; bad configs name their field.
 
 Tiny transformers models are built from configs (no download), every parameter randomised
@@ -33,9 +33,9 @@ from mmtrain.cli import main
 from mmtrain.folders import INDEX_FILE, WEIGHTS_FILE
 from mmtrain.models import load_model, save_model
 from mmtrain.models.build import read_model_folder
-from mmtrain.models.hf import read_hf_model, write_hf_state
-from mmtrain.models.hf_clip import HFFolderError
-from mmtrain.models.hf_llava import read_hf_llava
+from mmtrain.models.formats.hf import read_hf_model, write_hf_state
+from mmtrain.models.formats.hf_common import HFFolderError
+from mmtrain.models.formats.hf_llava import read_hf_llava
 from mmtrain.spec import ModelSpec
 from test_decoder import randomize, rms_norm_in_input_precision
 
@@ -406,7 +406,7 @@ def test_weights_that_do_not_fit_name_the_folder(tmp_path):
 
 
 def test_image_token_id_is_read_under_either_name(tmp_path):
-    from mmtrain.models.hf_llava import spec_from_config
+    from mmtrain.models.formats.hf_llava import spec_from_config
 
     config = llava_config()
     del config["image_token_index"]

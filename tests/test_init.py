@@ -19,7 +19,7 @@ from mmtrain.checkpoint import latest_checkpoint
 from mmtrain.cli import main
 from mmtrain.config import apply_override, load_config
 from mmtrain.models import create_model, load_model, save_model
-from mmtrain.models.convert import mmtrain_to_openclip
+from mmtrain.models.formats.openclip import mmtrain_to_openclip
 from mmtrain.spec import ModelSpec, with_tower
 from mmtrain.structured import FieldError
 from mmtrain.train.init import InitError, InitMismatch, read_source
@@ -342,7 +342,7 @@ def tiny_hf_clip(folder: Path) -> Path:
 
 
 def test_run_starts_from_a_hugging_face_folder(tmp_path, shards):
-    hf_clip = pytest.importorskip("mmtrain.models.hf_clip")
+    hf_clip = pytest.importorskip("mmtrain.models.formats.hf_clip")
     folder = tiny_hf_clip(tmp_path / "hf")
     spec, state = hf_clip.read_hf_folder(folder)
     # The whole model: a run of the HF model's own spec ends where it started.

@@ -29,8 +29,8 @@ from mmtrain.data.storage.manifest import write_manifest
 from mmtrain.data.storage.shard_writer import ShardWriter
 from mmtrain.data.stream.tokenizer import train_bpe
 from mmtrain.models import create_model
-from mmtrain.models.convert import mmtrain_to_openclip
-from mmtrain.models.hf import read_hf_model
+from mmtrain.models.formats.hf import read_hf_model
+from mmtrain.models.formats.openclip import mmtrain_to_openclip
 from mmtrain.spec import ModelSpec, ProjectorSpec
 from mmtrain.train.init import InitError, InitMismatch
 from mmtrain.train.init_start import load_init

@@ -18,7 +18,7 @@ import yaml
 
 from dist_helpers import run_distributed
 from micro import micro_run
-from mmtrain.models.hf import read_hf_model
+from mmtrain.models.formats.hf import read_hf_model
 from mmtrain.spec import ModelSpec
 from mmtrain.train import parallel
 from mmtrain.train.init_sliced import plan_sliced_init

@@ -110,6 +110,47 @@ class TowerTrainConfig:
 
 
 @dataclass
+class DiffusionConfig:
+    """How a denoiser trains (`train.diffusion`, train/diffusion.py): the timesteps it sees and
+    the condition dropout that classifier-free guidance needs at sampling time.
+
+    flow_matching: t in (0, 1) from `timesteps` (logit_normal: sigmoid of N(logit_mean,
+    logit_std), SD3's default; uniform), then shifted towards noise by `shift` (SD3 / Open-Sora:
+    t' = shift t / (1 + (shift - 1) t); 1 = no shift; larger images and more frames want more).
+    diffusion (DDPM): integer steps uniform in [0, ddpm_steps) of a linear beta schedule
+    (beta_start .. beta_end, as DDPM and DiT); `min_snr` weights each step by min(SNR, gamma)
+    over SNR (epsilon) or SNR + 1 (v), Hang et al. 2023; null: unweighted.
+    """
+
+    timesteps: str = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    shift: float = 1.0
+    cfg_dropout: float = 0.1  # share of samples trained without their class ("no class")
+    ddpm_steps: int = 1000
+    beta_start: float = 1e-4
+    beta_end: float = 0.02
+    min_snr: float | None = None
+
+    def validate(self, path: str = "train.diffusion") -> None:
+        check_choice(f"{path}.timesteps", self.timesteps, ("logit_normal", "uniform"))
+        if self.logit_std <= 0:
+            raise FieldError(f"{path}.logit_std", f"must be positive, got {self.logit_std}")
+        if self.shift <= 0:
+            raise FieldError(f"{path}.shift", f"must be positive, got {self.shift}")
+        if not 0.0 <= self.cfg_dropout < 1.0:
+            raise FieldError(f"{path}.cfg_dropout", f"must be in [0, 1), got {self.cfg_dropout}")
+        _at_least(f"{path}.ddpm_steps", self.ddpm_steps, 1)
+        if not 0.0 < self.beta_start < self.beta_end < 1.0:
+            raise FieldError(
+                f"{path}.beta_end",
+                f"needs 0 < beta_start ({self.beta_start}) < beta_end ({self.beta_end}) < 1",
+            )
+        if self.min_snr is not None and self.min_snr <= 0:
+            raise FieldError(f"{path}.min_snr", f"must be positive or null, got {self.min_snr}")
+
+
+@dataclass
 class TrainConfig:
     steps: int
     batch_size: int  # global: samples per optimizer step over all ranks
@@ -132,6 +173,7 @@ class TrainConfig:
     ema: float | None = None  # decay of an exponential moving average of the weights
     device: str = "auto"  # auto: cuda when available
     fusion_weight: float = 1.0  # weight of the fusion head's loss beside the contrastive loss
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)  # a denoiser's training
     # Progressive resolution: [[from_step, image_size], ...] for image and video towers and
     # [[from_step, frames], ...] for video towers; the model spec keeps the full size and the
     # position embeddings are interpolated (see mmtrain.train.resolution). Empty: full size.
@@ -252,6 +294,7 @@ class RunConfig:
         if t.micro_batch is not None:
             _at_least("train.micro_batch", t.micro_batch, 1)
         _at_least("train.fusion_weight", t.fusion_weight, 0.0)
+        t.diffusion.validate()
         _check_schedule("train.resolution_schedule", t.resolution_schedule)
         _check_schedule("train.frames_schedule", t.frames_schedule)
         if t.batch_size % world_size:

@@ -24,17 +24,20 @@ from typing import Any
 import yaml
 
 from mmtrain.decoder_spec import DecoderSpec
+from mmtrain.denoiser_spec import DenoiserSpec
 from mmtrain.structured import FieldError, check_choice, closest, from_dict, to_dict
 
 MODALITIES = ("image", "video", "audio", "timeseries", "text")
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
 POOLINGS = ("cls", "mean", "map", "eot", "last")
-OBJECTIVES = ("clip", "siglip", "triplet", "next_token")
+OBJECTIVES = ("clip", "siglip", "triplet", "next_token", "flow_matching", "diffusion")
+GENERATIVE_OBJECTIVES = {"flow_matching": ("velocity",), "diffusion": ("epsilon", "v")}
 PROJECTORS = ("linear", "mlp")
 DECODER_TOWER = "text"  # the decoder LM's name among a model's towers (and its batch key)
 PROJECTOR_PART = "projector"  # a VLM's projector among the parts FLOPs are counted by
 FUSION_PART = "fusion"  # the fusion head among them
+DENOISER_PART = "denoiser"  # a diffusion transformer (denoiser_spec.py) among them
 TRAIN_MODES = ("train", "frozen", "lora")  # how a part trains (the planner's stack modes)
 FUSION_TASKS = ("classify", "regress")
 
@@ -537,7 +540,8 @@ class ModelSpec:
 
     A language model sets `decoder` (objective `next_token`, batch key "text"); a
     vision-language model (LLaVA) adds an image tower and the `projector` that splices its
-    tokens into the text. Their towers have no pairs and no fusion head."""
+    tokens into the text. Their towers have no pairs and no fusion head. A generator sets
+    `denoiser` (a DiT; objective `flow_matching` or `diffusion`) and has no towers."""
 
     name: str
     embed_dim: int
@@ -549,12 +553,16 @@ class ModelSpec:
     fusion: FusionSpec | None = None
     decoder: DecoderSpec | None = None
     projector: ProjectorSpec | None = None
+    denoiser: DenoiserSpec | None = None
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         _positive("", self, "embed_dim")
+        if self.denoiser is not None or self.objective in GENERATIVE_OBJECTIVES:
+            self._validate_generator()
+            return
         if not self.towers and self.decoder is None:
             raise FieldError("towers", "a model needs at least one tower")
         for name, tower in self.towers.items():
@@ -610,13 +618,45 @@ class ModelSpec:
         if extra:
             raise FieldError(f"towers.{extra[0]}", "a vision-language model has one image tower")
 
+    def _validate_generator(self) -> None:
+        if self.denoiser is None:
+            raise FieldError("denoiser", f"objective {self.objective} needs a denoiser (a DiT)")
+        self.denoiser.validate("denoiser")
+        predictions = GENERATIVE_OBJECTIVES.get(self.objective)
+        if predictions is None:
+            raise FieldError(
+                "objective",
+                f"a denoiser trains with {' or '.join(GENERATIVE_OBJECTIVES)}, not "
+                f"{self.objective!r}",
+            )
+        if self.denoiser.prediction not in predictions:
+            raise FieldError(
+                "denoiser.prediction",
+                f"{self.objective} trains a {' or '.join(predictions)} prediction, not "
+                f"{self.denoiser.prediction!r}",
+            )
+        for name in ("decoder", "projector", "fusion"):
+            if getattr(self, name) is not None:
+                raise FieldError(name, "a denoiser model has none (it is the whole network)")
+        if self.towers or self.pairs:
+            raise FieldError(
+                "towers" if self.towers else "pairs",
+                "a class-conditional denoiser has no encoder towers (text conditioning is an "
+                "MMDiT's, not yet available)",
+            )
+
     def tower_names(self) -> list[str]:
         """The model's towers by the names its module and `train.towers` use: the encoders,
-        and "text" for a decoder LM (the batch key of its ids)."""
-        return [*self.towers, *([DECODER_TOWER] if self.decoder is not None else [])]
+        "text" for a decoder LM (the batch key of its ids), "denoiser" for a DiT."""
+        parts = [*self.towers, *([DECODER_TOWER] if self.decoder is not None else [])]
+        return parts + ([DENOISER_PART] if self.denoiser is not None else [])
 
     def is_language_model(self) -> bool:
         return self.decoder is not None
+
+    def is_generator(self) -> bool:
+        """A denoiser trained to generate (flow matching or DDPM)."""
+        return self.denoiser is not None
 
     def image_tokens(self) -> int:
         """Positions one image takes in the language model (0 without a projector)."""
@@ -655,6 +695,8 @@ class ModelSpec:
         if self.fusion is not None:
             widths = {name: self.towers[name].width for name in self.fused_towers()}
             n += self.fusion.params(widths)
+        if self.denoiser is not None:
+            n += self.denoiser.params()
         if self.decoder is not None:
             n += self.decoder.params()
             if self.projector is not None:
@@ -684,6 +726,8 @@ class ModelSpec:
         if self.decoder is not None:
             images = len(self.towers) if self.projector is not None else 0
             return self.sequence_flops_by_part([self.decoder.max_positions], images)
+        if self.denoiser is not None:
+            return {DENOISER_PART: self.denoiser.forward_flops()}
         parts = dict(self.tower_flops())
         if self.fusion is not None:
             fused = self.fused_towers()
@@ -759,12 +803,17 @@ def _model_from_dict(data: Any) -> ModelSpec:
     if not isinstance(data, dict):
         raise FieldError("", f"a model spec is a mapping, got {type(data).__name__}")
     data = dict(data)
+    if isinstance(data.get("denoiser"), dict):  # a generator: no towers, no shared embedding
+        data.setdefault("towers", {})
+        data.setdefault("embed_dim", data["denoiser"].get("width", DenoiserSpec.width))
     towers = data.get("towers")
     if not isinstance(towers, dict):
         raise FieldError("towers", "expected a mapping of tower name -> tower spec")
     data["towers"] = {name: _tower_from_dict(t, f"towers.{name}") for name, t in towers.items()}
     if isinstance(data.get("decoder"), dict):
         data["decoder"] = DecoderSpec.from_dict(data["decoder"], "decoder")
+    if isinstance(data.get("denoiser"), dict):
+        data["denoiser"] = DenoiserSpec.from_dict(data["denoiser"], "denoiser")
     return from_dict(ModelSpec, data)
 
 

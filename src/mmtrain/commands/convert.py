@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _from_hf(source: Path, out: Path) -> int:
     from mmtrain.models.build import model_with_weights, save_model
-    from mmtrain.models.hf import read_hf_model
+    from mmtrain.models.formats.hf import read_hf_model
 
     spec, state = read_hf_model(source)  # HFFolderError (a FieldError) names file and field
     model = model_with_weights(spec, state)
@@ -95,8 +95,8 @@ def _from_hf(source: Path, out: Path) -> int:
 
 def _to_hf(source: Path, out: Path) -> int:
     from mmtrain.models.build import read_model_folder
-    from mmtrain.models.convert import CheckpointMismatch
-    from mmtrain.models.hf import NoHFCounterpart, hf_counterpart, write_hf_state
+    from mmtrain.models.formats.hf import NoHFCounterpart, hf_counterpart, write_hf_state
+    from mmtrain.models.formats.keys import CheckpointMismatch
 
     # The folder is read one tensor at a time and written shard by shard: a 70B model never
     # needs its whole state dict in memory.
@@ -116,11 +116,8 @@ def _to_hf(source: Path, out: Path) -> int:
 
 def _from_openclip(source: Path, model_arg: str | None, out: Path) -> int:
     from mmtrain.models.build import save_model
-    from mmtrain.models.convert import (
-        CheckpointMismatch,
-        model_from_openclip,
-        read_openclip_checkpoint,
-    )
+    from mmtrain.models.formats.keys import CheckpointMismatch
+    from mmtrain.models.formats.openclip import model_from_openclip, read_openclip_checkpoint
 
     if model_arg is None:
         raise UsageError(
@@ -144,9 +141,9 @@ def _from_openclip(source: Path, model_arg: str | None, out: Path) -> int:
 
 def _to_openclip(source: Path, model_arg: str | None, out: Path) -> int:
     from mmtrain.models.build import load_model
-    from mmtrain.models.convert import (
+    from mmtrain.models.formats.keys import CheckpointMismatch
+    from mmtrain.models.formats.openclip import (
         OPENCLIP_SUFFIXES,
-        CheckpointMismatch,
         IncompatibleSpec,
         clip_towers,
         mmtrain_to_openclip,
@@ -179,7 +176,7 @@ def _to_openclip(source: Path, model_arg: str | None, out: Path) -> int:
 
 
 def _clip_spec(model_arg: str) -> ModelSpec:
-    from mmtrain.models.convert import IncompatibleSpec, clip_towers
+    from mmtrain.models.formats.openclip import IncompatibleSpec, clip_towers
 
     spec = load_spec(model_arg)
     try:

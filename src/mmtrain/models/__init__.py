@@ -2,6 +2,7 @@
 
 `create_model(spec)` builds and initialises (a `LanguageModel` when the spec has a decoder);
 `save_model` / `load_model` read and write a model folder (model.safetensors + spec.yaml).
+Checkpoints in other layouts (OpenCLIP, Hugging Face) are mapped onto these names by `formats/`.
 """
 
 from mmtrain.models.build import (

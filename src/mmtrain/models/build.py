@@ -18,6 +18,7 @@ from torch import nn
 
 from mmtrain.atomic import atomic_write_text
 from mmtrain.folders import SPEC_FILE
+from mmtrain.models.dit import DiffusionModel
 from mmtrain.models.multimodal import MultimodalModel
 from mmtrain.models.safetensors_files import (
     INDEX_FILE,
@@ -45,9 +46,14 @@ class ModelFileError(FieldError):
         super().__init__(str(file), message)
 
 
-def _new_model(spec: ModelSpec) -> MultimodalModel | LanguageModel:
-    """The module class of `spec`: a LanguageModel when it has a decoder."""
-    return LanguageModel(spec) if spec.decoder is not None else MultimodalModel(spec)
+def _new_model(spec: ModelSpec) -> nn.Module:
+    """The module class of `spec`: a LanguageModel when it has a decoder, a DiffusionModel
+    when it has a denoiser, else a MultimodalModel."""
+    if spec.decoder is not None:
+        return LanguageModel(spec)
+    if spec.denoiser is not None:
+        return DiffusionModel(spec)
+    return MultimodalModel(spec)
 
 
 def create_model(
@@ -89,11 +95,15 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         model = inner
 
 
-def _unwrap(model: nn.Module) -> MultimodalModel | LanguageModel:
-    """The MultimodalModel or LanguageModel inside its wrappers."""
+MODEL_CLASSES = (MultimodalModel, LanguageModel, DiffusionModel)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The MultimodalModel, LanguageModel or DiffusionModel inside its wrappers."""
     inner = unwrap_model(model)
-    if not isinstance(inner, (MultimodalModel, LanguageModel)):
-        raise TypeError(f"expected a MultimodalModel or LanguageModel, got {type(model).__name__}")
+    if not isinstance(inner, MODEL_CLASSES):
+        names = ", ".join(c.__name__ for c in MODEL_CLASSES)
+        raise TypeError(f"expected one of {names}, got {type(model).__name__}")
     return inner
 
 

@@ -201,11 +201,33 @@ def _language_model_rules(model: nn.Module) -> dict[str, InitRule]:
     return rules
 
 
+DIT_EMBEDDING_STD = 0.02  # DiT's timestep MLP and class table
+DIT_ZERO = ("modulation.weight", "modulation_out.weight", "out.weight")  # adaLN-Zero
+
+
+def _denoiser_rules(model: nn.Module) -> dict[str, InitRule]:
+    """DiT's init (Peebles & Xie 2023, section 3): every matrix with Xavier's variance
+    2 / (fan_in + fan_out) (drawn normal, as every rule here), the timestep MLP and the class
+    table N(0, 0.02), the modulations and the output layer zero, so each block starts as the
+    identity and the first prediction is 0; biases 0."""
+    rules = _constant_rules(model)
+    for name, param in model.named_parameters():
+        if name.endswith(DIT_ZERO) or name.endswith("bias"):
+            rules[name] = InitRule(value=0.0)
+        elif ".time_fc" in name or name.endswith("classes.weight"):
+            rules[name] = InitRule(DIT_EMBEDDING_STD)
+        elif param.dim() >= 2:
+            rules[name] = InitRule((2 / (_fan_in(param) + param.shape[0])) ** 0.5)
+    return rules
+
+
 def init_rules(model: nn.Module) -> dict[str, InitRule]:
-    """The init of every parameter of `model` (a MultimodalModel or a LanguageModel) by name
-    (norms 1/0, biases 0, the rest above)."""
+    """The init of every parameter of `model` (a MultimodalModel, LanguageModel or
+    DiffusionModel) by name (norms 1/0, biases 0, the rest above)."""
     if model.spec.decoder is not None:  # a LanguageModel (by its spec: no import of its class)
         return _language_model_rules(model)
+    if model.spec.denoiser is not None:  # a DiffusionModel
+        return _denoiser_rules(model)
     rules = _constant_rules(model)
     for name, tower in model.towers.items():
         rules.update(_tower_rules(f"towers.{name}.", tower))

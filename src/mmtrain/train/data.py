@@ -39,11 +39,12 @@ from mmtrain.data.storage.s3 import is_remote
 from mmtrain.data.storage.shards import ShardSet
 from mmtrain.data.stream.conversation_batches import ConversationBatcher, ConversationDecoder
 from mmtrain.data.stream.loader import StreamingLoader
-from mmtrain.data.stream.media import MediaError, decode_text
+from mmtrain.data.stream.media import MediaError, decode_latent, decode_text
 from mmtrain.data.stream.order import apportion, mixing_schedule
 from mmtrain.data.stream.tokenizer import Tokenizer, get_tokenizer
 from mmtrain.data.stream.transforms import (
     MODALITY_EXTENSIONS,
+    AugmentConfig,
     ImageTransform,
     SampleDecoder,
     VideoTransform,
@@ -69,25 +70,42 @@ def read_label(
     Raises MediaError (the loader skips and counts the sample) when the label is missing or
     does not fit the head.
     """
+    value = _label_value(sample, label_field)
+    if fusion.task == "classify":
+        return torch.tensor(_class_index(value, fusion.num_outputs, class_names), dtype=torch.long)
+    return _regression_target(value, fusion.num_outputs)
+
+
+def read_class(
+    sample: Mapping[str, Any],
+    classes: int,
+    label_field: str = "label",
+    class_names: Sequence[str] = (),
+) -> torch.Tensor:
+    """A class id in [0, classes) of one shard sample (int64 scalar), read as `read_label`
+    reads a classifying head's target; MediaError when it is missing or out of range."""
+    value = _label_value(sample, label_field)
+    return torch.tensor(_class_index(value, classes, class_names), dtype=torch.long)
+
+
+def _label_value(sample: Mapping[str, Any], label_field: str) -> Any:
+    """The sample's `.cls` member (a number, a list or a class name) or `label_field` of its
+    `.json` member."""
     if "cls" in sample:
         text = decode_text(sample["cls"], what="label").strip()
         try:
-            value: Any = json.loads(text)  # "3", "0.5" or "[0.1, 2]"
+            return json.loads(text)  # "3", "0.5" or "[0.1, 2]"
         except ValueError:
-            value = text  # a class name
-    elif "json" in sample:
+            return text  # a class name
+    if "json" in sample:
         try:
             meta = json.loads(sample["json"])
         except ValueError as err:
             raise MediaError(f"json member is not valid JSON: {err}") from None
         if not isinstance(meta, dict) or label_field not in meta:
             raise MediaError(f"no .cls member and the json member has no field {label_field!r}")
-        value = meta[label_field]
-    else:
-        raise MediaError(f"no label: neither a .cls member nor a .json with {label_field!r}")
-    if fusion.task == "classify":
-        return torch.tensor(_class_index(value, fusion.num_outputs, class_names), dtype=torch.long)
-    return _regression_target(value, fusion.num_outputs)
+        return meta[label_field]
+    raise MediaError(f"no label: neither a .cls member nor a .json with {label_field!r}")
 
 
 def _class_index(value: Any, classes: int, class_names: Sequence[str]) -> int:
@@ -140,6 +158,50 @@ class TrainDecoder:
         return out
 
 
+class DenoiserDecoder:
+    """A shard sample -> a denoiser's clean input and condition: "image" (the centred square at
+    `sample_size`, flipped at random, in [-1, 1]) or "latent" (a `.npy` member of the
+    denoiser's [C, H, W]), and "class" when the denoiser is class-conditional."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        label_field: str = "label",
+        class_names: Sequence[str] = (),
+        uint8_pixels: bool = False,
+    ):
+        assert spec.denoiser is not None
+        self.denoiser = spec.denoiser
+        self.label_field, self.class_names = label_field, list(class_names)
+        self.transform = None
+        if self.denoiser.input == "image":
+            half = (0.5,) * self.denoiser.channels  # (x / 255 - 0.5) / 0.5: [-1, 1]
+            augment = AugmentConfig(
+                scale=(1.0, 1.0), ratio=(1.0, 1.0), flip=True, mean=half, std=half
+            )
+            self.transform = ImageTransform(
+                self.denoiser.sample_size, True, self.denoiser.channels, augment, uint8_pixels
+            )
+
+    def __call__(self, sample: dict[str, Any], rng: np.random.Generator) -> dict[str, torch.Tensor]:
+        d = self.denoiser
+        if self.transform is not None:
+            ext = next((e for e in MODALITY_EXTENSIONS["image"] if e in sample), None)
+            if ext is None:
+                raise MediaError(
+                    f"no image member (expected one of {', '.join(MODALITY_EXTENSIONS['image'])})"
+                )
+            out = {"image": self.transform.decode(sample[ext], rng)}
+        else:
+            if "npy" not in sample:
+                raise MediaError("no .npy latent member (the denoiser's input is `latent`)")
+            shape = (d.channels, d.sample_size, d.sample_size)
+            out = {"latent": torch.from_numpy(decode_latent(sample["npy"], shape))}
+        if d.num_classes:
+            out["class"] = read_class(sample, d.num_classes, self.label_field, self.class_names)
+        return out
+
+
 class TrainData:
     """Micro-batches of `micro_batch` samples for one rank, endlessly (epoch after epoch)."""
 
@@ -187,7 +249,8 @@ class TrainData:
             pin_memory=pin_memory,
         )
         self.towers: list[tuple[str, ...] | None] = [None]  # None: every tower
-        towers = [] if self.conversations else [source_towers(s, spec) for s in sources]
+        by_source = self.conversations is None and spec.denoiser is None
+        towers = [source_towers(s, spec) for s in sources] if by_source else []
         if self.conversations is not None:
             collate = self.conversations.collate(spec)
             self.loaders = [
@@ -232,21 +295,28 @@ class TrainData:
 
     @staticmethod
     def _check_labels(config: RunConfig, spec: ModelSpec) -> None:
-        fusion = spec.fusion
         names = config.data.class_names
-        if names and (fusion is None or fusion.task != "classify"):
-            raise FieldError("data.class_names", "only a classifying fusion head uses class names")
-        if names and fusion is not None and len(names) != fusion.num_outputs:
+        if not names:
+            return
+        if spec.fusion is not None and spec.fusion.task == "classify":
+            classes, what = spec.fusion.num_outputs, "the fusion head's"
+        elif spec.denoiser is not None and spec.denoiser.num_classes:
+            classes, what = spec.denoiser.num_classes, "the denoiser's"
+        else:
             raise FieldError(
                 "data.class_names",
-                f"{len(names)} names for the fusion head's {fusion.num_outputs} classes",
+                "only a classifying fusion head or a class-conditional denoiser uses class names",
             )
+        if len(names) != classes:
+            raise FieldError("data.class_names", f"{len(names)} names for {what} {classes} classes")
 
     def _decoder(
         self, spec: ModelSpec, towers: Sequence[str] | None = None
-    ) -> TrainDecoder | ConversationDecoder:
+    ) -> TrainDecoder | ConversationDecoder | DenoiserDecoder:
         if self.conversations is not None:
             return self.conversations.decoder(spec, uint8=self.uint8_pixels)
+        if spec.denoiser is not None:
+            return DenoiserDecoder(spec, self.label_field, self.class_names, self.uint8_pixels)
         return TrainDecoder(
             spec, self.tokenizer, self.label_field, self.class_names, towers, self.uint8_pixels
         )
@@ -259,6 +329,9 @@ class TrainData:
         decoder = self.loaders[0].decode
         if isinstance(decoder, ConversationDecoder):
             t = decoder.image_transform
+            return {} if t is None else {"image": t.scale_and_shift()}
+        if isinstance(decoder, DenoiserDecoder):
+            t = decoder.transform
             return {} if t is None else {"image": t.scale_and_shift()}
         found = {}
         for loader in self.loaders:

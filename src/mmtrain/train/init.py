@@ -11,7 +11,7 @@ A source is recognised by what it holds, not by its name:
   or .safetensors): a bare state dict or a training checkpoint `{"epoch", "state_dict"}` with
   `module.` prefixes;
 - a Hugging Face folder (`config.json` + safetensors) of CLIP, SigLIP, Llama, Qwen2 or LLaVA,
-  read by `mmtrain.models.hf`.
+  read by `mmtrain.models.formats.hf`.
 
 A language model (a spec with a decoder: LM or LLaVA-style VLM) is filled by
 `mmtrain.train.init_lm`, where the decoder is the tower `text` and a VLM's projector comes
@@ -50,9 +50,9 @@ from torch import Tensor, nn
 
 from mmtrain.atomic import sha256_file
 from mmtrain.folders import SPEC_FILE, WEIGHTS_FILE
-from mmtrain.models.convert import (
+from mmtrain.models.formats.keys import CheckpointMismatch
+from mmtrain.models.formats.openclip import (
     OPENCLIP_SUFFIXES,
-    CheckpointMismatch,
     openclip_to_mmtrain,
     read_openclip_checkpoint,
 )
@@ -173,9 +173,9 @@ def _read_hf(hf: Any, path: Path, field: str) -> Source:
 
 
 def _hf_module() -> Any:
-    """`mmtrain.models.hf`, imported when first needed (it is optional to this module)."""
+    """`mmtrain.models.formats.hf`, imported when first needed (it is optional to this module)."""
     try:
-        from mmtrain.models import hf
+        from mmtrain.models.formats import hf
     except ImportError:
         return None
     return hf

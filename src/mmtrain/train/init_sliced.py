@@ -7,7 +7,7 @@ Sources read this way:
 - an mmtrain model or run folder (`model.safetensors` + `spec.yaml`, or its shards and index):
   our own names, `init: PATH` for the whole model;
 - a Hugging Face Llama / Qwen2 folder (one file or shards with an index) as the decoder of an
-  LM (`init: PATH`) or of a VLM (`init: {text: PATH}`); its key map (models/hf_llama.py)
+  LM (`init: PATH`) or of a VLM (`init: {text: PATH}`); its key map (models/formats/hf_llama.py)
   concatenates q, k, v and gate, up along dim 0, so a row range of ours is row ranges of
   theirs.
 
@@ -127,7 +127,7 @@ def _hf_decoder_parts(path, spec, prefix, headers, files):
         return None
     if prefix == "" and spec.projector is not None:
         return None  # a whole VLM from an LM folder: the whole-model path says what is missing
-    from mmtrain.models.hf_llama import key_map, spec_from_config
+    from mmtrain.models.formats.hf_llama import key_map, spec_from_config
 
     source_spec = spec_from_config(config, config_file)
     if source_spec.tie_embeddings and "lm_head.weight" in headers:

@@ -172,8 +172,9 @@ class Trainer:
         self.optimizer = make_optimizer(model, t, env.device)
         self.scheduler = make_scheduler(self.optimizer, t)
         self.objectives = objectives_for(
-            model, spec, fusion_weight=t.fusion_weight, world_size=self.world
-        )
+            model, spec, fusion_weight=t.fusion_weight, world_size=self.world,
+            diffusion=t.diffusion, seed=config.seed, rank=self.rank,
+        )  # fmt: skip
         self.ema = Ema(model, t.ema) if t.ema else None
         self.validator = (
             Validator(config, spec, self.out, self.rank, self.world) if config.data.val else None
@@ -249,7 +250,9 @@ class Trainer:
         t1 = time.perf_counter()
         self.comm.start_step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss, parts = forward_backward(self.trained, self.objectives, micro_batches, precision)
+        loss, parts = forward_backward(
+            self.trained, self.objectives, micro_batches, precision, self.state.step + 1
+        )
         t2 = time.perf_counter()
         norm, stepped, loss_finite = optimizer_step(
             self.model, self.optimizer, precision, self.t.grad_clip, loss=loss

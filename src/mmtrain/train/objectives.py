@@ -13,6 +13,8 @@ business, because it differs:
   j, no division by K.
 - `FusionObjective` (the fusion head's classification / regression) is a per-sample mean:
   each micro-batch adds its mean / K.
+- `DiffusionObjective` (a denoiser, train/diffusion.py) is a per-sample mean too; it also
+  makes the model's input (`inputs`: the noisy sample) from the clean batch.
 - `NextTokenObjective` (a decoder LM) is a sum over target tokens divided by the number of
   target tokens in the whole step, over every micro-batch and every rank (counted in
   `prepare`, one all-reduce). Micro-batches and ranks hold different numbers of targets, so
@@ -36,11 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmtrain.config import DiffusionConfig
 from mmtrain.data.stream.chat_templates import IGNORE_INDEX
 from mmtrain.distributed import sum_tensor_over_ranks
 from mmtrain.losses import ContrastiveLoss, at_least_fp32
 from mmtrain.spec import ModelSpec
 from mmtrain.train.data import LABEL_KEY  # the fusion head's targets
+from mmtrain.train.diffusion import DiffusionObjective
 
 LABELS_KEY = "labels"  # batch key of a decoder's next-token targets (aligned with "text")
 
@@ -50,8 +54,14 @@ Batch = Mapping[str, torch.Tensor]
 class Objective(Protocol):
     """One term of the training loss."""
 
-    def prepare(self, trained: nn.Module, micro_batches: Sequence[Batch], precision: Any) -> None:
-        """Look at the whole step before its first backward (caches, global counts)."""
+    def prepare(
+        self, trained: nn.Module, micro_batches: Sequence[Batch], precision: Any, step: int = 0
+    ) -> None:
+        """Look at the whole step before its first backward (caches, global counts); `step`
+        numbers the step (what per-step random draws are seeded by)."""
+
+    def inputs(self, batch: Batch, j: int) -> Batch:
+        """Micro-batch j as the model takes it (a denoiser's noisy sample; others: as it is)."""
 
     def reads(self, batch: Batch) -> set[str]:
         """The model outputs this objective reads for `batch`."""
@@ -74,7 +84,9 @@ class ContrastiveObjective:
         self.scale = getattr(model, "logit_scale", None)
         self.bias = getattr(model, "logit_bias", None)
 
-    def prepare(self, trained: nn.Module, micro_batches: Sequence[Batch], precision: Any) -> None:
+    def prepare(
+        self, trained: nn.Module, micro_batches: Sequence[Batch], precision: Any, step: int = 0
+    ) -> None:
         # Sources of different modalities are mixed by step (train/data.py): every micro-batch
         # of a step holds the same towers, and the step aligns the pairs it holds both of.
         present = micro_batches[0].keys()
@@ -89,6 +101,9 @@ class ContrastiveObjective:
                     _features(trained({n: b[n] for n in self.names}), self.names)
                     for b in micro_batches
                 ]
+
+    def inputs(self, batch: Batch, j: int) -> Batch:
+        return batch
 
     def reads(self, batch: Batch) -> set[str]:
         return set(self.names)
@@ -130,9 +145,14 @@ class FusionObjective:
     def __init__(self, task: str, weight: float = 1.0):
         self.task, self.weight = task, weight
 
-    def prepare(self, trained: nn.Module, micro_batches: Sequence[Batch], precision: Any) -> None:
+    def prepare(
+        self, trained: nn.Module, micro_batches: Sequence[Batch], precision: Any, step: int = 0
+    ) -> None:
         self.k = len(micro_batches)
         self.total: torch.Tensor | None = None  # on the device: read by the metrics recorder
+
+    def inputs(self, batch: Batch, j: int) -> Batch:
+        return batch
 
     def reads(self, batch: Batch) -> set[str]:
         return {"fusion"}
@@ -164,12 +184,17 @@ class NextTokenObjective:
     def __init__(self, world_size: int = 1):
         self.world = world_size
 
-    def prepare(self, trained: nn.Module, micro_batches: Sequence[Batch], precision: Any) -> None:
+    def prepare(
+        self, trained: nn.Module, micro_batches: Sequence[Batch], precision: Any, step: int = 0
+    ) -> None:
         # Counted and summed over ranks on the device (one all-reduce, no host read): the
         # step's target tokens, int64 [].
         local = sum(count_targets(b[LABELS_KEY]) for b in micro_batches)
         self.targets = sum_tensor_over_ranks(local)
         self.total: torch.Tensor | None = None
+
+    def inputs(self, batch: Batch, j: int) -> Batch:
+        return batch
 
     def reads(self, batch: Batch) -> set[str]:
         return {"nll_sum", "logits"}  # a LanguageModel given labels returns the sum alone
@@ -211,12 +236,22 @@ def _zero(out: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- per model
 def objectives_for(
-    model: nn.Module, spec: ModelSpec, *, fusion_weight: float = 1.0, world_size: int = 1
+    model: nn.Module,
+    spec: ModelSpec,
+    *,
+    fusion_weight: float = 1.0,
+    world_size: int = 1,
+    diffusion: DiffusionConfig | None = None,
+    seed: int = 0,
+    rank: int = 0,
 ) -> list[Objective]:
-    """The objectives a spec trains with: next-token for a decoder; otherwise contrastive
-    over its pairs and/or the fusion head's loss."""
+    """The objectives a spec trains with: next-token for a decoder; flow matching or DDPM for
+    a denoiser (`diffusion`: its settings; `seed`, `rank`: what its draws are seeded by);
+    otherwise contrastive over its pairs and/or the fusion head's loss."""
     if spec.decoder is not None:
         return [NextTokenObjective(world_size)]
+    if spec.denoiser is not None:
+        return [DiffusionObjective(spec, diffusion or DiffusionConfig(), seed=seed, rank=rank)]
     found: list[Objective] = []
     if spec.pairs:
         found.append(ContrastiveObjective(model, ContrastiveLoss.from_spec(spec)))

@@ -34,6 +34,7 @@ def forward_backward(
     objectives: Sequence[Objective],
     micro_batches: Sequence[dict[str, torch.Tensor]],
     precision: Precision,
+    step: int = 0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Forward and backward over K micro-batches, with the gradient of ONE batch of all of them
     (each objective normalises its share so; train/objectives.py says how).
@@ -44,14 +45,17 @@ def forward_backward(
     detached, on the device: reading them is the caller's choice.
     """
     for objective in objectives:
-        objective.prepare(trained, micro_batches, precision)
+        objective.prepare(trained, micro_batches, precision, step)
     k = len(micro_batches)
     plain = unwrap_model(trained)
     for j, batch in enumerate(micro_batches):
         sync = contextlib.nullcontext() if j == k - 1 else parallel.no_sync(trained)
         with sync:
+            inputs = model_inputs(batch)
+            for objective in objectives:
+                inputs = objective.inputs(inputs, j)
             with precision.autocast():
-                out = trained(model_inputs(batch))
+                out = trained(inputs)
             loss = torch.zeros((), device=next(iter(out.values())).device)
             read: set[str] = set()
             for objective in objectives:

@@ -587,6 +587,27 @@ def decode_timeseries(data: bytes, ext: str | None = None) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.float32)
 
 
+def decode_latent(data: bytes, shape: tuple[int, ...]) -> np.ndarray:
+    """A .npy latent (a VAE's encoding of one image) -> float32 of exactly `shape` [C, H, W].
+    Loaded with `allow_pickle=False`; a wrong shape or a non-finite value is an error."""
+    _require_bytes(data, "latent")
+    try:
+        array = np.load(io.BytesIO(data), allow_pickle=False)
+    except MemoryError:
+        raise
+    except Exception as err:  # ValueError (pickled objects, bad header), EOFError (truncated)
+        raise _library_error("npy", err) from None
+    if not isinstance(array, np.ndarray) or array.dtype.kind not in "f":
+        raise MediaError(
+            f"a latent must be a float .npy array, got {getattr(array, 'dtype', array)}"
+        )
+    if tuple(array.shape) != tuple(shape):
+        raise MediaError(f"latent of shape {list(array.shape)}, the denoiser takes {list(shape)}")
+    if not np.isfinite(array).all():
+        raise MediaError("latent holds non-finite values")
+    return array.astype(np.float32)
+
+
 def _load_npy(data: bytes) -> np.ndarray:
     try:
         array = np.load(io.BytesIO(data), allow_pickle=False)

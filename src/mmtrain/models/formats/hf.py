@@ -18,8 +18,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from mmtrain.decoder_spec import DecoderSpec
-from mmtrain.models import hf_clip, hf_llama, hf_llava
-from mmtrain.models.hf_clip import (
+from mmtrain.models.formats import hf_clip, hf_llama, hf_llava
+from mmtrain.models.formats.hf_common import (
     CONFIG_FILE,
     HFFolderError,
     NoHFCounterpart,

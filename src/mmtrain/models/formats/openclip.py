@@ -8,8 +8,8 @@ Everything else is a rename: `nn.MultiheadAttention`'s packed `in_proj_weight` s
 v order, exactly as our `attn.qkv`.
 
 Every key is mapped explicitly from the spec (`key_map`). A state dict with an unknown, a missing or
-a mis-shaped key is rejected with one `CheckpointMismatch` listing all of them, so a user who picked
-the wrong `--model` sees the whole picture at once instead of fixing keys one run at a time.
+a mis-shaped key is rejected with one `CheckpointMismatch` (`formats.keys`) listing all of them, so
+a user who picked the wrong `--model` sees the whole picture at once.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from mmtrain.atomic import atomic_open
+from mmtrain.models.formats.keys import CheckpointMismatch, check_keys
 from mmtrain.spec import ModelSpec, TowerSpec, load_spec
 
 log = logging.getLogger(__name__)
@@ -39,28 +40,6 @@ OPENCLIP_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
 
 # OpenCLIP's LayerNorm uses torch's default epsilon.
 OPENCLIP_NORM_EPS = 1e-5
-
-
-class CheckpointMismatch(ValueError):
-    """A state dict does not fit the model spec: lists every missing, unknown and mis-shaped key."""
-
-    def __init__(
-        self,
-        what: str,
-        missing: list[str],
-        unexpected: list[str],
-        mismatched: list[str],
-        hint: str,
-    ):
-        self.missing = missing
-        self.unexpected = unexpected
-        self.mismatched = mismatched
-        lines = [f"{what} ({len(missing) + len(unexpected) + len(mismatched)} problems):"]
-        lines += [f"  missing key: {k}" for k in missing]
-        lines += [f"  unexpected key: {k}" for k in unexpected]
-        lines += [f"  wrong shape: {k}" for k in mismatched]
-        lines.append(hint)
-        super().__init__("\n".join(lines))
 
 
 class IncompatibleSpec(ValueError):
@@ -227,7 +206,7 @@ def openclip_to_mmtrain(
         for k, v in strip_wrapper_prefixes(state_dict).items()
         if k not in IGNORED_OPENCLIP_KEYS
     }
-    _check(
+    check_keys(
         state_dict,
         {p.theirs: p.their_shape for p in pairs},
         what=f"the OpenCLIP state dict does not match model {spec.name!r}",
@@ -245,7 +224,7 @@ def mmtrain_to_openclip(
     `strict=True` (no `attn_mask`: OpenCLIP registers it as a non-persistent buffer)."""
     spec = load_spec(spec)
     pairs = key_map(spec)
-    _check(
+    check_keys(
         state_dict,
         {p.ours: p.shape for p in pairs},
         what=f"the mmtrain state dict does not match model {spec.name!r}",
@@ -257,29 +236,6 @@ def mmtrain_to_openclip(
 def _flip(tensor: Tensor, transpose: bool) -> Tensor:
     # contiguous: safetensors refuses strided views; other tensors are passed through, not copied
     return tensor.t().contiguous() if transpose else tensor
-
-
-def _check(
-    state_dict: Mapping[str, Tensor], expected: dict[str, tuple[int, ...]], what: str, hint: str
-) -> None:
-    missing = [f"{k} {list(s)}" for k, s in expected.items() if k not in state_dict]
-    unexpected = [f"{k} {_describe(v)}" for k, v in state_dict.items() if k not in expected]
-    mismatched = [
-        f"{k} is {_describe(state_dict[k])}, expected {list(s)}"
-        for k, s in expected.items()
-        if k in state_dict
-        and (not isinstance(state_dict[k], Tensor) or tuple(state_dict[k].shape) != s)
-    ]
-    if missing or unexpected or mismatched:
-        raise CheckpointMismatch(what, missing, unexpected, mismatched, hint)
-
-
-def _describe(value: object) -> str:
-    return (
-        str(list(value.shape))
-        if isinstance(value, Tensor)
-        else f"({type(value).__name__}, not a tensor)"
-    )
 
 
 def strip_wrapper_prefixes(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:

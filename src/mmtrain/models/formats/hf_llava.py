@@ -32,14 +32,19 @@ import torch
 from torch import Tensor
 
 from mmtrain.decoder_spec import DecoderSpec
-from mmtrain.models import hf_clip, hf_llama
-from mmtrain.models.convert import CheckpointMismatch
-from mmtrain.models.hf_clip import (
+from mmtrain.models.formats import hf_clip, hf_llama
+from mmtrain.models.formats.hf_common import (
     HFFolderError,
+    KeyGroup,
     NoHFCounterpart,
+    Section,
     open_hf_folder,
     read_hf_weights,
+    stream_groups,
+    sub_config,
+    write_hf_groups,
 )
+from mmtrain.models.formats.keys import CheckpointMismatch, check_keys
 from mmtrain.models.safetensors_files import MAX_SHARD_BYTES, meta_state
 from mmtrain.spec import ModelSpec, ProjectorSpec, TowerSpec
 from mmtrain.structured import FieldError
@@ -100,8 +105,8 @@ PROJECTOR_LAYERS = {"fc1": "linear_1", "fc2": "linear_2"}
 
 
 # ----------------------------------------------------------------------------- config.json -> spec
-def _section(config: dict[str, Any], file: Path) -> hf_clip.Section:
-    return hf_clip.Section(file, "", {**DEFAULTS, **config})
+def _section(config: dict[str, Any], file: Path) -> Section:
+    return Section(file, "", {**DEFAULTS, **config})
 
 
 def _check_architecture(config: dict[str, Any], file: Path) -> None:
@@ -134,7 +139,7 @@ def _vision_tower(config: dict[str, Any], file: Path) -> TowerSpec:
         )
     arch = hf_clip.ARCHITECTURES[VISION_ARCHITECTURES[model_type]]
     defaults = hf_clip.VISION_DEFAULTS[arch.family]
-    section = hf_clip.sub_config({"vision_config": vision}, "vision_config", defaults, file)
+    section = sub_config({"vision_config": vision}, "vision_config", defaults, file)
     return hf_clip.image_tower(section, arch)
 
 
@@ -156,7 +161,7 @@ def _decoder(config: dict[str, Any], file: Path) -> DecoderSpec:
     return spec
 
 
-def _image_token_id(config: dict[str, Any], top: hf_clip.Section) -> int:
+def _image_token_id(config: dict[str, Any], top: Section) -> int:
     # transformers 5 reads `image_token_id` as another name of `image_token_index`.
     given = [key for key in ("image_token_index", "image_token_id") if config.get(key) is not None]
     if len(given) == 2 and config["image_token_index"] != config["image_token_id"]:
@@ -168,7 +173,7 @@ def _image_token_id(config: dict[str, Any], top: hf_clip.Section) -> int:
     return top.get(given[0] if given else "image_token_index", int)
 
 
-def _projector(config: dict[str, Any], top: hf_clip.Section, tower: TowerSpec) -> ProjectorSpec:
+def _projector(config: dict[str, Any], top: Section, tower: TowerSpec) -> ProjectorSpec:
     act = top.get("projector_hidden_act", str)
     if act != "gelu":
         raise top.error(
@@ -305,7 +310,7 @@ def hf_to_mmtrain(state: dict[str, Tensor], spec: ModelSpec, where: Path) -> dic
     decoder = hf_llama.hf_to_mmtrain(lm, spec.decoder)
     out.update({f"towers.{TEXT_TOWER}.{k}": t for k, t in decoder.items()})
     pairs = _projector_pairs(spec)
-    hf_clip.check_keys(
+    check_keys(
         projector,
         {theirs: shape for _, theirs, shape in pairs},
         what="the multi_modal_projector weights do not match config.json",
@@ -315,20 +320,20 @@ def hf_to_mmtrain(state: dict[str, Tensor], spec: ModelSpec, where: Path) -> dic
     return out
 
 
-def export_groups(spec: ModelSpec) -> list[hf_clip.KeyGroup]:
+def export_groups(spec: ModelSpec) -> list[KeyGroup]:
     """Every tensor of the LanguageModel with its LLaVA tensors in the published layout: the
     vision tower's groups (hf_clip), the decoder's (hf_llama), the projector's renames."""
     groups = hf_clip.key_map(spec, _vision_layout(spec, OUT_VISION))
     for group in hf_llama.export_groups(spec.decoder, f"towers.{TEXT_TOWER}."):
         theirs = tuple((_strip(name, OUT_LM), shape) for name, shape in group.theirs)
-        groups.append(hf_clip.KeyGroup(group.ours, theirs))
+        groups.append(KeyGroup(group.ours, theirs))
     for ours, theirs, shape in _projector_pairs(spec):
-        groups.append(hf_clip.KeyGroup(((ours, shape),), ((OUT_PROJECTOR + theirs, shape),)))
+        groups.append(KeyGroup(((ours, shape),), ((OUT_PROJECTOR + theirs, shape),)))
     return groups
 
 
-def _check_export(meta: dict[str, Tensor], groups: list[hf_clip.KeyGroup]) -> None:
-    hf_clip.check_keys(
+def _check_export(meta: dict[str, Tensor], groups: list[KeyGroup]) -> None:
+    check_keys(
         meta,
         {name: shape for g in groups for name, shape in g.ours},
         what="the state dict does not match the spec",
@@ -340,7 +345,7 @@ def mmtrain_to_hf(state: Mapping[str, Tensor], spec: ModelSpec) -> dict[str, Ten
     """The LanguageModel's state dict -> LLaVA's, in the published layout (in memory)."""
     groups = export_groups(spec)
     _check_export(meta_state(state), groups)
-    return {k: t.clone() for k, t in hf_clip.stream_groups(state, groups)}
+    return {k: t.clone() for k, t in stream_groups(state, groups)}
 
 
 # ----------------------------------------------------------------------------- reading
@@ -459,6 +464,6 @@ def write_hf_llava(
     meta = meta_state(state)
     _check_export(meta, groups)
     config = hf_config(spec, meta[f"towers.{TEXT_TOWER}.embed.weight"].dtype)
-    return hf_clip.write_hf_groups(
+    return write_hf_groups(
         out_dir, state, groups, config, ARCHITECTURE, max_shard_bytes=max_shard_bytes
     )

@@ -30,17 +30,16 @@ import torch
 from torch import Tensor
 
 from mmtrain.decoder_spec import ROPE_TYPES, DecoderSpec, RopeScaling
-from mmtrain.models.convert import CheckpointMismatch
 from mmtrain.models.decoder import Decoder
-from mmtrain.models.hf_clip import (
+from mmtrain.models.formats.hf_common import (
     CONFIG_FILE,
     HFFolderError,
     KeyGroup,
-    check_keys,
     open_hf_folder,
     read_hf_weights,
     write_hf_groups,
 )
+from mmtrain.models.formats.keys import CheckpointMismatch, Shape, check_keys
 from mmtrain.models.safetensors_files import MAX_SHARD_BYTES, meta_state
 from mmtrain.structured import FieldError
 
@@ -106,9 +105,6 @@ SPEC_TO_HF = {
 
 
 # ----------------------------------------------------------------------------- the key map
-Shape = tuple[int, ...]
-
-
 @dataclass(frozen=True)
 class KeyPair:
     """One tensor of ours and the HF tensors it holds, concatenated along dim 0 in order
@@ -476,8 +472,8 @@ def hf_config(spec: DecoderSpec, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def export_groups(spec: DecoderSpec, prefix: str = "") -> list[KeyGroup]:
-    """The key map as hf_clip's groups (ours `prefix + name`): a row split along dim 0 is a
-    split of the row-major flat tensor, which is what `hf_clip.stream_groups` does."""
+    """The key map as `KeyGroup`s (ours `prefix + name`): a row split along dim 0 is a split
+    of the row-major flat tensor, which is what `hf_common.stream_groups` does."""
     return [KeyGroup(((prefix + p.ours, p.shape()),), p.theirs) for p in key_map(spec)]
 
 

@@ -1,16 +1,16 @@
 """Hugging Face CLIP and SigLIP interop: a transformers model folder <-> an mmtrain spec and weights.
 
-A HF folder holds `config.json` and `model.safetensors` (or shards listed in
-`model.safetensors.index.json`). `read_hf_folder` infers the `ModelSpec` from config.json and maps
-every tensor by name onto `MultimodalModel(spec)` (towers `image` and `text`); `write_hf_folder`
-does the reverse, so transformers' `from_pretrained` loads the result with no missing or unexpected
-key. transformers is never imported here: config.json and the safetensors files are read directly.
+`read_hf_folder` reads a HF folder (`hf_common`: config.json, model.safetensors or shards): it
+infers the `ModelSpec` from config.json and maps every tensor by name onto `MultimodalModel(spec)`
+(towers `image` and `text`); `write_hf_folder` does the reverse, so transformers' `from_pretrained`
+loads the result with no missing or unexpected key. transformers is never imported here:
+config.json and the safetensors files are read directly.
 
 Architectures: CLIPModel and SiglipModel (both towers); CLIPVisionModel,
 CLIPVisionModelWithProjection and SiglipVisionModel (an image tower alone, a spec without pairs).
 
-Where the layouts differ (everything else is a rename), a `KeyGroup` holds the same numbers under
-both names, each side concatenated flat in order:
+Where the layouts differ (everything else is a rename), a `KeyGroup` (`hf_common`) holds the same
+numbers under both names, each side concatenated flat in order:
 - HF keeps the q, k and v projections apart; our `attn.qkv` stacks them (rows q, k, v).
 - SigLIP's MAP head is an `nn.MultiheadAttention` whose `in_proj` stacks q, k, v where our
   `CrossAttention` has `q` and `kv`; its probe is [1, 1, width] where ours is [width].
@@ -19,11 +19,10 @@ both names, each side concatenated flat in order:
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import operator
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,25 +30,22 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mmtrain.atomic import atomic_write_text
-from mmtrain.models.convert import CheckpointMismatch
-from mmtrain.models.safetensors_files import (
-    INDEX_FILE,
-    MAX_SHARD_BYTES,
-    WEIGHTS_FILE,
-    SafetensorsReader,
-    TensorEntry,
-    WeightsFileError,
-    meta_state,
-    open_weights,
-    write_tensors,
+from mmtrain.models.formats.hf_common import (
+    HFFolderError,
+    KeyGroup,
+    NoHFCounterpart,
+    Section,
+    open_hf_folder,
+    read_hf_weights,
+    sub_config,
+    write_hf_groups,
 )
+from mmtrain.models.formats.keys import CheckpointMismatch, Shape, check_keys
+from mmtrain.models.safetensors_files import MAX_SHARD_BYTES, meta_state
 from mmtrain.spec import ImageStem, ModelSpec, TextStem, TowerSpec
 from mmtrain.structured import FieldError
 
 log = logging.getLogger(__name__)
-
-CONFIG_FILE = "config.json"
 
 # Older transformers versions saved the `position_ids` buffers (an arange, no learned values).
 IGNORED_SUFFIXES = ("embeddings.position_ids",)
@@ -125,18 +121,6 @@ TEXT_DEFAULTS = {"clip": CLIP_TEXT_DEFAULTS, "siglip": SIGLIP_TEXT_DEFAULTS}
 VISION_DEFAULTS = {"clip": CLIP_VISION_DEFAULTS, "siglip": SIGLIP_VISION_DEFAULTS}
 
 
-class HFFolderError(FieldError):
-    """A HF folder that cannot be read: the message names the file and, where one is to blame,
-    the config field (e.g. `.../config.json: text_config.hidden_act: ...`)."""
-
-    def __init__(self, file: str | Path, message: str, field: str = ""):
-        super().__init__(f"{file}: {field}" if field else str(file), message)
-
-
-class NoHFCounterpart(ValueError):
-    """The model spec has no HF CLIP/SigLIP counterpart; the message lists every reason."""
-
-
 # ----------------------------------------------------------------------------- architectures
 @dataclass(frozen=True)
 class Architecture:
@@ -194,18 +178,6 @@ class HFLayout:
 
 
 # ----------------------------------------------------------------------------- the key map
-Shape = tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class KeyGroup:
-    """Tensors holding the same numbers under our names and HF's: each side's tensors,
-    flattened and concatenated in order, are equal. Usually one tensor a side (a rename)."""
-
-    ours: tuple[tuple[str, Shape], ...]
-    theirs: tuple[tuple[str, Shape], ...]
-
-
 def _same(ours: str, theirs: str, shape: Shape) -> KeyGroup:
     return KeyGroup(((ours, shape),), ((theirs, shape),))
 
@@ -348,20 +320,6 @@ def _regroup(state: Mapping[str, Tensor], groups: list[KeyGroup], src: str, dst:
     return out
 
 
-def check_keys(
-    state: Mapping[str, Tensor], expected: dict[str, Shape], what: str, hint: str
-) -> None:
-    missing = [f"{k} {list(s)}" for k, s in expected.items() if k not in state]
-    unexpected = [f"{k} {list(v.shape)}" for k, v in state.items() if k not in expected]
-    mismatched = [
-        f"{k} is {list(state[k].shape)}, expected {list(s)}"
-        for k, s in expected.items()
-        if k in state and tuple(state[k].shape) != s
-    ]
-    if missing or unexpected or mismatched:
-        raise CheckpointMismatch(what, missing, unexpected, mismatched, hint)
-
-
 def hf_to_mmtrain(
     state: Mapping[str, Tensor], spec: ModelSpec, layout: HFLayout
 ) -> dict[str, Tensor]:
@@ -393,47 +351,6 @@ def mmtrain_to_hf(
 
 
 # ----------------------------------------------------------------------------- config.json -> spec
-@dataclass(frozen=True)
-class Section:
-    """One (sub-)config of config.json, defaults filled in, read with errors naming the field."""
-
-    file: Path
-    prefix: str  # "text_config." / "vision_config." / "" (top level or a bare vision model)
-    values: dict[str, Any]
-
-    def get(self, key: str, kind: type) -> Any:
-        value = self.values.get(key)
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise self.error(key, f"expected {kind.__name__}, got {value!r}")
-        return value
-
-    def square(self, key: str) -> int:
-        """An image or patch size: an int, or [h, w] with h == w (the only shape we build)."""
-        value = self.values.get(key)
-        if isinstance(value, list | tuple) and len(value) == 2 and value[0] == value[1]:
-            value = value[0]
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise self.error(key, f"expected one size (square images), got {value!r}")
-        return value
-
-    def error(self, key: str, message: str) -> HFFolderError:
-        return HFFolderError(self.file, message, field=f"{self.prefix}{key}")
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except OSError as err:
-        raise HFFolderError(path, f"cannot be read: {err.strerror}") from None
-    except json.JSONDecodeError as err:
-        raise HFFolderError(path, f"is not valid JSON: {err}") from None
-    if not isinstance(data, dict):
-        raise HFFolderError(path, f"expected a JSON object, got {type(data).__name__}")
-    return data
-
-
 def _architecture(config: dict[str, Any], file: Path) -> Architecture:
     model_type = config.get("model_type")
     names = config.get("architectures")
@@ -453,19 +370,6 @@ def _architecture(config: dict[str, Any], file: Path) -> Architecture:
             field="model_type",
         )
     return arch
-
-
-def sub_config(config: dict[str, Any], key: str, defaults: dict[str, Any], file: Path) -> Section:
-    """The nested config `key` (`vision_config`, `text_config`) over `defaults`, its errors
-    naming `key.<field>`. Used by hf_llava for the vision tower LLaVA nests."""
-    # Configs written before transformers 4.25 may also hold `<key>_dict`, which wins.
-    values = dict(defaults)
-    for name in (key, f"{key}_dict"):
-        part = config.get(name) or {}
-        if not isinstance(part, dict):
-            raise HFFolderError(file, f"expected a mapping, got {part!r}", field=name)
-        values.update(part)
-    return Section(file, f"{key}.", values)
 
 
 def _mlp_ratio(width: int, hidden: int) -> float:
@@ -602,118 +506,11 @@ def spec_from_config(
 
 
 # ----------------------------------------------------------------------------- files
-def is_hf_folder(path: str | Path) -> bool:
-    """True for a folder with a config.json (a Hugging Face model folder; mmtrain's own model
-    folders hold spec.yaml instead). Whether it is one we can read, `read_hf_folder` tells."""
-    path = Path(path)
-    return path.is_dir() and (path / CONFIG_FILE).is_file()
-
-
-def open_hf_weights(folder: Path) -> SafetensorsReader:
-    """A lazy reader of a HF folder's tensors: model.safetensors, or the shards its index
-    lists. Pickled weights (pytorch_model.bin) are never loaded."""
-    if not (folder / WEIGHTS_FILE).is_file() and not (folder / INDEX_FILE).is_file():
-        pickles = sorted(p.name for p in folder.glob("pytorch_model*.bin"))
-        hint = (
-            f"; {pickles[0]} is not read (pickles can run code): re-save it with "
-            "save_pretrained(..., safe_serialization=True)"
-            if pickles
-            else ""
-        )
-        raise HFFolderError(folder, f"has no {WEIGHTS_FILE} or {INDEX_FILE}{hint}")
-    try:
-        return open_weights(folder)
-    except WeightsFileError as err:
-        raise HFFolderError(err.path, err.message) from None
-
-
-def read_hf_weights(folder: Path) -> dict[str, Tensor]:
-    """All tensors of a HF folder (`open_hf_weights`), in memory."""
-    with open_hf_weights(folder) as reader:
-        try:
-            return {name: reader[name] for name in reader}
-        except WeightsFileError as err:
-            raise HFFolderError(err.path, err.message) from None
-
-
 def _vision_prefix(arch: Architecture, state: Mapping[str, Tensor]) -> str:
     # A full model nests the vision model; a bare one saved by transformers 5 does not.
     if arch.text or any(k.startswith("vision_model.") for k in state):
         return "vision_model."
     return ""
-
-
-def open_hf_folder(path: str | Path) -> tuple[Path, Path, dict[str, Any]]:
-    """(folder, its config.json path, the parsed config) of a HF model folder; HFFolderError
-    naming the folder when it has no config.json."""
-    folder = Path(path)
-    if not is_hf_folder(folder):
-        raise HFFolderError(folder, f"is not a Hugging Face model folder (no {CONFIG_FILE})")
-    config_path = folder / CONFIG_FILE
-    return folder, config_path, read_json(config_path)
-
-
-def hf_entries(meta: Mapping[str, Tensor], groups: Sequence[KeyGroup]) -> list[TensorEntry]:
-    """The (name, dtype, shape) of every HF tensor `groups` give, in order; each takes the
-    dtype of its group's first tensor of ours (`meta`: our tensors, meta ones will do)."""
-    return [
-        TensorEntry(name, meta[group.ours[0][0]].dtype, shape)
-        for group in groups
-        for name, shape in group.theirs
-    ]
-
-
-def stream_groups(
-    source: Mapping[str, Tensor], groups: Sequence[KeyGroup]
-) -> Iterator[tuple[str, Tensor]]:
-    """HF tensors from ours, group by group: only one group's tensors of `source` (a state
-    dict, or a lazy reader of a folder) are read at a time. The HF tensors are views where
-    they can be (the writer copies their bytes), so a group costs about its own size."""
-    for group in groups:
-        sources = [source[name] for name, _ in group.ours]
-        if len(sources) == 1:
-            flat = sources[0].reshape(-1)
-        else:
-            flat = torch.cat([t.reshape(-1) for t in sources])
-        del sources
-        parts = flat.split([math.prod(shape) for _, shape in group.theirs])
-        for (name, shape), part in zip(group.theirs, parts, strict=True):
-            yield name, part.reshape(shape)
-        del flat, parts, part  # before the next group is read: one group alive at a time
-
-
-def write_hf_groups(
-    out_dir: str | Path,
-    source: Mapping[str, Tensor],
-    groups: Sequence[KeyGroup],
-    config: dict[str, Any],
-    name: str,
-    *,
-    max_shard_bytes: int = MAX_SHARD_BYTES,
-) -> Path:
-    """The HF tensors of `groups`, streamed from `source` into model.safetensors (or shards of
-    at most `max_shard_bytes` and the index), then config.json, each atomically (config.json
-    last: a folder that has it has its weights); `name` (the architecture) is for the log.
-    The caller checks `source`'s keys first (`check_keys`). Returns the folder."""
-    out = Path(out_dir)
-    entries = hf_entries(meta_state(source), groups)
-    write_tensors(out, entries, stream_groups(source, groups), max_shard_bytes=max_shard_bytes)
-    atomic_write_text(out / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True) + "\n")
-    log.info("wrote %s (%s, %d tensors)", out, name, len(entries))
-    return out
-
-
-def write_hf_files(
-    out_dir: str | Path,
-    tensors: Mapping[str, Tensor],
-    config: dict[str, Any],
-    name: str,
-    *,
-    max_shard_bytes: int = MAX_SHARD_BYTES,
-) -> Path:
-    """`write_hf_groups` of tensors already in HF's names (each group a rename)."""
-    groups = [_same(k, k, tuple(t.shape)) for k, t in tensors.items()]
-    return write_hf_groups(out_dir, tensors, groups, config, name, max_shard_bytes=max_shard_bytes)
 
 
 def read_hf_folder(path: str | Path) -> tuple[ModelSpec, dict[str, Tensor]]:

@@ -1,0 +1,178 @@
+"""A diffusion transformer (DiT) built from a `DenoiserSpec` (denoiser_spec.py says what it is).
+
+    DiffusionModel(spec).predict({"image": x_t, "timestep": t, "class": y}) -> [B, C', H, W]
+
+`x_t` is the noisy sample under the spec's input key ("image" pixels or "latent"), `t` the
+timestep per sample as a float (in [0, 1000): a flow model's t in [0, 1] times 1000, a DDPM
+step index as is), `y` int64 class ids (`num_classes` means "no class", what guidance dropout
+feeds). The output is what `prediction` names, with DiT's learned-variance channels after it
+when `learn_sigma`. `forward(batch)` returns {"prediction": that}, as other models return dicts.
+
+The network is under `towers["denoiser"]` (its blocks at `.blocks`), so the trainer's
+per-tower freezing, LoRA (`attn.qkv`, `attn.out`, `mlp.fc1`, `mlp.fc2`), activation
+checkpointing, compile and FSDP apply to it as to any tower. Conventions that a checkpoint's
+numbers depend on follow diffusers' `DiTTransformer2DModel`, so its checkpoints convert by
+renaming: the timestep's sinusoid is [cos, sin] with frequencies exp(-ln(1e4) i / (half - 1)),
+norms have no weights (eps 1e-6), the MLP's GELU is the tanh approximation, and the 2-D
+positions are sine-cosine over (row, column), column features first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mmtrain.denoiser_spec import TIMESTEP_FREQUENCIES, DenoiserSpec
+from mmtrain.models.init_rules import apply_init_rules, init_rules
+from mmtrain.models.layers import Attention, Mlp
+from mmtrain.models.materialize import initialised_parameters
+from mmtrain.spec import DENOISER_PART, ModelSpec
+
+TIMESTEP = "timestep"
+CLASS = "class"
+PREDICTION = "prediction"
+MAX_PERIOD = 10_000
+
+
+def timestep_features(t: Tensor, dim: int = TIMESTEP_FREQUENCIES) -> Tensor:
+    """Sinusoidal features [B, dim] of float timesteps [B]: cosines, then sines."""
+    half = dim // 2
+    exponent = -math.log(MAX_PERIOD) * torch.arange(half, dtype=torch.float32, device=t.device)
+    frequencies = torch.exp(exponent / (half - 1))
+    angles = t.float()[:, None] * frequencies[None, :]
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
+
+
+def sincos_positions(width: int, grid: int) -> Tensor:
+    """Fixed 2-D positions [grid * grid, width]: half the features encode the column, half the
+    row, each as sines then cosines of the position at frequencies 1 / 10000^(2i / (width / 2))."""
+    quarter = width // 4
+    omega = 1.0 / MAX_PERIOD ** (torch.arange(quarter, dtype=torch.float64) / quarter)
+    coords = torch.arange(grid, dtype=torch.float64)
+    rows, cols = torch.meshgrid(coords, coords, indexing="ij")
+
+    def encode(pos: Tensor) -> Tensor:
+        angles = pos.reshape(-1, 1) * omega[None, :]
+        return torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+
+    return torch.cat([encode(cols), encode(rows)], dim=1).float()
+
+
+def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+    """adaLN: the normalised tokens [B, T, W] scaled and shifted per sample ([B, W] each)."""
+    return x * (1 + scale[:, None, :]) + shift[:, None, :]
+
+
+class DiTBlock(nn.Module):
+    """Attention and MLP, each under a LayerNorm modulated by the conditioning vector and
+    gated (adaLN-Zero: the modulation starts at zero, so the block starts as the identity)."""
+
+    def __init__(self, spec: DenoiserSpec):
+        super().__init__()
+        w = spec.width
+        self.norm1 = nn.LayerNorm(w, elementwise_affine=False, eps=spec.norm_eps)
+        self.attn = Attention(w, spec.heads)
+        self.norm2 = nn.LayerNorm(w, elementwise_affine=False, eps=spec.norm_eps)
+        self.mlp = Mlp(w, spec.mlp_hidden(), "gelu_tanh")
+        self.modulation = nn.Linear(w, 6 * w)
+
+    def forward(self, x: Tensor, c: Tensor) -> Tensor:
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.modulation(F.silu(c)).chunk(6, 1)
+        x = x + gate_a[:, None, :] * self.attn(modulate(self.norm1(x), shift_a, scale_a))
+        return x + gate_m[:, None, :] * self.mlp(modulate(self.norm2(x), shift_m, scale_m))
+
+
+class DiT(nn.Module):
+    """Patches in, conditioning vector, blocks, patches out (the network of one DenoiserSpec)."""
+
+    def __init__(self, spec: DenoiserSpec):
+        super().__init__()
+        self.spec = spec
+        w, p = spec.width, spec.patch_size
+        self.patch = nn.Conv2d(spec.channels, w, kernel_size=p, stride=p)
+        self.time_fc1 = nn.Linear(TIMESTEP_FREQUENCIES, w)
+        self.time_fc2 = nn.Linear(w, w)
+        self.classes = nn.Embedding(spec.num_classes + 1, w) if spec.num_classes else None
+        self.blocks = nn.ModuleList(DiTBlock(spec) for _ in range(spec.layers))
+        self.norm_out = nn.LayerNorm(w, elementwise_affine=False, eps=spec.norm_eps)
+        self.modulation_out = nn.Linear(w, 2 * w)
+        self.out = nn.Linear(w, p * p * spec.out_channels())
+        self.register_buffer("positions", torch.empty(spec.tokens(), w), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """The fixed positions (a buffer, not in checkpoints: rebuilt after a meta build)."""
+        if self.positions.device.type != "meta":
+            self.positions.copy_(sincos_positions(self.spec.width, self.spec.grid()))
+
+    def condition(self, t: Tensor, y: Tensor | None) -> Tensor:
+        """The conditioning vector [B, W]: the timestep's MLP plus the class embedding."""
+        c = self.time_fc2(
+            F.silu(self.time_fc1(timestep_features(t).to(self.time_fc1.weight.dtype)))
+        )
+        if self.classes is not None:
+            if y is None:
+                raise KeyError(f"a class-conditional denoiser needs {CLASS!r} in the batch")
+            c = c + self.classes(y)
+        return c
+
+    def forward(self, x: Tensor, t: Tensor, y: Tensor | None = None) -> Tensor:
+        s = self.spec
+        if x.shape[1:] != (s.channels, s.sample_size, s.sample_size):
+            raise ValueError(
+                f"the denoiser takes [B, {s.channels}, {s.sample_size}, {s.sample_size}], got "
+                f"{list(x.shape)}"
+            )
+        tokens = self.patch(x).flatten(2).transpose(1, 2) + self.positions
+        c = self.condition(t, y)
+        for block in self.blocks:
+            tokens = block(tokens, c)
+        shift, scale = self.modulation_out(F.silu(c)).chunk(2, dim=1)
+        patches = self.out(modulate(self.norm_out(tokens), shift, scale))
+        return self._unpatchify(patches)
+
+    def _unpatchify(self, patches: Tensor) -> Tensor:
+        """[B, T, p * p * C'] -> [B, C', H, W] (token (i, j) holds pixels (i p + a, j p + b))."""
+        s, b = self.spec, patches.shape[0]
+        g, p, c = s.grid(), s.patch_size, s.out_channels()
+        x = patches.reshape(b, g, g, p, p, c).permute(0, 5, 1, 3, 2, 4)
+        return x.reshape(b, c, g * p, g * p)
+
+
+class DiffusionModel(nn.Module):
+    """A generator: the denoiser of `spec.denoiser` under `towers["denoiser"]`."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        if spec.denoiser is None:
+            raise ValueError(f"spec {spec.name!r} has no denoiser")
+        self.spec = spec
+        self.towers = nn.ModuleDict({DENOISER_PART: DiT(spec.denoiser)})
+
+    @property
+    def denoiser(self) -> DiT:
+        return self.towers[DENOISER_PART]
+
+    def predict(self, batch: Mapping[str, Tensor]) -> Tensor:
+        """The network's output for the noisy input under the spec's key (module docstring)."""
+        key = self.spec.denoiser.input
+        if key not in batch or TIMESTEP not in batch:
+            raise KeyError(f"the denoiser needs {key!r} and {TIMESTEP!r}; got {sorted(batch)}")
+        return self.denoiser(batch[key], batch[TIMESTEP], batch.get(CLASS))
+
+    def forward(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        return {PREDICTION: self.predict(batch)}
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """DiT's init (init_rules.py): Xavier-variance normal matrices, the timestep MLP and the
+        class table N(0, 0.02), the modulations and the output layer zero."""
+        apply_init_rules(initialised_parameters(self), init_rules(self), generator)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        self.denoiser.reset_buffers()

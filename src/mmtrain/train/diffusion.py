@@ -1,0 +1,146 @@
+"""The denoiser's objective: rectified flow (flow matching) or DDPM, as one of the loop's
+objectives (train/objectives.py), with `train.diffusion` (config.py) for its settings.
+
+Each micro-batch's clean samples x0 (pixels in [-1, 1] or latents) become the model's input
+in `inputs`, before the forward:
+
+- flow matching (Liu et al. 2022; Esser et al. 2024, SD3): x_t = (1 - t) x0 + t eps with t in
+  (0, 1), and the network predicts the velocity eps - x0. The network sees 1000 t.
+- DDPM (Ho et al. 2020): x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps at an integer step t of a
+  linear beta schedule; the network predicts eps, or v = sqrt(abar_t) eps - sqrt(1 - abar_t) x0
+  (Salimans & Ho 2022); min-SNR-gamma weights each sample (Hang et al. 2023).
+
+A share `cfg_dropout` of the samples get the "no class" id, which classifier-free guidance
+needs at sampling time. The loss is the mean squared error per sample (over the prediction's
+channels; DiT's learned-sigma channels are not trained by it), averaged over the micro-batch
+and divided by the K micro-batches of the step, like any per-sample mean.
+
+The noise, the timesteps and the dropout are drawn from a generator seeded by (run seed, step,
+rank, micro-batch) alone, on the device: a resumed or rolled-back run draws exactly what the
+uninterrupted run drew, and nothing depends on torch's global RNG or on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from mmtrain.config import DiffusionConfig
+from mmtrain.losses import at_least_fp32
+from mmtrain.models.dit import CLASS, PREDICTION, TIMESTEP
+from mmtrain.spec import ModelSpec
+
+Batch = Mapping[str, torch.Tensor]
+FLOW_TIMESTEP_SCALE = 1000.0  # the network's timestep for a flow t in (0, 1)
+
+
+def draw_generator(seed: int, step: int, rank: int, micro_batch: int, device: torch.device):
+    """A generator on `device` seeded by these four integers alone (numpy's SeedSequence mixes
+    them, so neighbouring steps or ranks get unrelated streams)."""
+    state = np.random.SeedSequence([seed, step, rank, micro_batch]).generate_state(1, np.uint64)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int(state[0]) & (2**63 - 1))
+    return generator
+
+
+def flow_timesteps(n: int, config: DiffusionConfig, g: torch.Generator, device) -> torch.Tensor:
+    """t in (0, 1) per sample: logit-normal or uniform, then shifted (DiffusionConfig)."""
+    if config.timesteps == "logit_normal":
+        normal = torch.randn(n, generator=g, device=device)
+        t = torch.sigmoid(config.logit_mean + config.logit_std * normal)
+    else:
+        t = torch.rand(n, generator=g, device=device)
+    s = config.shift
+    return s * t / (1 + (s - 1) * t)
+
+
+def ddpm_alphas_cumprod(config: DiffusionConfig) -> torch.Tensor:
+    """abar_t of the linear beta schedule, float64 [ddpm_steps]."""
+    betas = torch.linspace(
+        config.beta_start, config.beta_end, config.ddpm_steps, dtype=torch.float64
+    )
+    return torch.cumprod(1 - betas, dim=0)
+
+
+class DiffusionObjective:
+    """Flow matching (`flow_matching`) or DDPM (`diffusion`) for the spec's denoiser."""
+
+    def __init__(self, spec: ModelSpec, config: DiffusionConfig, *, seed: int, rank: int = 0):
+        assert spec.denoiser is not None
+        self.denoiser = spec.denoiser
+        self.flow = spec.objective == "flow_matching"
+        self.config, self.seed, self.rank = config, seed, rank
+        self.key = spec.denoiser.input
+        self.alphas_cumprod = None if self.flow else ddpm_alphas_cumprod(config)
+
+    def prepare(
+        self, trained: nn.Module, micro_batches: Sequence[Batch], precision: Any, step: int = 0
+    ) -> None:
+        self.k, self.step = len(micro_batches), step
+        self.total: torch.Tensor | None = None
+        self.targets: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def inputs(self, batch: Batch, j: int) -> dict[str, torch.Tensor]:
+        """The model's input for micro-batch j: the noisy sample, its timesteps and classes
+        (some dropped); the target and per-sample weights are kept for `loss`."""
+        x0 = batch[self.key]
+        g = draw_generator(self.seed, self.step, self.rank, j, x0.device)
+        n = x0.shape[0]
+        noise = torch.randn(x0.shape, generator=g, device=x0.device, dtype=x0.dtype)
+        if self.flow:
+            t = flow_timesteps(n, self.config, g, x0.device).to(x0.dtype)
+            tb = t.view(-1, *([1] * (x0.dim() - 1)))
+            noisy, target = (1 - tb) * x0 + tb * noise, noise - x0
+            timestep, weight = t * FLOW_TIMESTEP_SCALE, torch.ones_like(t)
+        else:
+            noisy, target, timestep, weight = self._ddpm(x0, noise, g)
+        out = {k: v for k, v in batch.items() if k not in (self.key, CLASS)}
+        out.update({self.key: noisy, TIMESTEP: timestep})
+        if self.denoiser.num_classes:
+            out[CLASS] = self._dropped(batch[CLASS], g)
+        self.targets[j] = (target, weight)
+        return out
+
+    def _ddpm(self, x0: torch.Tensor, noise: torch.Tensor, g: torch.Generator):
+        steps = torch.randint(
+            0, self.config.ddpm_steps, (x0.shape[0],), generator=g, device=x0.device
+        )
+        abar = self.alphas_cumprod.to(x0.device)[steps]
+        a, b = abar.sqrt().to(x0.dtype), (1 - abar).sqrt().to(x0.dtype)
+        shape = (-1, *([1] * (x0.dim() - 1)))
+        noisy = a.view(shape) * x0 + b.view(shape) * noise
+        if self.denoiser.prediction == "v":
+            target = a.view(shape) * noise - b.view(shape) * x0
+        else:
+            target = noise
+        weight = torch.ones_like(abar)
+        if self.config.min_snr is not None:
+            snr = abar / (1 - abar)
+            clipped = snr.clamp(max=self.config.min_snr)
+            weight = clipped / (snr + 1 if self.denoiser.prediction == "v" else snr)
+        return noisy, target, steps.to(x0.dtype), weight.to(x0.dtype)
+
+    def _dropped(self, classes: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        keep = (
+            torch.rand(classes.shape, generator=g, device=classes.device) >= self.config.cfg_dropout
+        )
+        return torch.where(keep, classes, torch.full_like(classes, self.denoiser.num_classes))
+
+    def reads(self, batch: Batch) -> set[str]:
+        return {PREDICTION}
+
+    def loss(self, out: Mapping[str, torch.Tensor], batch: Batch, j: int) -> torch.Tensor:
+        target, weight = self.targets.pop(j)
+        prediction = at_least_fp32(out[PREDICTION])[:, : self.denoiser.channels]
+        error = (prediction - at_least_fp32(target)) ** 2
+        per_sample = error.flatten(1).mean(dim=1)
+        share = (at_least_fp32(weight) * per_sample).mean() / self.k
+        self.total = share.detach() if self.total is None else self.total + share.detach()
+        return share
+
+    def report(self) -> dict[str, torch.Tensor]:
+        return {"": self.total}

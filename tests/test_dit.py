@@ -1,0 +1,234 @@
+"""Diffusion transformers: the spec counts what the module holds and computes, adaLN-Zero
+starts every block as the identity, the flow-matching and DDPM objectives build their inputs
+and targets as their papers define them from seeded draws, and a class-conditional DiT trains
+on pixel shards and resumes bitwise."""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+import mmtrain
+from mmtrain.config import DiffusionConfig, config_from_dict
+from mmtrain.data.storage.shard_writer import ShardWriter
+from mmtrain.models.dit import DiffusionModel, sincos_positions
+from mmtrain.spec import ModelSpec, load_spec
+from mmtrain.structured import FieldError
+from mmtrain.train.diffusion import DiffusionObjective, ddpm_alphas_cumprod, draw_generator
+from mmtrain.train.loop import train
+
+CLASSES = 4
+
+
+def tiny(objective: str = "flow_matching", prediction: str = "velocity", **denoiser) -> ModelSpec:
+    spec = load_spec("tiny-dit").to_dict()
+    spec["objective"] = objective
+    spec["denoiser"].update(prediction=prediction, num_classes=CLASSES, **denoiser)
+    return ModelSpec.from_dict(spec)
+
+
+@pytest.mark.parametrize("name", ["tiny-dit", "DiT-XL-2"])
+def test_spec_counts_the_parameters_the_module_holds(name):
+    spec = load_spec(name)
+    with torch.device("meta"):
+        model = DiffusionModel(spec)
+    assert sum(p.numel() for p in model.parameters()) == spec.params()
+
+
+def test_spec_counts_the_flops_the_module_computes():
+    spec = tiny(learn_sigma=True)
+    model = mmtrain.create_model(spec, seed=0)
+    batch = {
+        "image": torch.randn(2, 3, 32, 32),
+        "timestep": torch.tensor([1.0, 999.0]),
+        "class": torch.tensor([0, CLASSES]),
+    }
+    # the math kernel: its matmuls are what the counter sees of attention on a CPU
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model.predict(batch)
+    assert counter.get_total_flops() == 2 * spec.denoiser.forward_flops()
+
+
+def test_dit_xl_2_is_the_papers_size():
+    # Peebles & Xie 2023, Table 1 / 4: 675M parameters, 118.6 GFLOPs (multiply-adds) at 256 px.
+    spec = load_spec("DiT-XL-2")
+    assert round(spec.params() / 1e6) == 675
+    assert spec.denoiser.forward_flops() / 2 / 1e9 == pytest.approx(118.6, rel=0.005)
+
+
+def test_blocks_start_as_the_identity_and_the_first_prediction_is_zero():
+    model = mmtrain.create_model(tiny(), seed=0)
+    batch = {"image": torch.randn(3, 3, 32, 32), "timestep": torch.rand(3) * 1000}
+    batch["class"] = torch.tensor([0, 1, CLASSES])
+    out = model.predict(batch)
+    assert out.shape == (3, 3, 32, 32) and torch.count_nonzero(out) == 0
+    out.square().sum().backward()  # zero output, but the zero-initialised layers learn
+    assert model.denoiser.out.bias.grad is not None
+
+
+def test_positions_are_sine_cosine_over_columns_then_rows():
+    width, grid = 8, 3
+    pos = sincos_positions(width, grid).double()
+    omega = 1 / 10_000 ** (torch.arange(2, dtype=torch.float64) / 2)
+    row, col = 1, 2  # token row * grid + col
+    expected = torch.cat(
+        [(col * omega).sin(), (col * omega).cos(), (row * omega).sin(), (row * omega).cos()]
+    )
+    assert torch.allclose(pos[row * grid + col], expected, atol=1e-7)
+
+
+def test_unpatchify_puts_each_patch_back_where_it_came_from():
+    spec = tiny(patch_size=4)
+    model = DiffusionModel(spec).denoiser
+    image = torch.arange(3 * 32 * 32, dtype=torch.float32).reshape(1, 3, 32, 32)
+    g, p = spec.denoiser.grid(), spec.denoiser.patch_size
+    # token (i, j) holds patch pixels (a, b) of every channel, channel last
+    patches = image.reshape(1, 3, g, p, g, p).permute(0, 2, 4, 3, 5, 1).reshape(1, g * g, -1)
+    assert torch.equal(model._unpatchify(patches), image)
+
+
+def _objective(spec, config=None, seed=7, rank=0, step=3, k=1):
+    objective = DiffusionObjective(spec, config or DiffusionConfig(), seed=seed, rank=rank)
+    objective.prepare(None, [None] * k, None, step)
+    return objective
+
+
+def test_flow_matching_inputs_and_target_follow_rectified_flow():
+    spec = tiny()
+    x0 = torch.randn(5, 3, 32, 32, dtype=torch.float64)
+    batch = {"image": x0, "class": torch.arange(5) % CLASSES}
+    objective = _objective(spec, DiffusionConfig(cfg_dropout=0.0))
+    inputs = objective.inputs(batch, 0)
+    # the same draws again, in the objective's order: noise, then the timesteps
+    g = draw_generator(7, 3, 0, 0, x0.device)
+    noise = torch.randn(x0.shape, generator=g, dtype=x0.dtype)
+    t = torch.sigmoid(torch.randn(5, generator=g)).double()
+    tb = t.view(-1, 1, 1, 1)
+    assert torch.allclose(inputs["image"], (1 - tb) * x0 + tb * noise, rtol=0, atol=1e-12)
+    assert torch.allclose(inputs["timestep"], 1000 * t, rtol=0, atol=1e-9)
+    assert torch.equal(inputs["class"], batch["class"])
+    target, weight = objective.targets[0]
+    assert torch.equal(target, noise - x0) and torch.equal(weight, torch.ones(5, dtype=x0.dtype))
+
+
+def test_draws_depend_on_seed_step_rank_and_micro_batch_alone():
+    spec = tiny()
+    batch = {"image": torch.zeros(4, 3, 32, 32), "class": torch.zeros(4, dtype=torch.long)}
+    first = _objective(spec).inputs(batch, 0)["image"]
+    assert torch.equal(first, _objective(spec).inputs(batch, 0)["image"])
+    for other in (_objective(spec, step=4), _objective(spec, rank=1), _objective(spec, seed=8)):
+        assert not torch.equal(first, other.inputs(batch, 0)["image"])
+    assert not torch.equal(first, _objective(spec, k=2).inputs(batch, 1)["image"])
+
+
+def test_ddpm_v_target_and_min_snr_weights():
+    spec = tiny("diffusion", "v")
+    config = DiffusionConfig(min_snr=5.0, cfg_dropout=0.0)
+    x0 = torch.randn(6, 3, 32, 32, dtype=torch.float64)
+    objective = _objective(spec, config)
+    inputs = objective.inputs({"image": x0, "class": torch.zeros(6, dtype=torch.long)}, 0)
+    g = draw_generator(7, 3, 0, 0, x0.device)
+    noise = torch.randn(x0.shape, generator=g, dtype=x0.dtype)
+    steps = torch.randint(0, 1000, (6,), generator=g)
+    abar = ddpm_alphas_cumprod(config)[steps]
+    a, b = abar.sqrt().view(-1, 1, 1, 1), (1 - abar).sqrt().view(-1, 1, 1, 1)
+    assert torch.allclose(inputs["image"], a * x0 + b * noise, rtol=0, atol=1e-12)
+    assert torch.equal(inputs["timestep"], steps.double())
+    target, weight = objective.targets[0]
+    assert torch.allclose(target, a * noise - b * x0, rtol=0, atol=1e-12)
+    snr = abar / (1 - abar)
+    assert torch.allclose(weight, torch.minimum(snr, torch.tensor(5.0)) / (snr + 1), atol=1e-12)
+    # the schedule: DDPM's linear betas 1e-4 .. 0.02 over 1000 steps
+    assert ddpm_alphas_cumprod(config)[0] == pytest.approx(1 - 1e-4)
+
+
+def test_condition_dropout_trains_the_no_class_id_at_its_rate():
+    spec = tiny()
+    n, rate = 4000, 0.25
+    objective = _objective(spec, DiffusionConfig(cfg_dropout=rate))
+    classes = torch.arange(n) % CLASSES
+    dropped = objective.inputs({"image": torch.zeros(n, 3, 32, 32), "class": classes}, 0)["class"]
+    is_null = dropped == CLASSES
+    assert torch.equal(dropped[~is_null], classes[~is_null])  # the others keep their class
+    sigma = math.sqrt(n * rate * (1 - rate))
+    assert abs(int(is_null.sum()) - n * rate) < 6 * sigma
+
+
+def test_a_prediction_the_objective_cannot_train_is_refused_by_field():
+    with pytest.raises(FieldError, match="denoiser.prediction"):
+        tiny("flow_matching", "epsilon")
+    with pytest.raises(FieldError, match="denoiser.patch_size"):
+        tiny(patch_size=5)
+
+
+# ----------------------------------------------------------------------------- training
+def class_shards(folder: Path, n: int = 48, broken: tuple[int, ...] = ()) -> str:
+    """Noisy squares of CLASSES colours, the colour index as the `.cls` label; `broken` ones
+    carry a truncated PNG."""
+    rng = np.random.default_rng(0)
+    with ShardWriter(folder, max_samples=16) as writer:
+        for i in range(n):
+            c = i % CLASSES
+            pixels = np.zeros((36, 40, 3), np.uint8)
+            pixels[..., c % 3] = 60 + 60 * c
+            pixels = (pixels + rng.integers(0, 30, pixels.shape)).astype(np.uint8)
+            buffer = io.BytesIO()
+            Image.fromarray(pixels).save(buffer, format="PNG")
+            png = buffer.getvalue()[: 50 if i in broken else None]
+            writer.write({"__key__": f"s{i:05d}", "png": png, "cls": str(c).encode()})
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return class_shards(tmp_path_factory.mktemp("dit-shards"), broken=(5,))
+
+
+def _config(out: Path, shards: str, spec_file: Path, **train_settings):
+    return config_from_dict(
+        {
+            "model": str(spec_file),
+            "data": {"train": shards, "shuffle_window": 8},
+            "train": {
+                "steps": 6,
+                "batch_size": 8,
+                "micro_batch": 4,
+                "lr": 2e-3,
+                "warmup_steps": 1,
+                "ema": 0.9,
+                **train_settings,
+            },  # fmt: skip
+            "checkpoint": {"every_steps": 2, "keep": 3},
+            "metrics": {"tensorboard": False},
+            "out": str(out),
+        }
+    )
+
+
+@pytest.mark.parametrize("objective", ["flow_matching", "diffusion"])
+def test_a_class_conditional_dit_trains_and_resumes_bitwise(tmp_path, shards, objective):
+    spec = tiny(objective, "velocity" if objective == "flow_matching" else "epsilon")
+    spec_file = tmp_path / "spec.yaml"
+    spec.save(spec_file)
+    whole = train(_config(tmp_path / "whole", shards, spec_file))
+    assert whole.step == 6 and whole.corrupt_samples >= 1  # the broken PNG is skipped
+    losses = [row["loss"] for row in whole.history]
+    assert all(math.isfinite(v) for v in losses)
+    stopped = _config(tmp_path / "stopped", shards, spec_file)
+    train(stopped, halt_after_step=3)  # dies after step 3; the step-2 checkpoint resumes
+    resumed = train(stopped)
+    assert resumed.resumed_from == 2
+    for name in ("model.safetensors", "ema/model.safetensors"):
+        a = load_file(str(tmp_path / "whole" / name))
+        b = load_file(str(tmp_path / "stopped" / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    assert [r["loss"] for r in resumed.history] == losses[2:]
