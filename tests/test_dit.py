@@ -18,12 +18,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import mmtrain
+from mmtrain.cli import main
 from mmtrain.config import DiffusionConfig, config_from_dict
 from mmtrain.data.storage.shard_writer import ShardWriter
+from mmtrain.eval.sampling import sample
 from mmtrain.models.dit import DiffusionModel, sincos_positions
+from mmtrain.models.schedules import ddpm_alphas_cumprod
 from mmtrain.spec import ModelSpec, load_spec
 from mmtrain.structured import FieldError
-from mmtrain.train.diffusion import DiffusionObjective, ddpm_alphas_cumprod, draw_generator
+from mmtrain.train.diffusion import DiffusionObjective, draw_generator
 from mmtrain.train.loop import train
 
 CLASSES = 4
@@ -32,7 +35,7 @@ CLASSES = 4
 def tiny(objective: str = "flow_matching", prediction: str = "velocity", **denoiser) -> ModelSpec:
     spec = load_spec("tiny-dit").to_dict()
     spec["objective"] = objective
-    spec["denoiser"].update(prediction=prediction, num_classes=CLASSES, **denoiser)
+    spec["denoiser"].update({"prediction": prediction, "num_classes": CLASSES, **denoiser})
     return ModelSpec.from_dict(spec)
 
 
@@ -232,3 +235,75 @@ def test_a_class_conditional_dit_trains_and_resumes_bitwise(tmp_path, shards, ob
         b = load_file(str(tmp_path / "stopped" / name))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
     assert [r["loss"] for r in resumed.history] == losses[2:]
+
+
+# ----------------------------------------------------------------------------- sampling
+class PointMassOracle(torch.nn.Module):
+    """The exact prediction for data that is one image `a`: velocity (x - a) / t for flow,
+    epsilon or v from x_t = sqrt(abar) a + sqrt(1 - abar) eps for DDPM. A sampler that
+    integrates it right lands on `a`, from any noise, up to rounding."""
+
+    def __init__(self, spec: ModelSpec, a: torch.Tensor, config: DiffusionConfig):
+        super().__init__()
+        self.spec, self.a = spec, a
+        self.weight = torch.nn.Parameter(torch.zeros((), dtype=torch.float64))  # the device
+        self.abar = ddpm_alphas_cumprod(config)
+
+    def predict(self, batch):
+        x, t = batch["image"], batch["timestep"]
+        if self.spec.objective == "flow_matching":
+            return (x - self.a) / (t / 1000).view(-1, 1, 1, 1)
+        abar = self.abar[t.long()].view(-1, 1, 1, 1)
+        eps = (x - abar.sqrt() * self.a) / (1 - abar).sqrt()
+        if self.spec.denoiser.prediction == "v":
+            return abar.sqrt() * eps - (1 - abar).sqrt() * self.a
+        return eps
+
+
+@pytest.mark.parametrize(
+    "objective, prediction, sampler, shift",
+    [("flow_matching", "velocity", "euler", 1.0), ("flow_matching", "velocity", "heun", 3.0),
+     ("diffusion", "epsilon", "ddim", 1.0), ("diffusion", "v", "ddim", 1.0)],
+)  # fmt: skip
+def test_samplers_land_on_the_data_given_the_exact_prediction(
+    objective, prediction, sampler, shift
+):
+    spec = tiny(objective, prediction, num_classes=0)
+    config = DiffusionConfig(shift=shift)
+    a = torch.rand(1, 3, 32, 32, dtype=torch.float64) * 2 - 1
+    oracle = PointMassOracle(spec, a, config)
+    out = sample(oracle, None, 3, steps=7, seed=1, config=config, sampler=sampler)
+    assert torch.allclose(out, a.expand(3, -1, -1, -1), rtol=0, atol=1e-9)
+
+
+def test_guidance_extrapolates_from_the_unconditional_prediction():
+    spec = tiny()
+    model = mmtrain.create_model(spec, seed=0)
+    with torch.no_grad():  # a non-zero output layer, so predictions depend on the class
+        torch.nn.init.normal_(model.denoiser.out.weight, std=0.02)
+        torch.nn.init.normal_(model.denoiser.modulation_out.weight, std=0.02)
+    classes = torch.tensor([1, 2])
+    plain = sample(model, classes, 2, steps=3, seed=5)
+    assert torch.equal(plain, sample(model, classes, 2, steps=3, seed=5))  # deterministic
+    guided = sample(model, classes, 2, steps=3, seed=5, cfg=4.0)
+    assert not torch.allclose(plain, guided)
+    none = torch.full_like(classes, CLASSES)  # cfg 0: the unconditional prediction alone
+    assert torch.allclose(sample(model, classes, 2, steps=3, seed=5, cfg=0.0),
+                          sample(model, none, 2, steps=3, seed=5), atol=1e-6)  # fmt: skip
+
+
+def test_generate_writes_a_grid_of_the_classes_asked_for(tmp_path, shards, capsys):
+    spec = tiny()
+    spec_file = tmp_path / "spec.yaml"
+    spec.save(spec_file)
+    run = tmp_path / "run"
+    train(_config(run, shards, spec_file, steps=2))
+    argv = ["generate", str(run), "--class", "1", "--class", "3", "--num", "2", "--steps", "4"]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 0
+    grid = np.asarray(Image.open(tmp_path / "out" / "grid.png"))
+    assert grid.shape == (2 * 32, 2 * 32, 3)  # a row per class, --num columns
+    assert sorted(p.name for p in (tmp_path / "out").glob("class*.png")) == [
+        "class1_0.png", "class1_1.png", "class3_0.png", "class3_1.png"
+    ]  # fmt: skip
+    assert main([*argv[:2], "--out", str(tmp_path / "x")]) == 2  # no --class: refused
+    assert "give --class" in capsys.readouterr().err

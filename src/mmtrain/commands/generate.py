@@ -1,10 +1,16 @@
-"""`mmtrain generate RUN_DIR --image X.jpg --prompt "..."`: ask a (vision-)language model.
+"""`mmtrain generate RUN_DIR --image X.jpg --prompt "..."`: ask a (vision-)language model;
+`mmtrain generate RUN_DIR --class 3 --num 8 --out DIR`: sample images from a trained denoiser.
 
 Loads the model (a model folder, a finished run, or a run's newest checkpoint), the tokenizer
 and chat template the run trained with (its config.yaml: `data.tokenizer`,
 `data.chat_template`; flags override them), renders the prompt as one user turn with the
 template's generation prompt, and prints the answer. Each `--image` takes one `<image>` tag in
 the prompt; a prompt without tags gets one per image in front of it, as LLaVA's data has them.
+
+A denoiser (a DiT: flow matching or DDPM) is sampled with the run's own `train.diffusion`
+settings (eval/sampling.py): `--num` images per `--class` (or unconditionally), `--steps`,
+`--cfg` (classifier-free guidance scale), `--sampler`, `--seed`; the PNGs and a grid (one row
+per class) go to `--out`.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="RUN_DIR|MODEL_DIR|CHECKPOINT",
         help="a run folder, a model folder (model.safetensors + spec.yaml) or a checkpoint",
     )
-    p.add_argument("--prompt", required=True, help="the user's message")
+    p.add_argument("--prompt", help="the user's message (language models)")
     p.add_argument(
         "--image",
         action="append",
@@ -66,6 +72,28 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(default: the run's data.chat_template, else the tokenizer folder's)",
     )
     p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when available)")
+    images = p.add_argument_group("denoisers (a DiT: flow matching or DDPM)")
+    images.add_argument(
+        "--class",
+        dest="classes",
+        type=int,
+        action="append",
+        default=[],
+        metavar="K",
+        help="a class id to sample (repeat for several; class-conditional models)",
+    )
+    images.add_argument("--num", type=count, default=4, help="images per class (default 4)")
+    images.add_argument("--steps", type=count, default=50, help="sampling steps (default 50)")
+    images.add_argument(
+        "--cfg", type=float, default=1.0, help="guidance scale (default 1: no guidance)"
+    )
+    images.add_argument("--sampler", help="euler or heun (flow matching), ddim (DDPM)")
+    images.add_argument("--out", help="folder for the PNGs and grid.png")
+    images.add_argument(
+        "--no-ema",
+        action="store_true",
+        help="sample the trained weights, not the run's EMA (RUN_DIR/ema, used when present)",
+    )
     p.set_defaults(func=run)
 
 
@@ -73,18 +101,26 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from mmtrain.commands.eval import _load_model
+    from mmtrain.models.build import is_model_folder, load_model
 
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        raise UsageError(f"{model_dir}: not a folder (expected RUN_DIR or a model folder)")
+    device = _device(args.device, torch)
+    model, run_dir, _ = _load_model(model_dir, device)
+    if model.spec.denoiser is not None:
+        ema = model_dir / "ema"
+        if not args.no_ema and is_model_folder(ema):  # an EMA samples better (DiT's practice)
+            model = load_model(ema, device=device)
+        return generate_images(args, model, run_dir)
+    if args.prompt is None:
+        raise UsageError(f"{model.spec.name} is a language model: give --prompt")
     _check_numbers(args)
     images = [Path(p) for p in args.image]
     for path in images:
         if not path.is_file():
             raise UsageError(f"--image {path}: no such file")
     prompt = _prompt_with_tags(args.prompt, len(images))
-    model_dir = Path(args.model)
-    if not model_dir.is_dir():
-        raise UsageError(f"{model_dir}: not a folder (expected RUN_DIR or a model folder)")
-    device = _device(args.device, torch)
-    model, run_dir, _ = _load_model(model_dir, device)
     spec = model.spec
     if spec.decoder is None:
         raise UsageError(
@@ -108,6 +144,80 @@ def run(args: argparse.Namespace) -> int:
     )
     print(answer)
     return 0
+
+
+def generate_images(args: argparse.Namespace, model: Any, run_dir: Path) -> int:
+    """Sample a denoiser: `--num` PNGs per `--class` into `--out`, and their grid."""
+    import numpy as np
+    from PIL import Image
+
+    from mmtrain.config import DiffusionConfig
+    from mmtrain.eval.sampling import sample, to_uint8
+    from mmtrain.structured import FieldError, from_dict
+
+    d = model.spec.denoiser
+    if args.out is None:
+        raise UsageError("a denoiser writes images: give --out DIR")
+    if d.input != "image":
+        raise UsageError(
+            f"{model.spec.name} generates latents; decoding them needs its VAE (not available yet)"
+        )
+    if d.num_classes and not args.classes:
+        raise UsageError(
+            f"{model.spec.name} is class-conditional: give --class K (0..{d.num_classes - 1})"
+        )
+    bad = [k for k in args.classes if not 0 <= k < max(d.num_classes, 1)]
+    if bad or (args.classes and not d.num_classes):
+        raise UsageError(
+            f"--class {bad or args.classes}: {model.spec.name} has {d.num_classes} classes"
+        )
+    try:
+        settings = (_run_config(run_dir).get("train") or {}).get("diffusion") or {}
+        config = from_dict(DiffusionConfig, settings, "train.diffusion")
+    except FieldError as err:
+        raise UsageError(f"{run_dir / 'config.yaml'}: {err}") from None
+    import torch
+
+    classes = [k for k in args.classes for _ in range(args.num)] or None
+    labels = (
+        None if classes is None else torch.tensor(classes, device=next(model.parameters()).device)
+    )
+    model.eval()
+    try:
+        images = sample(model, labels, len(classes or range(args.num)), steps=args.steps,
+                        cfg=args.cfg, seed=args.seed, config=config, sampler=args.sampler)  # fmt: skip
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    pixels = to_uint8(images).numpy()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = [f"class{k}_{i}.png" for k in args.classes for i in range(args.num)] or [
+        f"sample_{i}.png" for i in range(args.num)
+    ]
+    for name, image in zip(names, pixels, strict=True):
+        Image.fromarray(image.squeeze(-1) if image.shape[-1] == 1 else image).save(out / name)
+    rows = max(len(args.classes), 1)
+    grid = pixels.reshape(rows, args.num, *pixels.shape[1:]).transpose(0, 2, 1, 3, 4)
+    grid = grid.reshape(rows * pixels.shape[1], args.num * pixels.shape[2], pixels.shape[3])
+    Image.fromarray(np.ascontiguousarray(grid.squeeze(-1) if grid.shape[-1] == 1 else grid)).save(
+        out / "grid.png"
+    )
+    print(f"wrote {len(names)} images and grid.png to {out}")
+    return 0
+
+
+def _run_config(run_dir: Path) -> dict[str, Any]:
+    """The run's config.yaml as a mapping ({} without one)."""
+    import yaml
+
+    config = run_dir / "config.yaml"
+    if not config.is_file():
+        return {}
+    try:
+        data = yaml.safe_load(config.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise UsageError(f"{config}: not a readable run config ({err})") from None
+    return data if isinstance(data, dict) else {}
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -143,15 +253,7 @@ def _device(name: str | None, torch: Any) -> Any:
 
 def _run_data_config(run_dir: Path) -> dict[str, Any]:
     """The `data` section of the run's config.yaml ({} without one)."""
-    import yaml
-
-    config = run_dir / "config.yaml"
-    if not config.is_file():
-        return {}
-    try:
-        data = (yaml.safe_load(config.read_text()) or {}).get("data")
-    except (yaml.YAMLError, AttributeError) as err:
-        raise UsageError(f"{config}: not a readable run config ({err})") from None
+    data = _run_config(run_dir).get("data")
     return data if isinstance(data, dict) else {}
 
 

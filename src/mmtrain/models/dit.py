@@ -105,9 +105,11 @@ class DiT(nn.Module):
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
-        """The fixed positions (a buffer, not in checkpoints: rebuilt after a meta build)."""
-        if self.positions.device.type != "meta":
-            self.positions.copy_(sincos_positions(self.spec.width, self.spec.grid()))
+        """The fixed positions (a buffer, not in checkpoints), computed where the weights are:
+        after a meta build, once they have memory."""
+        device = self.patch.weight.device
+        if device.type != "meta":
+            self.positions = sincos_positions(self.spec.width, self.spec.grid()).to(device)
 
     def condition(self, t: Tensor, y: Tensor | None) -> Tensor:
         """The conditioning vector [B, W]: the timestep's MLP plus the class embedding."""
@@ -127,7 +129,8 @@ class DiT(nn.Module):
                 f"the denoiser takes [B, {s.channels}, {s.sample_size}, {s.sample_size}], got "
                 f"{list(x.shape)}"
             )
-        tokens = self.patch(x).flatten(2).transpose(1, 2) + self.positions
+        tokens = self.patch(x).flatten(2).transpose(1, 2)
+        tokens = tokens + self.positions.to(tokens.dtype)
         c = self.condition(t, y)
         for block in self.blocks:
             tokens = block(tokens, c)

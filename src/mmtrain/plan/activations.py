@@ -86,6 +86,12 @@ def layer_terms(stack: Stack, micro_batch: int, o: ActivationOptions) -> dict[st
     }
     if stack.norm_copy:
         terms["norm_copies"] = 2 * sb * h * o.residual_bytes / rep
+    if stack.adaln:
+        # adaLN-Zero (models/dit.py): each gate's product keeps its branch's output (the gate's
+        # gradient reads it) and the modulation Linear's output (the gates are views of it);
+        # per sample also the Linear's input SiLU(c) and the two (1 + scale) factors.
+        terms["gated_outputs"] = 2 * sb * h * o.act_bytes / rep
+        terms["modulation"] = b * (1 + 6 + 2) * h * o.act_bytes
     if o.attention == "flash":
         terms["attention_lse"] = a * sb * FP32 / t
     else:
@@ -124,6 +130,8 @@ def _lora_first_layer_unsaved(stack: Stack, micro_batch: int, o: ActivationOptio
     the whole attention sub-block and the second norm run without gradient too."""
     terms = layer_terms(stack, micro_batch, o)
     one_norm = terms["norm_inputs"] / 2 + terms["norm_stats"] / 2
+    if stack.adaln:  # the first modulation's (1 + scale) multiplies a tensor without gradient
+        one_norm += micro_batch * stack.width * o.act_bytes
     if "attn" in stack.lora_targets:
         return one_norm
     attention = ("qkv", "attention_output", "attention_lse", "attention_softmax", "attention_mask")
@@ -142,6 +150,9 @@ def _lora_terms(terms: dict[str, float], stack: Stack, sb: int, o: ActivationOpt
     else:
         adapted += 2
     terms.pop("norm_copies", None)  # a frozen norm weight's backward needs no normalised copy
+    if stack.adaln:  # frozen modulation: the gates and scales need no gradient
+        terms.pop("gated_outputs")
+        terms["modulation"] -= sb / stack.tokens * stack.width * o.act_bytes  # SiLU(c)
     if "mlp" not in stack.lora_targets:
         terms["mlp_input"] = 0.0
         terms["mlp_hidden"] -= sb * stack.mlp_hidden * o.act_bytes / o.tp  # fc2's input
@@ -316,6 +327,12 @@ def fusion_loss_bytes(model: PlanModel, micro_batch: int) -> float:
     if f.task == "classify":
         return micro_batch * (f.num_outputs * FP32 + 8)
     return 2 * micro_batch * f.num_outputs * FP32
+
+
+def regression_loss_bytes(model: PlanModel, micro_batch: float) -> float:
+    """A denoiser's MSE (train/diffusion.py) keeps the fp32 error and the per-sample weight
+    (`loss_fp32_elements` per sample)."""
+    return micro_batch * model.loss_fp32_elements * FP32
 
 
 def contrastive_bytes(model: PlanModel, micro_batch: int, dp: int) -> float:

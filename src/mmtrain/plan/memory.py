@@ -24,6 +24,7 @@ from mmtrain.plan.activations import (
     contrastive_bytes,
     fusion_bytes,
     fusion_loss_bytes,
+    regression_loss_bytes,
     stack_activations,
 )
 from mmtrain.plan.config import PlanConfig
@@ -182,6 +183,7 @@ def training_memory(
     loss = contrastive_bytes(model, cfg.micro_batch, cfg.dp) + fusion_loss_bytes(
         model, cfg.micro_batch
     )
+    loss += regression_loss_bytes(model, cfg.micro_batch)
     saved += loss
     buffers = comm_buffers(model, cfg)
     dynamic = saved + recompute + buffers

@@ -1,7 +1,8 @@
 """What the planner sees of a model: a list of transformer stacks with their sizes and counts.
 
 A `ModelSpec` (encoder towers) becomes one `Stack` per tower, taking parameters, tokens and
-forward FLOPs from spec.py's counts. Workload presets (decoder LMs, diffusion transformers;
+forward FLOPs from spec.py's counts; a language model its decoder (and vision tower and
+projector), a denoiser (spec.denoiser) one "diffusion" stack. Workload presets (decoder LMs, diffusion transformers;
 see workloads.py) build stacks directly from their published shapes. Everything downstream
 (memory, time, inference) reads stacks only, so both kinds of model are planned alike.
 """
@@ -11,7 +12,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from mmtrain.denoiser_spec import TIMESTEP_FREQUENCIES
 from mmtrain.spec import (
+    DENOISER_PART,
     PROJECTOR_PART,
     FusionSpec,
     ImageStem,
@@ -75,6 +78,8 @@ class Stack:
     rotary: bool = False  # q and k are rotated copies (rotary positions)
     document_mask: bool = False  # packed rows: an fp32 [b, 1, s, s] additive mask per layer
     logit_rows: int = 0  # rows of logits per sample (0: tokens); the loss scores rows - 1
+    # Diffusion transformers (dit.py): adaLN-Zero conditioning per block (see activations.py).
+    adaln: bool = False
 
     def block_params(self) -> int:
         """Parameters of one block (what ZeRO-3 gathers at a time)."""
@@ -83,7 +88,8 @@ class Stack:
             + 2 * self.width * self.kv_heads * self.head_dim
         )
         mlp = (3 if self.gated else 2) * self.width * self.mlp_hidden
-        return attn + mlp
+        modulation = 6 * self.width * self.width if self.adaln else 0  # shift, scale, gate x 2
+        return attn + mlp + modulation
 
     def lora_params(self) -> int:
         """Adapter parameters at rank r of every block: r x (in + out) per adapted linear, on
@@ -159,6 +165,7 @@ class PlanModel:
     source: str = ""
     notes: tuple[str, ...] = field(default=())
     language_model: bool = False  # next-token objective: no contrastive embeddings
+    loss_fp32_elements: int = 0  # per sample, what a regression loss keeps (a denoiser's MSE)
 
     def params(self) -> int:
         return sum(s.params for s in self.stacks) + self.head_params
@@ -312,9 +319,12 @@ def _fusion_head(spec: ModelSpec) -> FusionHead | None:
 def from_spec(spec: ModelSpec, rows: Rows | None = None) -> PlanModel:
     """One stack per tower, with spec.py's parameter, token and FLOP counts; a language model
     (spec.decoder) plans `rows` (default: one row of `decoder.max_positions` positions holding
-    one image per image tower, as spec.forward_flops counts it)."""
+    one image per image tower, as spec.forward_flops counts it); a denoiser (spec.denoiser)
+    is one diffusion stack (`denoiser_model`)."""
     if spec.decoder is not None:
         return language_model(spec, rows or default_rows(spec))
+    if spec.denoiser is not None:
+        return denoiser_model(spec)
     stacks = [from_spec_tower(spec, name) for name in spec.towers]
     return PlanModel(
         name=spec.name,
@@ -516,4 +526,55 @@ def language_model(spec: ModelSpec, rows: Rows) -> PlanModel:
         embed_dim=spec.embed_dim,
         source=spec.name,
         language_model=True,
+    )
+
+
+# ----------------------------------------------------------------------------- denoisers
+def denoiser_model(spec: ModelSpec) -> PlanModel:
+    """A diffusion transformer (models/dit.py) as one "diffusion" stack named like its tower
+    (`denoiser`), with denoiser_spec.py's parameter, token and FLOP counts, and its MSE loss.
+
+    What the module keeps (calibrated with train/measure_step.py, per sample): in each block
+    the pre-norm terms, the normalised copies the adaLN modulation multiplies (`norm_copy`),
+    each gated branch's output and the block's modulation vectors (`adaln`; activations.py).
+    Outside the blocks (`stem_elements`): the noisy input the patch projection reads, the
+    timestep MLP's input (256 sinusoidal features), its hidden layer before and after SiLU,
+    the conditioning vector c (one tensor, read by every block's SiLU: kept once), and the
+    final layer's SiLU(c), norm input and statistics, normalised copy, (1 + scale) and output
+    projection input; the class ids (int64). The loss keeps the fp32 error (prediction minus
+    target, over the input's channels) and the per-sample weight."""
+    d = spec.denoiser
+    assert d is not None
+    t, w = d.tokens(), d.width
+    pixels = d.channels * d.sample_size**2
+    stem_inputs = pixels + TIMESTEP_FREQUENCIES + 3 * w  # patch input, time MLP, c
+    final = w + (t * w + 2 * t) + t * w + w + t * w
+    classes = 1 if d.num_classes else 0
+    stack = Stack(
+        name=DENOISER_PART,
+        kind="diffusion",
+        layers=d.layers,
+        width=w,
+        heads=d.heads,
+        kv_heads=d.heads,
+        head_dim=w // d.heads,
+        mlp_hidden=d.mlp_hidden(),
+        params=d.params(),
+        forward_flops=d.forward_flops(),
+        tokens=t,
+        stem_elements=stem_inputs + final,
+        stem_int64=classes,
+        stem_params=d.embedding_params(),
+        layer_params=d.block_params(),
+        stem_input_elements=stem_inputs,
+        stem_input_int64=classes,
+        norm_copy=True,
+        adaln=True,
+        source=f"denoiser of {spec.name}",
+    )
+    return PlanModel(
+        name=spec.name,
+        stacks=(stack,),
+        source=spec.name,
+        loss_fp32_elements=pixels + 1,
     )

@@ -32,10 +32,10 @@ from torch import nn
 from mmtrain.config import DiffusionConfig
 from mmtrain.losses import at_least_fp32
 from mmtrain.models.dit import CLASS, PREDICTION, TIMESTEP
+from mmtrain.models.schedules import FLOW_TIMESTEP_SCALE, ddpm_alphas_cumprod, shift_flow_time
 from mmtrain.spec import ModelSpec
 
 Batch = Mapping[str, torch.Tensor]
-FLOW_TIMESTEP_SCALE = 1000.0  # the network's timestep for a flow t in (0, 1)
 
 
 def draw_generator(seed: int, step: int, rank: int, micro_batch: int, device: torch.device):
@@ -54,16 +54,7 @@ def flow_timesteps(n: int, config: DiffusionConfig, g: torch.Generator, device) 
         t = torch.sigmoid(config.logit_mean + config.logit_std * normal)
     else:
         t = torch.rand(n, generator=g, device=device)
-    s = config.shift
-    return s * t / (1 + (s - 1) * t)
-
-
-def ddpm_alphas_cumprod(config: DiffusionConfig) -> torch.Tensor:
-    """abar_t of the linear beta schedule, float64 [ddpm_steps]."""
-    betas = torch.linspace(
-        config.beta_start, config.beta_end, config.ddpm_steps, dtype=torch.float64
-    )
-    return torch.cumprod(1 - betas, dim=0)
+    return shift_flow_time(t, config.shift)
 
 
 class DiffusionObjective:

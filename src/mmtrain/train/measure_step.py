@@ -7,6 +7,9 @@ micro-batch and checkpointing mode, and count what it holds, to set beside the p
 - Language models (spec.decoder): rows of the planned length (`context`, default
   `decoder.max_positions`), `images` placeholders per row, `packed` rows of two documents,
   scored by the next-token cross-entropy the model's forward sums in chunks (`next_token_loss`).
+- Denoisers (spec.denoiser): random clean samples under the spec's input key (and classes),
+  made noisy by the trainer's own objective (train/diffusion.py: timesteps, noise, guidance
+  dropout) and scored by its MSE.
 - Model states: parameters, gradients and optimizer states after one AdamW step, by storage.
 - What trains: frozen towers (`--freeze`) and LoRA towers (`--lora`, `--lora-rank`,
   `--lora-targets`) are set up by the trainer's own code (train/optim.py's freezing,
@@ -25,12 +28,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mmtrain.config import LoraConfig, TowerTrainConfig, TrainConfig
+from mmtrain.config import DiffusionConfig, LoraConfig, TowerTrainConfig, TrainConfig
 from mmtrain.losses import ContrastiveLoss
 from mmtrain.models.build import create_model
 from mmtrain.plan.estimate import Plan
 from mmtrain.plan.memory import training_memory
+from mmtrain.models.dit import CLASS
 from mmtrain.spec import ModelSpec, load_spec, with_input_sizes
+from mmtrain.train.diffusion import DiffusionObjective
 from mmtrain.train.lora import apply_lora
 from mmtrain.train.objectives import count_targets, token_nll_sum
 from mmtrain.train.optim import freeze_parameters, make_optimizer
@@ -157,6 +162,19 @@ def language_batch(
     return batch
 
 
+def denoiser_batch(
+    spec: ModelSpec, batch: int, generator: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """Clean samples [B, C, H, W] under the denoiser's input key, and class ids when it is
+    class-conditional: what the trainer's loader hands the diffusion objective."""
+    d = spec.denoiser
+    shape = (batch, d.channels, d.sample_size, d.sample_size)
+    out = {d.input: torch.randn(shape, generator=generator)}
+    if d.num_classes:
+        out[CLASS] = torch.randint(0, d.num_classes, (batch,), generator=generator)
+    return out
+
+
 def next_token_loss(out: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
     """The trainer's next-token objective (train/objectives.py) of a language model's output
     `out`: the summed cross-entropy of each position against the next id's label (the model's
@@ -213,6 +231,10 @@ def measure_training_step(
         positions = context or spec.decoder.max_positions
         per_row = images if images is not None else int(spec.projector is not None)
         batch = language_batch(spec, plan.config.micro_batch, positions, per_row, generator, packed)
+    elif spec.is_generator():
+        batch = denoiser_batch(spec, plan.config.micro_batch, generator)
+        objective = DiffusionObjective(spec, DiffusionConfig(), seed=seed)
+        objective.prepare(None, [batch], None, 0)
     else:
         batch = random_batch(spec, plan.config.micro_batch, generator)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -225,10 +247,14 @@ def measure_training_step(
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(batch)
-        if spec.is_language_model():
+        if spec.is_generator():  # the objective's noisy input, timesteps and classes
+            out = model(objective.inputs(batch, 0))
+            loss = objective.loss(out, batch, 0)
+        elif spec.is_language_model():
+            out = model(batch)
             loss = next_token_loss(out, batch["labels"])
         else:
+            out = model(batch)
             loss = _loss(spec, model, out, generator)
     activations = sum(saved.values())
     # The prediction for this very step: planned for the CPU, where packed rows keep a dense
