@@ -49,7 +49,8 @@ class DenoiserSpec:
     learn_sigma: bool = False
     prediction: str = "velocity"
     input: str = "image"
-    norm_eps: float = 1e-6
+    norm_eps: float = 1e-6  # the attention's and the output's norms (DiT's)
+    mlp_norm_eps: float = 1e-6  # the MLP's norm (diffusers' DiT configs: their norm_eps, 1e-5)
 
     def __post_init__(self) -> None:
         self.validate()

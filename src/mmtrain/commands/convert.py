@@ -4,6 +4,8 @@
     mmtrain convert --to openclip DIR [--model NAME|spec.yaml] --out FILE.safetensors|FILE.pt
     mmtrain convert --from hf HF_DIR --out DIR
     mmtrain convert --to hf DIR --out HF_DIR
+    mmtrain convert --from diffusers DIT_DIR --out DIR
+    mmtrain convert --to diffusers DIR --out DIT_DIR
 
 DIR holds spec.yaml + model.safetensors, or shards listed in model.safetensors.index.json past
 5 GB (what `mmtrain.load_model(DIR)` reads). `--to hf` reads DIR one tensor at a time and writes
@@ -14,7 +16,9 @@ of CLIPModel, SiglipModel, CLIPVisionModel, CLIPVisionModelWithProjection, Sigli
 LlamaForCausalLM, Qwen2ForCausalLM or LlavaForConditionalGeneration (config.json's
 `architectures` decides); its config.json gives the model's shape, so --model is not used with
 hf. A language model's folder holds the decoder under `towers.text.*` (and a LLaVA's image tower
-under `towers.image.*`, its projector under `projector.*`).
+under `towers.image.*`, its projector under `projector.*`). DIT_DIR is a diffusers
+`DiTTransformer2DModel` folder (config.json + diffusion_pytorch_model.safetensors, or shards);
+the denoiser lies under `towers.denoiser.*`.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from mmtrain.spec import ModelSpec, load_spec
 # its parser at start-up, and `mmtrain spec` should not pay for importing torch.
 
 ORDER = 70
-FORMATS = ("openclip", "hf")
+FORMATS = ("openclip", "hf", "diffusers")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -72,9 +76,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     source, out = Path(args.source), Path(args.out)
-    if "hf" in (args.from_format, args.to_format):
+    folder_format = next(
+        (f for f in ("hf", "diffusers") if f in (args.from_format, args.to_format)), None
+    )
+    if folder_format is not None:
         if args.model is not None:
-            raise UsageError("--model is for openclip; with hf, config.json gives the model")
+            raise UsageError(
+                f"--model is for openclip; with {folder_format}, config.json gives the model"
+            )
+        if folder_format == "diffusers":
+            return _from_diffusers(source, out) if args.from_format else _to_diffusers(source, out)
         return _from_hf(source, out) if args.from_format else _to_hf(source, out)
     if args.from_format:
         return _from_openclip(source, args.model, out)
@@ -111,6 +122,34 @@ def _to_hf(source: Path, out: Path) -> int:
         except CheckpointMismatch as err:
             raise UsageError(f"{weights.source}: {err}") from None
     print(f"wrote {out} ({arch} for transformers, from {source})")
+    return 0
+
+
+def _from_diffusers(source: Path, out: Path) -> int:
+    from mmtrain.models.build import model_with_weights, save_model
+    from mmtrain.models.formats.diffusers import read_diffusers_dit
+
+    spec, state = read_diffusers_dit(source)  # HFFolderError (a FieldError) names file and field
+    model = model_with_weights(spec, state)
+    save_model(model, out)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"wrote {out} ({spec.name}, {params:,} parameters from {source})")
+    return 0
+
+
+def _to_diffusers(source: Path, out: Path) -> int:
+    from mmtrain.models.build import read_model_folder
+    from mmtrain.models.formats.diffusers import DIT_CLASS, write_diffusers_dit
+    from mmtrain.models.formats.hf_common import NoHFCounterpart
+    from mmtrain.models.formats.keys import CheckpointMismatch
+
+    spec, weights = read_model_folder(source)  # read one tensor at a time
+    with weights:
+        try:
+            write_diffusers_dit(spec, weights, out)
+        except (NoHFCounterpart, CheckpointMismatch) as err:
+            raise UsageError(f"{source}: {err}") from None
+    print(f"wrote {out} ({DIT_CLASS} for diffusers, from {source})")
     return 0
 
 

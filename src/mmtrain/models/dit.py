@@ -76,7 +76,7 @@ class DiTBlock(nn.Module):
         w = spec.width
         self.norm1 = nn.LayerNorm(w, elementwise_affine=False, eps=spec.norm_eps)
         self.attn = Attention(w, spec.heads)
-        self.norm2 = nn.LayerNorm(w, elementwise_affine=False, eps=spec.norm_eps)
+        self.norm2 = nn.LayerNorm(w, elementwise_affine=False, eps=spec.mlp_norm_eps)
         self.mlp = Mlp(w, spec.mlp_hidden(), "gelu_tanh")
         self.modulation = nn.Linear(w, 6 * w)
 

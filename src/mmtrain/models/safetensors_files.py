@@ -351,11 +351,13 @@ def write_tensors(
     *,
     max_shard_bytes: int = MAX_SHARD_BYTES,
     metadata: Mapping[str, str] | None = DEFAULT_METADATA,
+    prefix: str = "model",
 ) -> list[Path]:
     """Write `tensors` ((name, tensor) pairs arriving in the order of `entries`) into `folder`
-    through a `ShardedWriter`; each tensor is released once written. Returns the files."""
+    through a `ShardedWriter` (files `prefix`.safetensors, or shards and their index); each
+    tensor is released once written. Returns the files."""
     with ShardedWriter(
-        folder, entries, max_shard_bytes=max_shard_bytes, metadata=metadata
+        folder, entries, max_shard_bytes=max_shard_bytes, metadata=metadata, prefix=prefix
     ) as writer:
         for name, tensor in tensors:
             writer.write(name, tensor)

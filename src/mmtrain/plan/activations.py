@@ -127,13 +127,18 @@ def _qkv_elements(stack: Stack) -> int:
 def _lora_first_layer_unsaved(stack: Stack, micro_batch: int, o: ActivationOptions) -> float:
     """What the first layer of a LoRA stack keeps less than the others: its input comes from a
     frozen stem without gradient, so its first norm keeps nothing; without attention adapters
-    the whole attention sub-block and the second norm run without gradient too."""
+    the whole attention sub-block and the second norm run without gradient too (under
+    selective checkpointing the attention's terms are kept in no layer, and the first one's
+    checkpoint drops its input: nothing in it needs a gradient)."""
     terms = layer_terms(stack, micro_batch, o)
     one_norm = terms["norm_inputs"] / 2 + terms["norm_stats"] / 2
     if stack.adaln:  # the first modulation's (1 + scale) multiplies a tensor without gradient
         one_norm += micro_batch * stack.width * o.act_bytes
     if "attn" in stack.lora_targets:
         return one_norm
+    if o.ac == "selective":
+        rep = o.tp if o.sp else 1
+        return 2 * one_norm + stack.tokens * micro_batch * stack.width * o.act_bytes / rep
     attention = ("qkv", "attention_output", "attention_lse", "attention_softmax", "attention_mask")
     return 2 * one_norm + sum(terms.get(k, 0.0) for k in attention)
 
@@ -176,7 +181,16 @@ def layer_bytes(stack: Stack, micro_batch: int, o: ActivationOptions) -> float:
         return stack.tokens * micro_batch * stack.width * o.residual_bytes / (o.tp if o.sp else 1)
     terms = layer_terms(stack, micro_batch, o)
     if o.ac == "selective":
-        return sum(v for k, v in terms.items() if k not in _SELECTIVE_DROPS)
+        kept = {k: v for k, v in terms.items() if k not in _SELECTIVE_DROPS}
+        if stack.mode == "lora":
+            # The checkpointed attention keeps its input, adapted or not, and recomputes its
+            # adapters' rank-r intermediates (q/k/v and output projection).
+            kept["qkv_input"] = stack.tokens * micro_batch * stack.width * o.act_bytes
+            kept["qkv_input"] /= o.tp if o.sp else 1
+            if "attn" in stack.lora_targets:
+                r = stack.lora_rank
+                kept["lora_intermediate"] -= 2 * stack.tokens * micro_batch * r * o.act_bytes / o.tp
+        return sum(kept.values())
     return sum(terms.values())
 
 
@@ -264,7 +278,7 @@ def stack_activations(
         stem += micro_batch * stack.tokens**2
     if stack.mode == "lora":
         stem -= micro_batch * stack.proj_input_elements * o.act_bytes  # a frozen projection
-        if o.ac == "none" and not input_grad:
+        if o.ac != "full" and not input_grad:
             layers -= _lora_first_layer_unsaved(stack, micro_batch, o) * in_flight
     logits = _loss_bytes(stack, micro_batch, o) if stack.vocab else 0.0
     recompute = working if o.ac != "none" else 0

@@ -568,6 +568,9 @@ def denoiser_model(spec: ModelSpec) -> PlanModel:
         layer_params=d.block_params(),
         stem_input_elements=stem_inputs,
         stem_input_int64=classes,
+        # a frozen final layer (LoRA) keeps neither its modulation's input, its normalised
+        # copy nor its output projection's input
+        proj_input_elements=2 * t * w + w,
         norm_copy=True,
         adaln=True,
         source=f"denoiser of {spec.name}",

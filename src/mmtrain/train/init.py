@@ -50,6 +50,7 @@ from torch import Tensor, nn
 
 from mmtrain.atomic import sha256_file
 from mmtrain.folders import SPEC_FILE, WEIGHTS_FILE
+from mmtrain.models.formats.diffusers import is_diffusers_folder, read_diffusers_dit
 from mmtrain.models.formats.keys import CheckpointMismatch
 from mmtrain.models.formats.openclip import (
     OPENCLIP_SUFFIXES,
@@ -87,7 +88,7 @@ class Source:
     """
 
     path: Path
-    kind: str  # "mmtrain", "checkpoint", "openclip", "hf"
+    kind: str  # "mmtrain", "checkpoint", "openclip", "hf", "diffusers"
     spec: ModelSpec
     state: dict[str, Tensor]
     files: list[Path]  # the weight files read (recorded with their sha256)
@@ -114,6 +115,8 @@ def _read_folder(path: Path, field: str) -> Source:
         return _read_mmtrain(path, path / SPEC_FILE, field)
     if (path / "meta.json").is_file() and (path / "manifest.json").is_file():
         return _read_checkpoint(path, field)
+    if is_diffusers_folder(path):
+        return _read_diffusers(path, field)
     hf = _hf_module()
     if hf is not None and hf.is_hf_folder(path):
         return _read_hf(hf, path, field)
@@ -170,6 +173,14 @@ def _read_hf(hf: Any, path: Path, field: str) -> Source:
     except (ValueError, KeyError, OSError) as err:  # FieldError is a ValueError
         raise InitError(field, f"{path}: {err}") from None
     return Source(path, "hf", spec, dict(state), sorted(path.glob("*.safetensors")))
+
+
+def _read_diffusers(path: Path, field: str) -> Source:
+    try:
+        spec, state = read_diffusers_dit(path)
+    except (ValueError, KeyError, OSError) as err:  # FieldError is a ValueError
+        raise InitError(field, f"{path}: {err}") from None
+    return Source(path, "diffusers", spec, state, sorted(path.glob("*.safetensors")))
 
 
 def _hf_module() -> Any:

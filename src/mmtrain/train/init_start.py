@@ -15,6 +15,7 @@ from torch import nn
 
 from mmtrain.config import RunConfig
 from mmtrain.train.init import InitError, InitReport, load_init_towers
+from mmtrain.train.init_denoiser import load_init_denoiser
 from mmtrain.train.init_lm import load_init_lm
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,8 @@ def load_init(model: nn.Module, init: str | Mapping[str, str], strict: bool = Tr
     """
     if model.spec.decoder is not None:  # a LanguageModel: its decoder is a tower spec.towers lacks
         return load_init_lm(model, init, strict)
+    if model.spec.denoiser is not None:  # a DiffusionModel: one network
+        return load_init_denoiser(model, init, strict)
     return load_init_towers(model, init, strict)
 
 

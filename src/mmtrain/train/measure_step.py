@@ -2,7 +2,8 @@
 micro-batch and checkpointing mode, and count what it holds, to set beside the prediction.
 
 - Activations: every tensor autograd saves for backward during the forward pass and the loss
-  (`torch.autograd.graph.saved_tensors_hooks`), deduplicated by storage, parameters excluded.
+  (`torch.autograd.graph.saved_tensors_hooks`), deduplicated by storage, parameters excluded,
+  that the graph still holds when the loss is computed.
   With non-reentrant checkpointing the hooks see exactly the checkpointed blocks' inputs.
 - Language models (spec.decoder): rows of the planned length (`context`, default
   `decoder.max_positions`), `images` placeholders per row, `packed` rows of two documents,
@@ -27,13 +28,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from mmtrain.config import DiffusionConfig, LoraConfig, TowerTrainConfig, TrainConfig
 from mmtrain.losses import ContrastiveLoss
 from mmtrain.models.build import create_model
+from mmtrain.models.dit import CLASS
 from mmtrain.plan.estimate import Plan
 from mmtrain.plan.memory import training_memory
-from mmtrain.models.dit import CLASS
 from mmtrain.spec import ModelSpec, load_spec, with_input_sizes
 from mmtrain.train.diffusion import DiffusionObjective
 from mmtrain.train.lora import apply_lora
@@ -238,12 +240,16 @@ def measure_training_step(
     else:
         batch = random_batch(spec, plan.config.micro_batch, generator)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
+    # By storage; a weak reference tells whether the graph still holds it at the end of the
+    # forward (a node whose output needs no gradient is dropped with what it saved, e.g. a
+    # checkpointed sub-block without gradient, and its memory may be reused at that address).
+    saved: dict[int, tuple[int, StorageWeakRef]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            saved[st.data_ptr()] = st.nbytes()
+        ptr = st.data_ptr()
+        if ptr not in params and (ptr not in saved or saved[ptr][1].expired()):
+            saved[ptr] = (st.nbytes(), StorageWeakRef(st))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -256,7 +262,7 @@ def measure_training_step(
         else:
             out = model(batch)
             loss = _loss(spec, model, out, generator)
-    activations = sum(saved.values())
+    activations = sum(n for n, ref in saved.values() if not ref.expired())
     # The prediction for this very step: planned for the CPU, where packed rows keep a dense
     # mask that flex attention on the plan's GPU does not (models/attention.py).
     cpu = training_memory(plan.model, plan.config, None)

@@ -203,14 +203,17 @@ def write_hf_groups(
     name: str,
     *,
     max_shard_bytes: int = MAX_SHARD_BYTES,
+    prefix: str = "model",
 ) -> Path:
-    """The HF tensors of `groups`, streamed from `source` into model.safetensors (or shards of
-    at most `max_shard_bytes` and the index), then config.json, each atomically (config.json
+    """The HF tensors of `groups`, streamed from `source` into `prefix`.safetensors (or shards
+    of at most `max_shard_bytes` and the index), then config.json, each atomically (config.json
     last: a folder that has it has its weights); `name` (the architecture) is for the log.
     The caller checks `source`'s keys first (`check_keys`). Returns the folder."""
     out = Path(out_dir)
     entries = hf_entries(meta_state(source), groups)
-    write_tensors(out, entries, stream_groups(source, groups), max_shard_bytes=max_shard_bytes)
+    write_tensors(
+        out, entries, stream_groups(source, groups), max_shard_bytes=max_shard_bytes, prefix=prefix
+    )
     atomic_write_text(out / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True) + "\n")
     log.info("wrote %s (%s, %d tensors)", out, name, len(entries))
     return out

@@ -1,0 +1,120 @@
+"""diffusers' DiT <-> mmtrain's: a `DiTTransformer2DModel` built by diffusers from a config,
+saved by diffusers, read by mmtrain, gives diffusers' output (float64, to rounding) and writes
+back a folder diffusers loads with no missing or unexpected key and the same output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import mmtrain
+from mmtrain.cli import main
+from mmtrain.models.formats.diffusers import read_diffusers_dit, write_diffusers_dit
+from mmtrain.models.formats.hf_common import HFFolderError
+
+diffusers = pytest.importorskip("diffusers")
+
+CONFIG = dict(num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=8,
+              num_layers=2, sample_size=16, patch_size=2, num_embeds_ada_norm=10)  # fmt: skip
+
+
+def peer(seed: int = 0):
+    """diffusers' DiT with every weight random (its zero-initialised ones too), in float64."""
+    torch.manual_seed(seed)
+    model = diffusers.DiTTransformer2DModel(**CONFIG).double().eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.2)
+        emb = model.transformer_blocks[0].norm1.emb  # DiT has one embedder: copies agree
+        for block in model.transformer_blocks[1:]:
+            block.norm1.emb.load_state_dict(emb.state_dict())
+    return model
+
+
+def inputs(n: int = 3):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 4, 16, 16, generator=g, dtype=torch.float64)
+    return x, torch.tensor([3.0, 500.0, 999.0]), torch.tensor([0, 7, 10])  # 10: "no class"
+
+
+def test_a_diffusers_dit_reads_and_predicts_as_diffusers(tmp_path):
+    model = peer()
+    model.save_pretrained(tmp_path / "dit")
+    spec, state = read_diffusers_dit(tmp_path / "dit")
+    assert spec.objective == "diffusion" and spec.denoiser.learn_sigma
+    # diffusers repeats the timestep MLP and class table in every block: ours has them once
+    copy = sum(p.numel() for p in model.transformer_blocks[0].norm1.emb.parameters())
+    assert spec.params() == sum(p.numel() for p in model.parameters()) - (2 - 1) * copy
+    ours = mmtrain.models.build.model_with_weights(spec, state)
+    x, t, y = inputs()
+    with torch.no_grad():
+        want = model(x, timestep=t, class_labels=y).sample
+        got = ours.predict({"latent": x, "timestep": t, "class": y})
+    assert torch.allclose(got, want, rtol=0, atol=1e-10)
+
+
+def test_a_dit_written_for_diffusers_loads_strictly_and_predicts_the_same(tmp_path):
+    model = peer(seed=2)
+    model.save_pretrained(tmp_path / "dit")
+    spec, state = read_diffusers_dit(tmp_path / "dit")
+    write_diffusers_dit(spec, state, tmp_path / "back", max_shard_bytes=200_000)  # shards
+    assert (tmp_path / "back" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    again, info = diffusers.DiTTransformer2DModel.from_pretrained(
+        tmp_path / "back", output_loading_info=True, torch_dtype=torch.float64
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    x, t, y = inputs()
+    with torch.no_grad():
+        assert torch.equal(again(x, timestep=t, class_labels=y).sample,
+                           model(x, timestep=t, class_labels=y).sample)  # fmt: skip
+
+
+def test_convert_from_and_to_diffusers_on_the_command_line(tmp_path):
+    peer().float().save_pretrained(tmp_path / "dit")
+    assert (
+        main(
+            ["convert", "--from", "diffusers", str(tmp_path / "dit"), "--out", str(tmp_path / "m")]
+        )
+        == 0
+    )
+    model = mmtrain.load_model(tmp_path / "m")
+    assert model.spec.denoiser.num_classes == 10
+    assert (
+        main(["convert", "--to", "diffusers", str(tmp_path / "m"), "--out", str(tmp_path / "d")])
+        == 0
+    )
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert config["_class_name"] == "DiTTransformer2DModel" and config["out_channels"] == 8
+
+
+def test_blocks_whose_embedder_copies_differ_are_refused_by_name(tmp_path):
+    model = peer()
+    with torch.no_grad():
+        model.transformer_blocks[1].norm1.emb.timestep_embedder.linear_1.weight.add_(1.0)
+    model.save_pretrained(tmp_path / "dit")
+    with pytest.raises(HFFolderError, match="transformer_blocks.1.norm1.emb"):
+        read_diffusers_dit(tmp_path / "dit")
+
+
+def test_init_from_a_diffusers_dit_fine_tunes_its_network(tmp_path):
+    # A flow model started from DiT's DDPM checkpoint: the same network, the prediction's
+    # output rows kept and the learned-sigma rows dropped.
+    from mmtrain.spec import ModelSpec
+    from mmtrain.train.init_start import load_init
+
+    model = peer(seed=3)
+    model.save_pretrained(tmp_path / "dit")
+    spec, _ = read_diffusers_dit(tmp_path / "dit")
+    flow = ModelSpec.from_dict({**spec.to_dict(), "objective": "flow_matching",
+                                "denoiser": {**spec.denoiser.to_dict(), "prediction": "velocity",
+                                             "learn_sigma": False}})  # fmt: skip
+    ours = mmtrain.create_model(flow).double()
+    report = load_init(ours, str(tmp_path / "dit"))
+    assert report.loaded == len(ours.state_dict()) and not report.random
+    x, t, y = inputs()
+    with torch.no_grad():
+        want = model(x, timestep=t, class_labels=y).sample[:, :4]
+        got = ours.predict({"latent": x, "timestep": t, "class": y})
+    assert torch.allclose(got, want, rtol=0, atol=1e-10)
