@@ -364,7 +364,7 @@ def _print_plan(plan: Plan, measured: dict | None) -> None:
     for name, value in mem.activations_by_stack.items():
         rows.append((f"activations: {name}", value))
     if mem.loss_bytes:  # contrastive logits; a language model's loss is in its text stack
-        rows.append(("activations: loss (logits)", mem.loss_bytes))
+        rows.append(("activations: loss", mem.loss_bytes))
     rows += [
         ("recompute working set", mem.recompute_bytes),
         ("communication buffers", mem.comm_buffers_bytes),

@@ -77,3 +77,11 @@ def initialised_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.
         for name in getattr(sub, "ADAPTER_PARAMETERS", ())
     }
     return [(name, p) for name, p in module.named_parameters() if name not in skip]
+
+
+def full_on_cpu(value: Tensor) -> Tensor:
+    """The whole tensor on the CPU: a shard (DTensor) is all-gathered first, a collective every
+    rank must call."""
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    return value.detach().to("cpu")

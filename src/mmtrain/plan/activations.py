@@ -20,6 +20,13 @@ output and the product (h + 4f instead of h + 2f). Attention kernels add:
   models/attention.py) SDPA's fp32 additive [b, 1, s, s] mask per layer.
 Norms keep two fp32 statistics per token (LayerNorm) or one (RMSNorm).
 
+A DiT block (adaLN-Zero, models/dit.py; `Stack.adaln`) keeps, besides these terms, what its
+modulation needs for the gradients of its shift, scale and gate: both normalised copies (the
+`(1 + scale)` product reads them; `norm_copy`, residual bytes: LayerNorm's output is fp32 under
+autocast) and both branch outputs (the gate's product reads them), 4h per token, and per sample
+the modulation Linear's input SiLU(c) and output (6h; the gates are views of it) and the two
+`(1 + scale)` factors: 9h. Measured exact on the CPU (docs/PLANNER.md, "Denoisers").
+
 Tensor parallel t divides everything except the norm inputs, qkv input and fc1 input (which
 stay replicated: Korthikanti's "10" at 16-bit with dropout) unless sequence parallelism is on.
 Checkpointing: "selective" recomputes the attention sub-block (drops q/k/v, attention output,
@@ -270,6 +277,8 @@ def stack_activations(
     floats, ints = stack.stem_elements, stack.stem_int64
     if stack.mode == "lora" or stack.frozen_blocks is not None:  # a frozen stem
         floats, ints = floats - stack.stem_input_elements, ints - stack.stem_input_int64
+        if stack.adaln and o.ac == "full":
+            floats += stack.width  # the conditioning vector: every checkpointed block's input
         if input_grad and stack.kind == "decoder":
             ints += stack.tokens  # the splice index: the image tokens' gradient reads it
     stem = micro_batch * (floats * o.act_bytes + ints * 8)

@@ -2,9 +2,10 @@
 
 A `ModelSpec` (encoder towers) becomes one `Stack` per tower, taking parameters, tokens and
 forward FLOPs from spec.py's counts; a language model its decoder (and vision tower and
-projector), a denoiser (spec.denoiser) one "diffusion" stack. Workload presets (decoder LMs, diffusion transformers;
-see workloads.py) build stacks directly from their published shapes. Everything downstream
-(memory, time, inference) reads stacks only, so both kinds of model are planned alike.
+projector); a denoiser (spec.denoiser) one "diffusion" stack. Workload presets without a spec
+(some diffusion transformers, a document model; see workloads.py) build stacks directly from
+their published shapes. Everything downstream (memory, time, inference) reads stacks only, so
+every kind of model is planned alike.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class Stack:
     """
 
     name: str
-    kind: str  # encoder | decoder | diffusion | projector
+    kind: str  # encoder | decoder | diffusion (a DiT) | projector
     layers: int
     width: int
     heads: int

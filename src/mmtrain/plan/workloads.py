@@ -5,6 +5,10 @@ The VLMs (`llava-1.5-13b`, `llava-34b`, `mllm-30b`, `vlm-70b`) are specs (`vlm_s
 vision tower and the LM's published config as a `DecoderSpec`, planned by `plan/model.py` like
 any language-model spec; `llava-1.5-7b` is the preset itself. `doc-ocr-2b`'s decoder (and its
 2x2-merging vision tower, which a spec cannot express) still comes from the formula below.
+The diffusion rows stay built from their published shapes too: `dit-2b` (SD3's MMDiT) and
+`dit-12b` (FLUX.1) run text tokens beside the image tokens, with a second stream of weights
+(MMDiT) or double- and single-stream blocks (FLUX), and `video-dit-30b` is a video DiT; a
+`DenoiserSpec` (a class-conditional DiT over a square grid: DiT-XL-2, tiny-dit) is none of these.
 
 Formula decoders are Llama-style: RMSNorm, grouped-query attention, SwiGLU MLP, untied LM head.
 Parameters: embedding V h + L (2 h a d + 2 h kv d + 3 h f + 2 h) + h + LM head h V.

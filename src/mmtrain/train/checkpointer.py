@@ -32,7 +32,10 @@ from mmtrain.config import RunConfig
 from mmtrain.folders import CHECKPOINT_DIR
 from mmtrain.spec import ModelSpec
 from mmtrain.train import parallel
+from mmtrain.train.ema import Ema
 from mmtrain.train.rng import gather_rng_states
+
+EMA_KEY = "ema"  # the average's entry in a checkpoint (state.pt, or beside "model" in dcp/)
 
 log = logging.getLogger(__name__)
 
@@ -71,16 +74,22 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         state: dict[str, Any],
         samples_seen: int,
+        ema: Ema | None = None,
     ) -> None:
-        """Every rank takes part. Full: FSDP gathers the weights and optimizer state to rank 0,
-        which writes them. Sharded: each rank writes its own shards, in place (no gather)."""
+        """Every rank takes part. Full: FSDP gathers the weights, the optimizer state and the
+        EMA to rank 0, which writes them. Sharded: each rank writes its own shards of all three,
+        in place (no gather)."""
         started = time.monotonic()
         if self.format == "sharded":
             shards = parallel.sharded_state_dict(model, optimizer)
             check_finite_weights(shards["model"], sharded=True)
+            if ema is not None:
+                shards[EMA_KEY] = ema.state_dict()
         else:
             weights = full_weights(model, self.rank)
             optimizer_state = parallel.optimizer_state_dict(model, optimizer)
+            if ema is not None:
+                state = {**state, EMA_KEY: ema.full_state_dict()}
         state = {**state, "rng": gather_rng_states()}  # one entry per rank
         meta = {
             "config": self.config.to_dict(),
@@ -99,17 +108,27 @@ class Checkpointer:
         self.last_save_time = time.monotonic()
         self.seconds_total += self.last_save_time - started
 
-    def restore(self, ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """A sharded checkpoint's weights and the optimizer state (a full checkpoint's weights
-        load before the model is wrapped). The optimizer state may have been saved under any
-        strategy on any number of ranks; under FSDP each rank keeps its shard of it, DCP
-        reading for each rank what its shards cover."""
+    def restore(
+        self,
+        ckpt: Checkpoint,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        ema: Ema | None = None,
+    ) -> None:
+        """A sharded checkpoint's weights, the optimizer state and the EMA (a full checkpoint's
+        weights load before the model is wrapped). They may have been saved under any strategy
+        on any number of ranks; under FSDP each rank keeps its shards, DCP reading for each
+        rank what its shards cover."""
         if ckpt.format == "sharded":
             shards = parallel.sharded_state_dict(model, optimizer)  # this run's layout
+            if ema is not None:
+                shards[EMA_KEY] = ema.state_dict()  # read in place
             read_sharded(ckpt.path, shards)
             parallel.load_sharded_state_dict(model, optimizer, shards)
         else:
             parallel.load_optimizer_state_dict(model, optimizer, ckpt.state["optimizer"])
+            if ema is not None and EMA_KEY in ckpt.state:
+                ema.load_state_dict(ckpt.state[EMA_KEY])
 
     def rollback_point(self, step: int, in_a_row: int, rollbacks: int) -> Checkpoint:
         """The checkpoint to roll back to after `in_a_row` non-finite steps, or

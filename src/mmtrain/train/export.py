@@ -20,6 +20,7 @@ from torch import nn
 from mmtrain.config import LoraConfig
 from mmtrain.models import create_model
 from mmtrain.models.build import write_model_folder
+from mmtrain.models.materialize import full_on_cpu
 from mmtrain.models.safetensors_files import TensorEntry
 from mmtrain.train import parallel
 from mmtrain.train.checkpointer import check_finite_weights
@@ -39,7 +40,7 @@ def export_model(
         return
     state = model.state_dict()
     check_finite_weights(state, sharded=sharded)
-    adapters = {name: _full(v) for name, v in state.items() if is_adapter(name)}
+    adapters = {name: full_on_cpu(v) for name, v in state.items() if is_adapter(name)}
     layout = [TensorEntry.of(name, v) for name, v in state.items() if not is_adapter(name)]
     _check_layout(model, layout)
     tensors = _merged_tensors(state, adapters, lora_scale)
@@ -61,20 +62,13 @@ def _merged_tensors(
     for name, value in state.items():
         if is_adapter(name):
             continue
-        full = _full(value)
+        full = full_on_cpu(value)
         prefix = name.removesuffix(".weight")
         if name.endswith(".weight") and prefix in lora_scale:
             a, b = adapters[f"{prefix}.lora_a"], adapters[f"{prefix}.lora_b"]
             full = merged(full, a, b, lora_scale[prefix])
         yield name, full
         del full
-
-
-def _full(value: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on the CPU (a DTensor shard is all-gathered: every rank calls this)."""
-    if hasattr(value, "full_tensor"):
-        value = value.full_tensor()
-    return value.detach().to("cpu")
 
 
 def _check_layout(model: nn.Module, layout: list[TensorEntry]) -> None:

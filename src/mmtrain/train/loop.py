@@ -40,9 +40,7 @@ from mmtrain.config import RunConfig, diff_configs, parse_yaml
 from mmtrain.distributed import sum_over_ranks
 from mmtrain.folders import CONFIG_FILE
 from mmtrain.losses import logit_scale_value
-from mmtrain.models import save_model
 from mmtrain.spec import ModelSpec, load_spec
-from mmtrain.structured import FieldError
 from mmtrain.train import parallel
 from mmtrain.train.checkpointer import Checkpointer
 from mmtrain.train.comm_timing import CommTimer
@@ -129,11 +127,6 @@ class Trainer:
         self.rank, self.world = env.rank, env.world_size
         config.validate(world_size=self.world)
         t = config.train
-        if t.ema and t.parallel == "fsdp" and self.world > 1:
-            # The average is kept of full, unsharded weights; FSDP leaves each rank a shard only.
-            raise FieldError(
-                "train.ema", "is not supported with train.parallel=fsdp; set it to null or use ddp"
-            )
         self.spec = spec = load_spec(config.model)
         check_schedules(spec, t.resolution_schedule, t.frames_schedule)
         # Fails early where it cannot run; fp32 on CUDA uses TF32 unless train.tf32 is false.
@@ -357,8 +350,9 @@ class Trainer:
         if save:
             self.recorder.flush()  # the rows up to the checkpoint are written before it
             self.checkpointer.save(
-                step, self.model, self.optimizer, self._saved_state(), self.state.samples_seen
-            )
+                step, self.model, self.optimizer, self._saved_state(), self.state.samples_seen,
+                self.ema,
+            )  # fmt: skip
         if signalled:
             log.warning("stopped by a signal after step %d; checkpoint written, exiting", step)
             self.stopped_by_signal = True
@@ -373,8 +367,6 @@ class Trainer:
             "loader": self.data.state_dict(),
             "counters": self.state.counters(self._corrupt_total()),
         }
-        if self.ema is not None:
-            state["ema"] = self.ema.state_dict()
         return state
 
     def _corrupt_total(self) -> int:
@@ -384,13 +376,11 @@ class Trainer:
 
     def _restore(self, ckpt: Checkpoint) -> None:
         """Everything but a full checkpoint's weights (loaded before wrapping)."""
-        self.checkpointer.restore(ckpt, self.model, self.optimizer)
+        self.checkpointer.restore(ckpt, self.model, self.optimizer, self.ema)
         self.scheduler.load_state_dict(ckpt.state["scheduler"])
         if self.precision.scaler is not None and ckpt.state.get("scaler"):
             self.precision.scaler.load_state_dict(ckpt.state["scaler"])
         self.data.load_state_dict(ckpt.state["loader"])
-        if self.ema is not None and "ema" in ckpt.state:
-            self.ema.load_state_dict(ckpt.state["ema"])
         counters = ckpt.state["counters"]
         restore_rank_rng_state(ckpt.state["rng"], self.rank, self.config.seed, counters["step"])
         self.state.load_counters(counters)
@@ -458,8 +448,8 @@ class Trainer:
         """OUT/model.safetensors + spec.yaml (LoRA merged, adapters alone beside), gathered
         and written one tensor at a time (train/export.py); EMA in OUT/ema."""
         export_model(self.model, self.out, self.rank, self.lora_scale, lora_towers(self.t))
-        if self.ema is not None and self.rank == 0:
-            save_model(self.ema.model(self.model), self.out / "ema")
+        if self.ema is not None:
+            self.ema.export(self.model, self.out / "ema", self.rank)
 
     def _result(self, corrupt: int, eval_report: dict[str, Any] | None = None) -> TrainResult:
         state, history = self.state, self.recorder.history
