@@ -38,6 +38,9 @@ CASES = [
     ("ViT-B-32", 2, "none", None, None),
     ("ViT-B-32", 4, "selective", 160, None),
     ("ViT-B-16", 1, "full", None, None),
+    ("tiny-dit", 8, "none", None, None),
+    ("tiny-dit", 16, "selective", None, None),
+    ("tiny-dit", 8, "full", None, None),
 ]
 
 
