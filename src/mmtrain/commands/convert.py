@@ -93,10 +93,22 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _from_hf(source: Path, out: Path) -> int:
-    from mmtrain.models.build import model_with_weights, save_model
     from mmtrain.models.formats.hf import read_hf_model
 
-    spec, state = read_hf_model(source)  # HFFolderError (a FieldError) names file and field
+    return _from_folder(source, out, read_hf_model)
+
+
+def _from_diffusers(source: Path, out: Path) -> int:
+    from mmtrain.models.formats.diffusers import read_diffusers_dit
+
+    return _from_folder(source, out, read_diffusers_dit)
+
+
+def _from_folder(source: Path, out: Path, read) -> int:
+    """An mmtrain model folder from an external one, `read` giving (spec, state dict)."""
+    from mmtrain.models.build import model_with_weights, save_model
+
+    spec, state = read(source)  # HFFolderError (a FieldError) names file and field
     model = model_with_weights(spec, state)
     save_model(model, out)
     params = sum(p.numel() for p in model.parameters())
@@ -122,18 +134,6 @@ def _to_hf(source: Path, out: Path) -> int:
         except CheckpointMismatch as err:
             raise UsageError(f"{weights.source}: {err}") from None
     print(f"wrote {out} ({arch} for transformers, from {source})")
-    return 0
-
-
-def _from_diffusers(source: Path, out: Path) -> int:
-    from mmtrain.models.build import model_with_weights, save_model
-    from mmtrain.models.formats.diffusers import read_diffusers_dit
-
-    spec, state = read_diffusers_dit(source)  # HFFolderError (a FieldError) names file and field
-    model = model_with_weights(spec, state)
-    save_model(model, out)
-    params = sum(p.numel() for p in model.parameters())
-    print(f"wrote {out} ({spec.name}, {params:,} parameters from {source})")
     return 0
 
 
