@@ -6,6 +6,7 @@ on pixel shards and resumes bitwise."""
 from __future__ import annotations
 
 import io
+import json
 import math
 from pathlib import Path
 
@@ -18,15 +19,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import mmtrain
+from micro import MICRO_SPEC
 from mmtrain.cli import main
 from mmtrain.config import DiffusionConfig, config_from_dict
 from mmtrain.data.storage.shard_writer import ShardWriter
 from mmtrain.eval.sampling import sample
 from mmtrain.models.dit import DiffusionModel, sincos_positions
-from mmtrain.models.schedules import ddpm_alphas_cumprod
+from mmtrain.models.schedules import ddpm_alphas_cumprod, draw_generator
 from mmtrain.spec import ModelSpec, load_spec
 from mmtrain.structured import FieldError
-from mmtrain.train.diffusion import DiffusionObjective, draw_generator
+from mmtrain.train.diffusion import DiffusionObjective
 from mmtrain.train.loop import train
 
 CLASSES = 4
@@ -112,7 +114,7 @@ def test_flow_matching_inputs_and_target_follow_rectified_flow():
     objective = _objective(spec, DiffusionConfig(cfg_dropout=0.0))
     inputs = objective.inputs(batch, 0)
     # the same draws again, in the objective's order: noise, then the timesteps
-    g = draw_generator(7, 3, 0, 0, x0.device)
+    g = draw_generator(7, 3, 0, 0, device=x0.device)
     noise = torch.randn(x0.shape, generator=g, dtype=x0.dtype)
     t = torch.sigmoid(torch.randn(5, generator=g)).double()
     tb = t.view(-1, 1, 1, 1)
@@ -139,7 +141,7 @@ def test_ddpm_v_target_and_min_snr_weights():
     x0 = torch.randn(6, 3, 32, 32, dtype=torch.float64)
     objective = _objective(spec, config)
     inputs = objective.inputs({"image": x0, "class": torch.zeros(6, dtype=torch.long)}, 0)
-    g = draw_generator(7, 3, 0, 0, x0.device)
+    g = draw_generator(7, 3, 0, 0, device=x0.device)
     noise = torch.randn(x0.shape, generator=g, dtype=x0.dtype)
     steps = torch.randint(0, 1000, (6,), generator=g)
     abar = ddpm_alphas_cumprod(config)[steps]
@@ -249,6 +251,9 @@ class PointMassOracle(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.zeros((), dtype=torch.float64))  # the device
         self.abar = ddpm_alphas_cumprod(config)
 
+    def forward(self, batch):
+        return {"prediction": self.predict(batch)}
+
     def predict(self, batch):
         x, t = batch["image"], batch["timestep"]
         if self.spec.objective == "flow_matching":
@@ -349,3 +354,28 @@ def test_fsdp_on_two_ranks_trains_a_dit_and_its_ema_as_ddp_does(tmp_path, shards
         c = load_file(str(tmp_path / "resumed" / name))
         assert all(torch.equal(b[k], c[k]) for k in b), name
     assert (tmp_path / "fsdp" / "checkpoints" / "step_00000004" / "dcp").is_dir()  # sharded
+
+
+def test_validation_reports_the_loss_at_fixed_timesteps_and_eval_adds_the_fd(tmp_path, shards):
+    spec_file = tmp_path / "spec.yaml"
+    tiny().save(spec_file)
+    config = _config(tmp_path / "run", shards, spec_file, steps=4)
+    config.data.val = config.data.train
+    config.eval.every_steps = 2
+    history = train(config).history
+    val = {row["step"]: row["val/diffusion/loss"] for row in history if "val/diffusion/loss" in row}
+    assert sorted(val) == [2, 4] and all(math.isfinite(v) for v in val.values())
+    # `mmtrain eval` with a feature extractor (an image tower: here a micro CLIP, untrained)
+    clip = tmp_path / "clip"
+    mmtrain.save_model(mmtrain.create_model(ModelSpec.from_dict(MICRO_SPEC), seed=0), clip)
+    out = tmp_path / "eval.json"
+    argv = ["eval", str(tmp_path / "run"), "--data", shards, "--extractor", str(clip),
+            "--samples", "12", "--steps", "3", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(out.read_text())["diffusion"]
+    assert report["fd_n"] == 12 and report["fd"] >= 0 and report["fd_real_floor"] >= 0
+    # the final weights on the same images and the same noise: the last validation's loss
+    assert report["loss"] == pytest.approx(val[4], rel=1e-6)
+    assert main(argv[:4] + ["--out", str(tmp_path / "again.json")]) == 0  # deterministic
+    again = json.loads((tmp_path / "again.json").read_text())["diffusion"]
+    assert again["loss_at"] == report["loss_at"]

@@ -199,6 +199,13 @@ class EvalConfig:
 
     every_steps: int | None = None  # null: only at the end of training (when data.val is set)
     batch_size: int = 64  # samples per forward per rank
+    # A denoiser's validation: besides its loss at fixed timesteps, the Fréchet distance of
+    # `samples` generated images (`sample_steps`, guidance `cfg`) to the held-out ones in the
+    # features of `extractor` (an mmtrain model folder with an image tower); null: loss only.
+    extractor: str | None = None
+    samples: int = 256
+    sample_steps: int = 25
+    cfg: float = 1.0
 
 
 @dataclass

@@ -109,6 +109,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--workers", type=count, default=0, help="decode processes per rank (default 0)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when available)")
+    gen = p.add_argument_group("denoisers (a DiT)")
+    gen.add_argument(
+        "--extractor",
+        metavar="MODEL_DIR",
+        help="a model with an image tower whose features the Fréchet distance is taken in",
+    )
+    gen.add_argument(
+        "--samples", type=count, default=256, help="images generated for the FD (default 256)"
+    )
+    gen.add_argument("--steps", type=count, default=25, help="sampling steps (default 25)")
+    gen.add_argument("--cfg", type=float, default=1.0, help="guidance scale (default 1)")
     p.add_argument(
         "--out",
         metavar="FILE",
@@ -135,6 +146,9 @@ def run(args: argparse.Namespace) -> int:
     spec = model.spec
     if spec.decoder is not None:
         report = _language_model_report(model, run_dir, args)
+        return _write(report, model, run_dir, source, args)
+    if spec.denoiser is not None:
+        report = _denoiser_report(model, run_dir, args, device)
         return _write(report, model, run_dir, source, args)
     try:
         pairs = parse_pairs(args.pairs, spec) if args.pairs else [tuple(p) for p in spec.pairs]
@@ -243,6 +257,49 @@ def _language_model_report(model: Any, run_dir: Path, args: argparse.Namespace) 
         return evaluator.report(model)
     finally:
         evaluator.close()
+
+
+def _denoiser_report(model: Any, run_dir: Path, args: argparse.Namespace, device: Any) -> dict:
+    """Loss at fixed timesteps and, with --extractor, the FD of samples (eval/diffusion.py),
+    with the run's `train.diffusion` settings."""
+    import yaml
+
+    import mmtrain
+    from mmtrain.config import DiffusionConfig
+    from mmtrain.eval.diffusion import DenoiserEvaluator
+    from mmtrain.structured import FieldError, from_dict
+
+    try:
+        raw = (
+            yaml.safe_load((run_dir / "config.yaml").read_text())
+            if (run_dir / "config.yaml").is_file()
+            else {}
+        )
+        config = from_dict(DiffusionConfig, ((raw or {}).get("train") or {}).get("diffusion") or {})
+    except (yaml.YAMLError, FieldError, AttributeError) as err:
+        raise UsageError(f"{run_dir / 'config.yaml'}: {err}") from None
+    extractor = None
+    if args.extractor:
+        try:
+            extractor = mmtrain.load_model(args.extractor, device=device).eval()
+        except (OSError, ValueError) as err:
+            raise UsageError(f"--extractor {args.extractor}: {err}") from None
+    try:
+        evaluator = DenoiserEvaluator(
+            model.spec, args.data, batch_size=args.batch_size, config=config,
+            label_field=args.label_field, class_names=_manifest_class_names(args.data) or (),
+            extractor=extractor, samples=args.samples, steps=args.steps, cfg=args.cfg,
+            num_workers=args.workers,
+        )  # fmt: skip
+    except FieldError as err:
+        raise UsageError(
+            f"--{err.path} {err.message}" if err.path in ("data", "extractor") else str(err)
+        ) from None
+    try:
+        report = evaluator.report(model.eval())
+    finally:
+        evaluator.close()
+    return {"n_samples": report["diffusion"]["n"], **report}
 
 
 def _run_data_field(run_dir: Path, name: str) -> Any:
@@ -400,6 +457,15 @@ def format_report(report: dict[str, Any], out: Path) -> str:
             row = f"{direction:<22}" + "".join(f"{m[k]:>8.3f}" for k in ks)
             lines.append(
                 row + f"{m['mean_rank']:>11.1f}{m['median_rank']:>8.1f}{m['n_queries']:>9d}"
+            )
+    if "diffusion" in report:
+        d = report["diffusion"]
+        at = ", ".join(f"t={t} {v:.4f}" for t, v in d["loss_at"].items())
+        lines.append(f"loss at fixed timesteps: mean {d['loss']:.4f} ({at})")
+        if "fd" in d:
+            lines.append(
+                f"FD in {d['extractor']}'s features: {d['fd']:.4f} (real-vs-real floor "
+                f"{d['fd_real_floor']:.4f}; {d['fd_n']} images)"
             )
     for pair, s in report.get("clip_score", {}).items():
         lines.append(

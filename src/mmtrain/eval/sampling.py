@@ -17,7 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from mmtrain.config import DiffusionConfig
-from mmtrain.models.dit import CLASS, TIMESTEP
+from mmtrain.models.build import unwrap_model
+from mmtrain.models.dit import CLASS, PREDICTION, TIMESTEP
 from mmtrain.models.schedules import FLOW_TIMESTEP_SCALE, ddpm_alphas_cumprod, shift_flow_time
 
 SAMPLERS = ("euler", "heun", "ddim")
@@ -38,7 +39,7 @@ def sample(
     `classes` int64 [n] for a class-conditional model (None otherwise). `config`: the run's
     `train.diffusion` (its shift or its DDPM schedule); `sampler`: euler or heun (flow), ddim
     (DDPM); default euler / ddim."""
-    spec, config = model.spec, config or DiffusionConfig()
+    spec, config = unwrap_model(model).spec, config or DiffusionConfig()
     d = spec.denoiser
     flow = spec.objective == "flow_matching"
     sampler = sampler or ("euler" if flow else "ddim")
@@ -59,7 +60,7 @@ def sample(
 
 def _guided(model: nn.Module, classes: Tensor | None, cfg: float):
     """t [n] -> the (guided) prediction at x, channels of the prediction only."""
-    d = model.spec.denoiser
+    d = unwrap_model(model).spec.denoiser
     key = d.input
     if d.num_classes and classes is None:
         raise ValueError("a class-conditional model samples with `classes`")
@@ -67,15 +68,20 @@ def _guided(model: nn.Module, classes: Tensor | None, cfg: float):
     def predict(x: Tensor, t: Tensor) -> Tensor:
         batch = {key: x, TIMESTEP: t.to(x.dtype)}
         if not d.num_classes:
-            return model.predict(batch)[:, : d.channels]
-        cond = model.predict({**batch, CLASS: classes})[:, : d.channels]
+            return _predict(model, batch)[:, : d.channels]
+        cond = _predict(model, {**batch, CLASS: classes})[:, : d.channels]
         if cfg == 1.0:
             return cond
         null = torch.full_like(classes, d.num_classes)
-        uncond = model.predict({**batch, CLASS: null})[:, : d.channels]
+        uncond = _predict(model, {**batch, CLASS: null})[:, : d.channels]
         return uncond + cfg * (cond - uncond)
 
     return predict
+
+
+def _predict(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    # Through the module's own call (not `predict`): wrappers (FSDP's root, DDP) hook it.
+    return model(batch)[PREDICTION]
 
 
 def _flow(predict, x: Tensor, steps: int, shift: float, heun: bool) -> Tensor:

@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+from torch import Tensor
 
 from mmtrain.config import DiffusionConfig
 
@@ -28,3 +30,30 @@ def ddpm_alphas_cumprod(config: DiffusionConfig) -> torch.Tensor:
         config.beta_start, config.beta_end, config.ddpm_steps, dtype=torch.float64
     )
     return torch.cumprod(1 - betas, dim=0)
+
+
+def draw_generator(seed: int, *keys: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on `device` seeded by `seed` and `keys` alone (numpy's SeedSequence mixes
+    them, so neighbouring steps or ranks get unrelated streams)."""
+    state = np.random.SeedSequence([seed, *keys]).generate_state(1, np.uint64)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int(state[0]) & (2**63 - 1))
+    return generator
+
+
+def _per_sample(values: Tensor, like: Tensor) -> Tensor:
+    return values.view(-1, *([1] * (like.dim() - 1)))
+
+
+def flow_pair(x0: Tensor, noise: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
+    """(x_t, the velocity target) of flow matching at times t [B] in [0, 1]."""
+    tb = _per_sample(t, x0)
+    return (1 - tb) * x0 + tb * noise, noise - x0
+
+
+def ddpm_pair(x0: Tensor, noise: Tensor, abar: Tensor, prediction: str) -> tuple[Tensor, Tensor]:
+    """(x_t, the target: epsilon, or v = sqrt(abar) eps - sqrt(1 - abar) x0) of DDPM at the
+    steps whose abar [B] is given."""
+    a, b = _per_sample(abar.sqrt(), x0), _per_sample((1 - abar).sqrt(), x0)
+    noisy = a * x0 + b * noise
+    return noisy, (a * noise - b * x0 if prediction == "v" else noise)

@@ -26,7 +26,6 @@ normalises them with there (the same float32 arithmetic the workers would have d
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -38,13 +37,14 @@ from mmtrain.data.storage.remote_cache import ShardCache, cache_stats, open_cach
 from mmtrain.data.storage.s3 import is_remote
 from mmtrain.data.storage.shards import ShardSet
 from mmtrain.data.stream.conversation_batches import ConversationBatcher, ConversationDecoder
+from mmtrain.data.stream.denoiser_inputs import DenoiserDecoder
+from mmtrain.data.stream.labels import label_value, read_class
 from mmtrain.data.stream.loader import StreamingLoader
-from mmtrain.data.stream.media import MediaError, decode_latent, decode_text
+from mmtrain.data.stream.media import MediaError
 from mmtrain.data.stream.order import apportion, mixing_schedule
 from mmtrain.data.stream.tokenizer import Tokenizer, get_tokenizer
 from mmtrain.data.stream.transforms import (
     MODALITY_EXTENSIONS,
-    AugmentConfig,
     ImageTransform,
     SampleDecoder,
     VideoTransform,
@@ -70,54 +70,10 @@ def read_label(
     Raises MediaError (the loader skips and counts the sample) when the label is missing or
     does not fit the head.
     """
-    value = _label_value(sample, label_field)
     if fusion.task == "classify":
-        return torch.tensor(_class_index(value, fusion.num_outputs, class_names), dtype=torch.long)
+        return read_class(sample, fusion.num_outputs, label_field, class_names, "the fusion head's")
+    value = label_value(sample, label_field)
     return _regression_target(value, fusion.num_outputs)
-
-
-def read_class(
-    sample: Mapping[str, Any],
-    classes: int,
-    label_field: str = "label",
-    class_names: Sequence[str] = (),
-) -> torch.Tensor:
-    """A class id in [0, classes) of one shard sample (int64 scalar), read as `read_label`
-    reads a classifying head's target; MediaError when it is missing or out of range."""
-    value = _label_value(sample, label_field)
-    return torch.tensor(_class_index(value, classes, class_names), dtype=torch.long)
-
-
-def _label_value(sample: Mapping[str, Any], label_field: str) -> Any:
-    """The sample's `.cls` member (a number, a list or a class name) or `label_field` of its
-    `.json` member."""
-    if "cls" in sample:
-        text = decode_text(sample["cls"], what="label").strip()
-        try:
-            return json.loads(text)  # "3", "0.5" or "[0.1, 2]"
-        except ValueError:
-            return text  # a class name
-    if "json" in sample:
-        try:
-            meta = json.loads(sample["json"])
-        except ValueError as err:
-            raise MediaError(f"json member is not valid JSON: {err}") from None
-        if not isinstance(meta, dict) or label_field not in meta:
-            raise MediaError(f"no .cls member and the json member has no field {label_field!r}")
-        return meta[label_field]
-    raise MediaError(f"no label: neither a .cls member nor a .json with {label_field!r}")
-
-
-def _class_index(value: Any, classes: int, class_names: Sequence[str]) -> int:
-    if isinstance(value, str):
-        if value not in class_names:
-            raise MediaError(f"label {value!r} is not one of data.class_names")
-        return list(class_names).index(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise MediaError(f"label {value!r} is not an integer class or a class name")
-    if not 0 <= value < classes:
-        raise MediaError(f"label {value} is outside the fusion head's {classes} classes")
-    return value
 
 
 def _regression_target(value: Any, outputs: int) -> torch.Tensor:
@@ -155,50 +111,6 @@ class TrainDecoder:
         out = {name: self.towers.decode_tower(name, sample, rng) for name in self.names}
         if self.fusion is not None:
             out[LABEL_KEY] = read_label(sample, self.fusion, self.label_field, self.class_names)
-        return out
-
-
-class DenoiserDecoder:
-    """A shard sample -> a denoiser's clean input and condition: "image" (the centred square at
-    `sample_size`, flipped at random, in [-1, 1]) or "latent" (a `.npy` member of the
-    denoiser's [C, H, W]), and "class" when the denoiser is class-conditional."""
-
-    def __init__(
-        self,
-        spec: ModelSpec,
-        label_field: str = "label",
-        class_names: Sequence[str] = (),
-        uint8_pixels: bool = False,
-    ):
-        assert spec.denoiser is not None
-        self.denoiser = spec.denoiser
-        self.label_field, self.class_names = label_field, list(class_names)
-        self.transform = None
-        if self.denoiser.input == "image":
-            half = (0.5,) * self.denoiser.channels  # (x / 255 - 0.5) / 0.5: [-1, 1]
-            augment = AugmentConfig(
-                scale=(1.0, 1.0), ratio=(1.0, 1.0), flip=True, mean=half, std=half
-            )
-            self.transform = ImageTransform(
-                self.denoiser.sample_size, True, self.denoiser.channels, augment, uint8_pixels
-            )
-
-    def __call__(self, sample: dict[str, Any], rng: np.random.Generator) -> dict[str, torch.Tensor]:
-        d = self.denoiser
-        if self.transform is not None:
-            ext = next((e for e in MODALITY_EXTENSIONS["image"] if e in sample), None)
-            if ext is None:
-                raise MediaError(
-                    f"no image member (expected one of {', '.join(MODALITY_EXTENSIONS['image'])})"
-                )
-            out = {"image": self.transform.decode(sample[ext], rng)}
-        else:
-            if "npy" not in sample:
-                raise MediaError("no .npy latent member (the denoiser's input is `latent`)")
-            shape = (d.channels, d.sample_size, d.sample_size)
-            out = {"latent": torch.from_numpy(decode_latent(sample["npy"], shape))}
-        if d.num_classes:
-            out["class"] = read_class(sample, d.num_classes, self.label_field, self.class_names)
         return out
 
 

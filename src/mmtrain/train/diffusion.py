@@ -25,26 +25,23 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from mmtrain.config import DiffusionConfig
 from mmtrain.losses import at_least_fp32
 from mmtrain.models.dit import CLASS, PREDICTION, TIMESTEP
-from mmtrain.models.schedules import FLOW_TIMESTEP_SCALE, ddpm_alphas_cumprod, shift_flow_time
+from mmtrain.models.schedules import (
+    FLOW_TIMESTEP_SCALE,
+    ddpm_alphas_cumprod,
+    ddpm_pair,
+    draw_generator,
+    flow_pair,
+    shift_flow_time,
+)
 from mmtrain.spec import ModelSpec
 
 Batch = Mapping[str, torch.Tensor]
-
-
-def draw_generator(seed: int, step: int, rank: int, micro_batch: int, device: torch.device):
-    """A generator on `device` seeded by these four integers alone (numpy's SeedSequence mixes
-    them, so neighbouring steps or ranks get unrelated streams)."""
-    state = np.random.SeedSequence([seed, step, rank, micro_batch]).generate_state(1, np.uint64)
-    generator = torch.Generator(device=device)
-    generator.manual_seed(int(state[0]) & (2**63 - 1))
-    return generator
 
 
 def flow_timesteps(n: int, config: DiffusionConfig, g: torch.Generator, device) -> torch.Tensor:
@@ -79,13 +76,12 @@ class DiffusionObjective:
         """The model's input for micro-batch j: the noisy sample, its timesteps and classes
         (some dropped); the target and per-sample weights are kept for `loss`."""
         x0 = batch[self.key]
-        g = draw_generator(self.seed, self.step, self.rank, j, x0.device)
+        g = draw_generator(self.seed, self.step, self.rank, j, device=x0.device)
         n = x0.shape[0]
         noise = torch.randn(x0.shape, generator=g, device=x0.device, dtype=x0.dtype)
         if self.flow:
             t = flow_timesteps(n, self.config, g, x0.device).to(x0.dtype)
-            tb = t.view(-1, *([1] * (x0.dim() - 1)))
-            noisy, target = (1 - tb) * x0 + tb * noise, noise - x0
+            noisy, target = flow_pair(x0, noise, t)
             timestep, weight = t * FLOW_TIMESTEP_SCALE, torch.ones_like(t)
         else:
             noisy, target, timestep, weight = self._ddpm(x0, noise, g)
@@ -97,17 +93,10 @@ class DiffusionObjective:
         return out
 
     def _ddpm(self, x0: torch.Tensor, noise: torch.Tensor, g: torch.Generator):
-        steps = torch.randint(
-            0, self.config.ddpm_steps, (x0.shape[0],), generator=g, device=x0.device
-        )
+        n, steps_total = x0.shape[0], self.config.ddpm_steps
+        steps = torch.randint(0, steps_total, (n,), generator=g, device=x0.device)
         abar = self.alphas_cumprod.to(x0.device)[steps]
-        a, b = abar.sqrt().to(x0.dtype), (1 - abar).sqrt().to(x0.dtype)
-        shape = (-1, *([1] * (x0.dim() - 1)))
-        noisy = a.view(shape) * x0 + b.view(shape) * noise
-        if self.denoiser.prediction == "v":
-            target = a.view(shape) * noise - b.view(shape) * x0
-        else:
-            target = noise
+        noisy, target = ddpm_pair(x0, noise, abar.to(x0.dtype), self.denoiser.prediction)
         weight = torch.ones_like(abar)
         if self.config.min_snr is not None:
             snr = abar / (1 - abar)

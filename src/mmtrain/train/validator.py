@@ -63,6 +63,26 @@ def _language_model_evaluator(
     )
 
 
+def _denoiser_evaluator(config: RunConfig, spec: ModelSpec, path: str, rank: int, world: int):
+    """Loss at fixed timesteps and, with `eval.extractor`, the FD of samples (eval/diffusion.py)."""
+    from mmtrain.eval.diffusion import DenoiserEvaluator
+    from mmtrain.models.build import load_model
+
+    e = config.eval
+    extractor = None
+    if e.extractor is not None:
+        try:
+            extractor = load_model(e.extractor).eval()
+        except (OSError, ValueError) as err:
+            raise FieldError("eval.extractor", f"{e.extractor}: {err}") from None
+    return DenoiserEvaluator(
+        spec, path, batch_size=e.batch_size, config=config.train.diffusion,
+        label_field=config.data.label_field, class_names=config.data.class_names,
+        seed=config.seed, extractor=extractor, samples=e.samples, steps=e.sample_steps,
+        cfg=e.cfg, num_workers=config.data.workers, rank=rank, world_size=world,
+    )  # fmt: skip
+
+
 class Validator:
     """Periodic evaluation on `data.val` with the eval package's `Evaluator`, on every rank
     (each embeds its share); rows get `val/...` metrics, the run folder gets eval.json."""
@@ -83,6 +103,9 @@ class Validator:
                     self.evaluators.append(
                         _language_model_evaluator(config, spec, settings, path, rank, world)
                     )
+                    continue
+                if spec.denoiser is not None:
+                    self.evaluators.append(_denoiser_evaluator(config, spec, path, rank, world))
                     continue
                 self.evaluators.append(
                     Evaluator(

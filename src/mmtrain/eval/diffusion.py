@@ -1,0 +1,198 @@
+"""Evaluating a denoiser on held-out images: its loss at fixed timesteps and, given a feature
+extractor, the Fréchet distance between its samples and those images.
+
+- Loss at fixed timesteps: every held-out image noised at each of `TIMES` (flow matching: t;
+  DDPM: the step at that fraction of the schedule) with noise drawn from (seed, batch, rank,
+  time) alone, the prediction's mean squared error per time and their mean. Deterministic, so
+  two checkpoints compare on the same noise; unweighted (min-SNR is a training choice).
+- FD (eval/frechet.py): `samples` images generated for the classes of the first held-out
+  images (eval/sampling.py: `steps`, `cfg`), both sets through the extractor's image tower at
+  its own input size; `fd_real_floor` is the FD between two halves of the real set, what
+  sampling noise alone costs at this n. The extractor is any mmtrain model with an image tower
+  (e.g. a CLIP trained on the same domain): nothing is downloaded.
+
+Every rank evaluates its share of the images; the sums and the features are gathered, so the
+report is the same on every rank (a collective: call it on all of them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from mmtrain import distributed
+from mmtrain.config import DiffusionConfig
+from mmtrain.data.storage.shards import ShardSet
+from mmtrain.data.stream.denoiser_inputs import DenoiserDecoder
+from mmtrain.data.stream.loader import StreamingLoader
+from mmtrain.data.stream.transforms import ImageTransform
+from mmtrain.eval.frechet import frechet_distance
+from mmtrain.eval.sampling import sample, to_uint8
+from mmtrain.models.dit import CLASS, PREDICTION, TIMESTEP
+from mmtrain.models.schedules import (
+    FLOW_TIMESTEP_SCALE,
+    ddpm_alphas_cumprod,
+    ddpm_pair,
+    draw_generator,
+    flow_pair,
+)
+from mmtrain.spec import ModelSpec
+from mmtrain.structured import FieldError
+
+TIMES = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+class DenoiserEvaluator:
+    """The held-out set of a denoiser, loaded once and replayed at every `report`."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        data: str | Path | Sequence[str | Path],
+        *,
+        batch_size: int,
+        config: DiffusionConfig | None = None,
+        label_field: str = "label",
+        class_names: Sequence[str] = (),
+        seed: int = 0,
+        extractor: nn.Module | None = None,
+        samples: int = 256,
+        steps: int = 25,
+        cfg: float = 1.0,
+        num_workers: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ):
+        if spec.denoiser is None:
+            raise FieldError("model", f"{spec.name} is not a denoiser")
+        try:
+            shards = ShardSet.open(data)
+        except (FileNotFoundError, ValueError) as err:
+            raise FieldError("data", f"{data!r}: {err}") from None
+        self.spec, self.config = spec, config or DiffusionConfig()
+        self.seed, self.samples, self.steps, self.cfg = seed, samples, steps, cfg
+        self.extractor = extractor
+        self.rank = distributed.rank() if rank is None else rank
+        decoder = DenoiserDecoder(spec, label_field, class_names, train=False)
+        self.loader = StreamingLoader(
+            shards, decoder, batch_size, rank=self.rank,
+            world_size=distributed.world_size() if world_size is None else world_size,
+            shuffle=False, drop_tail=False, num_workers=num_workers, with_keys=True,
+            max_consecutive_corrupt=len(shards),
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def report(self, model: nn.Module) -> dict[str, Any]:
+        """{"diffusion": {"loss", "loss_at": {t: loss}, "n", and with an extractor "fd",
+        "fd_real_floor", "fd_n", "extractor"}}."""
+        self.loader.set_epoch(0)
+        param = next(model.parameters())
+        key = self.spec.denoiser.input
+        sums, elements, images, real, classes = [0.0] * len(TIMES), 0, 0, [], []
+        for number, batch in enumerate(self.loader):
+            x0 = batch[key].to(param.device, param.dtype)
+            y = batch[CLASS].to(param.device) if CLASS in batch else None
+            for i, t in enumerate(TIMES):
+                error = self._error(model, x0, y, t, draw_generator(
+                    self.seed, number, self.rank, i, device=param.device))  # fmt: skip
+                sums[i] += float(error)
+            elements += x0.numel()
+            images += x0.shape[0]
+            if self.extractor is not None and sum(len(r) for r in real) < self.samples:
+                real.append(x0.cpu())
+                classes.append(None if y is None else y.cpu())
+        *sums, elements, images = distributed.sum_over_ranks([*sums, elements, images])
+        losses = {f"{t:g}": s / max(elements, 1) for t, s in zip(TIMES, sums, strict=True)}
+        out: dict[str, Any] = {"loss": float(np.mean(list(losses.values()))), "loss_at": losses,
+                               "n": int(images)}  # fmt: skip
+        if self.extractor is not None:
+            out.update(self._frechet(model, real, classes))
+        return {"diffusion": out}
+
+    def _error(self, model: nn.Module, x0: Tensor, y: Tensor | None, t: float, g) -> Tensor:
+        """Summed squared error of the prediction at time t (its sample's channels only)."""
+        d = self.spec.denoiser
+        noise = torch.randn(x0.shape, generator=g, device=x0.device, dtype=x0.dtype)
+        n = x0.shape[0]
+        if self.spec.objective == "flow_matching":
+            noisy, target = flow_pair(
+                x0, noise, torch.full((n,), t, dtype=x0.dtype, device=x0.device)
+            )
+            timestep = torch.full((n,), t * FLOW_TIMESTEP_SCALE, dtype=x0.dtype, device=x0.device)
+        else:
+            step = round(t * (self.config.ddpm_steps - 1))
+            abar = ddpm_alphas_cumprod(self.config)[step].to(x0.device, x0.dtype).expand(n)
+            noisy, target = ddpm_pair(x0, noise, abar, d.prediction)
+            timestep = torch.full((n,), float(step), dtype=x0.dtype, device=x0.device)
+        batch = {d.input: noisy, TIMESTEP: timestep}
+        if y is not None:
+            batch[CLASS] = y
+        prediction = model(batch)[PREDICTION][:, : d.channels]  # through wrappers' hooks
+        return (prediction.double() - target.double()).square().sum()
+
+    def _frechet(self, model: nn.Module, real: list[Tensor], classes: list) -> dict[str, Any]:
+        real_images = torch.cat(real)[: self.samples] if real else torch.zeros(0)
+        labels = None if not classes or classes[0] is None else torch.cat(classes)[: self.samples]
+        mine = real_images.shape[0]
+        fake = torch.zeros(0)
+        if mine:
+            device = next(model.parameters()).device
+            fake = sample(model, None if labels is None else labels.to(device), mine,
+                          steps=self.steps, cfg=self.cfg, seed=self.seed + 7919 * self.rank,
+                          config=self.config).cpu()  # fmt: skip
+        real_features = _gathered(image_features(self.extractor, real_images))
+        fake_features = _gathered(image_features(self.extractor, fake))
+        half = real_features.shape[0] // 2
+        return {
+            "fd": frechet_distance(fake_features, real_features),
+            "fd_real_floor": frechet_distance(real_features[:half], real_features[half:]),
+            "fd_n": int(real_features.shape[0]),
+            "extractor": getattr(self.extractor.spec, "name", "extractor"),
+        }
+
+    def close(self) -> None:
+        self.loader.close()
+        for source in self.loader.plan.sources:
+            source.close()
+
+
+@torch.no_grad()
+def image_features(extractor: nn.Module, images: Tensor, batch: int = 64) -> Tensor:
+    """Embeddings [N, D] (float64, CPU) of images in [-1, 1] by the extractor's image tower,
+    each image resized to the tower's input as its eval transform does (bicubic)."""
+    spec = extractor.spec
+    tower = next((n for n, t in spec.towers.items() if t.modality == "image"), None)
+    if tower is None:
+        raise FieldError("extractor", f"{spec.name} has no image tower to take features with")
+    if images.shape[0] == 0:
+        return torch.zeros(0, spec.embed_dim, dtype=torch.float64)
+    transform = ImageTransform.from_stem(spec.towers[tower].stem, train=False)
+    param = next(extractor.parameters())
+    pixels = to_uint8(images).numpy()
+    out = []
+    for start in range(0, len(pixels), batch):
+        chunk = [_resized(transform, p) for p in pixels[start : start + batch]]
+        x = torch.stack(chunk).to(param.device, param.dtype)
+        out.append(extractor.encode({tower: x})[tower].double().cpu())
+    return torch.cat(out)
+
+
+def _resized(transform: ImageTransform, pixels: np.ndarray) -> Tensor:
+    if pixels.shape[-1] == 1:
+        pixels = np.repeat(pixels, 3, axis=-1)
+    h, w = pixels.shape[:2]
+    return transform.apply(pixels, (0, 0, w, h), False)
+
+
+def _gathered(features: Tensor) -> Tensor:
+    """Every rank's features, in rank order (shares may differ in size)."""
+    if distributed.world_size() == 1:
+        return features
+    parts: list[Any] = [None] * distributed.world_size()
+    torch.distributed.all_gather_object(parts, features)
+    return torch.cat(parts)
