@@ -118,3 +118,79 @@ def test_init_from_a_diffusers_dit_fine_tunes_its_network(tmp_path):
         want = model(x, timestep=t, class_labels=y).sample[:, :4]
         got = ours.predict({"latent": x, "timestep": t, "class": y})
     assert torch.allclose(got, want, rtol=0, atol=1e-10)
+
+
+VAE_CONFIG = dict(in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1,
+                  block_out_channels=(32, 64), norm_num_groups=8, sample_size=32,
+                  down_block_types=("DownEncoderBlock2D",) * 2,
+                  up_block_types=("UpDecoderBlock2D",) * 2)  # fmt: skip
+
+
+def test_a_diffusers_autoencoder_encodes_and_decodes_as_diffusers(tmp_path):
+    from mmtrain.models.formats.diffusers import read_diffusers_vae, write_diffusers_vae
+
+    torch.manual_seed(0)
+    peer_vae = diffusers.AutoencoderKL(**VAE_CONFIG).double().eval()
+    with torch.no_grad():
+        for param in peer_vae.parameters():
+            param.add_(0.05 * torch.randn_like(param))  # off its init, so every layer counts
+    peer_vae.save_pretrained(tmp_path / "vae")
+    vae = read_diffusers_vae(tmp_path / "vae").double().eval()
+    images = torch.rand(2, 3, 32, 32, dtype=torch.float64) * 2 - 1
+    with torch.no_grad():
+        mean = peer_vae.encode(images).latent_dist.mean
+        got = vae.encode_latent(images)
+        assert got.shape == (2, 4, 16, 16)
+        assert torch.allclose(got, mean, rtol=0, atol=1e-10)
+        assert torch.allclose(
+            vae.decode_latent(mean), peer_vae.decode(mean).sample, rtol=0, atol=1e-10
+        )
+        assert torch.allclose(vae.from_diffusion(vae.to_diffusion(mean)), mean, atol=1e-12)
+    write_diffusers_vae(vae, tmp_path / "back")
+    again, info = diffusers.AutoencoderKL.from_pretrained(
+        tmp_path / "back", output_loading_info=True
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    assert again.config.scaling_factor == peer_vae.config.scaling_factor
+
+
+def test_latent_shards_train_a_latent_dit_and_generate_decodes_its_samples(tmp_path):
+    # image shards -> a VAE encodes them once (mirror images as their own samples) -> a latent
+    # DiT trains on the .npy latents with their classes -> `generate --vae` decodes samples
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from mmtrain.config import config_from_dict
+    from mmtrain.data.storage.shards import ShardSet
+    from mmtrain.spec import ModelSpec
+    from mmtrain.train.loop import train
+    from test_dit import class_shards
+
+    torch.manual_seed(0)
+    diffusers.AutoencoderKL(**VAE_CONFIG).save_pretrained(tmp_path / "vae")
+    images = class_shards(tmp_path / "images", n=12, broken=(3,))
+    argv = ["data", "encode-latents", images, "--vae", str(tmp_path / "vae"), "--size", "32",
+            "--out", str(tmp_path / "latents"), "--flip", "--batch-size", "5"]  # fmt: skip
+    assert main(argv) == 0
+    latents = ShardSet.open(tmp_path / "latents")
+    assert len(latents) == 2 * 11  # the broken PNG skipped, every other image twice
+    first = latents.read(0)
+    assert set(first) >= {"__key__", "npy", "cls"}
+    assert np.load(io.BytesIO(first["npy"])).shape == (4, 16, 16)
+    spec = ModelSpec.from_dict({"name": "latent-dit", "objective": "flow_matching", "denoiser": {
+        "sample_size": 16, "channels": 4, "patch_size": 2, "width": 32, "layers": 1, "heads": 2,
+        "num_classes": 4, "input": "latent"}})  # fmt: skip
+    spec.save(tmp_path / "spec.yaml")
+    run = tmp_path / "run"
+    config = config_from_dict({
+        "model": str(tmp_path / "spec.yaml"), "data": {"train": str(tmp_path / "latents")},
+        "train": {"steps": 2, "batch_size": 4, "lr": 1e-3}, "metrics": {"tensorboard": False},
+        "out": str(run)})  # fmt: skip
+    assert train(config).step == 2
+    out = tmp_path / "samples"
+    assert main(["generate", str(run), "--class", "2", "--num", "2", "--steps", "2",
+                 "--vae", str(tmp_path / "vae"), "--out", str(out)]) == 0  # fmt: skip
+    assert np.asarray(Image.open(out / "grid.png")).shape == (32, 64, 3)  # decoded to pixels
+    assert main(["generate", str(run), "--class", "2", "--out", str(out)]) == 2  # no --vae

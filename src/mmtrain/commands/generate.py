@@ -90,6 +90,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     images.add_argument("--sampler", help="euler or heun (flow matching), ddim (DDPM)")
     images.add_argument("--out", help="folder for the PNGs and grid.png")
     images.add_argument(
+        "--vae",
+        metavar="VAE_DIR",
+        help="a diffusers AutoencoderKL folder that decodes a latent denoiser's samples",
+    )
+    images.add_argument(
         "--no-ema",
         action="store_true",
         help="sample the trained weights, not the run's EMA (RUN_DIR/ema, used when present)",
@@ -158,10 +163,7 @@ def generate_images(args: argparse.Namespace, model: Any, run_dir: Path) -> int:
     d = model.spec.denoiser
     if args.out is None:
         raise UsageError("a denoiser writes images: give --out DIR")
-    if d.input != "image":
-        raise UsageError(
-            f"{model.spec.name} generates latents; decoding them needs its VAE (not available yet)"
-        )
+    vae = _vae(args, d, next(model.parameters()).device)
     if d.num_classes and not args.classes:
         raise UsageError(
             f"{model.spec.name} is class-conditional: give --class K (0..{d.num_classes - 1})"
@@ -188,6 +190,9 @@ def generate_images(args: argparse.Namespace, model: Any, run_dir: Path) -> int:
                         cfg=args.cfg, seed=args.seed, config=config, sampler=args.sampler)  # fmt: skip
     except ValueError as err:
         raise UsageError(str(err)) from None
+    if vae is not None:
+        with torch.no_grad():
+            images = vae.decode_latent(vae.from_diffusion(images.to(next(vae.parameters()).dtype)))
     pixels = to_uint8(images).numpy()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -204,6 +209,29 @@ def generate_images(args: argparse.Namespace, model: Any, run_dir: Path) -> int:
     )
     print(f"wrote {len(names)} images and grid.png to {out}")
     return 0
+
+
+def _vae(args: argparse.Namespace, denoiser: Any, device: Any) -> Any:
+    """The autoencoder that decodes a latent denoiser's samples (--vae); None for pixels."""
+    from mmtrain.models.formats.diffusers import read_diffusers_vae
+    from mmtrain.structured import FieldError
+
+    if denoiser.input == "image":
+        if args.vae:
+            raise UsageError("--vae: this denoiser generates pixels, not latents")
+        return None
+    if not args.vae:
+        raise UsageError("this denoiser generates latents: give --vae VAE_DIR to decode them")
+    try:
+        vae = read_diffusers_vae(args.vae).to(device).eval()
+    except (OSError, FieldError) as err:
+        raise UsageError(f"--vae {args.vae}: {err}") from None
+    if vae.config.latent_channels != denoiser.channels:
+        raise UsageError(
+            f"--vae {args.vae}: {vae.config.latent_channels} latent channels, the denoiser "
+            f"takes {denoiser.channels}"
+        )
+    return vae
 
 
 def _run_config(run_dir: Path) -> dict[str, Any]:

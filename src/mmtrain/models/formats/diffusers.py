@@ -1,5 +1,6 @@
-"""diffusers folders <-> mmtrain: the DiT of `DiTTransformer2DModel` (config.json +
-diffusion_pytorch_model.safetensors, or shards with their index).
+"""diffusers folders <-> mmtrain: the DiT of `DiTTransformer2DModel` and the autoencoder of
+`AutoencoderKL` (config.json + diffusion_pytorch_model.safetensors, or shards with their
+index). The autoencoder (models/vae.py) keeps diffusers' own names: its mapping renames nothing.
 
 One mapping, tested against diffusers' own forward: the numbers are the same under other
 names, with two differences of layout. diffusers' attention has separate q, k and v
@@ -40,6 +41,7 @@ from mmtrain.models.safetensors_files import (
     meta_state,
     open_weights,
 )
+from mmtrain.models.vae import AutoencoderKL, VaeConfig
 from mmtrain.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -256,3 +258,67 @@ def write_diffusers_dit(
     check_keys(meta_state(state), expected, what="the weights do not fit the spec", hint="")
     return write_hf_groups(out_dir, state, groups, config, DIT_CLASS,
                            max_shard_bytes=max_shard_bytes, prefix=WEIGHTS_PREFIX)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the VAE
+VAE_CLASS = "AutoencoderKL"
+VAE_FIELDS = ("in_channels", "out_channels", "block_out_channels", "layers_per_block",
+              "latent_channels", "norm_num_groups", "scaling_factor", "shift_factor",
+              "mid_block_add_attention", "use_quant_conv", "use_post_quant_conv")  # fmt: skip
+
+
+def vae_config_from(config: dict[str, Any], file: Path) -> VaeConfig:
+    """The VaeConfig of an `AutoencoderKL` config.json (HFFolderError naming the field for
+    what mmtrain's autoencoder does not build)."""
+    s = Section(file, "", config)
+    blocks = len(config.get("block_out_channels") or ())
+    for key, wanted in (
+        ("down_block_types", "DownEncoderBlock2D"),
+        ("up_block_types", "UpDecoderBlock2D"),
+    ):
+        kinds = config.get(key) or [wanted] * blocks
+        if any(kind != wanted for kind in kinds) or len(kinds) != blocks:
+            raise s.error(key, f"mmtrain's autoencoder has {blocks} x {wanted}, got {kinds}")
+    if config.get("act_fn", "silu") != "silu":
+        raise s.error("act_fn", f"mmtrain's autoencoder uses silu, got {config['act_fn']!r}")
+    values = {k: config[k] for k in VAE_FIELDS if config.get(k) is not None}
+    values["block_out_channels"] = tuple(values.get("block_out_channels", ()))
+    return VaeConfig(**values, extra={k: v for k, v in config.items() if k not in VAE_FIELDS})
+
+
+def read_diffusers_vae(path: str | Path) -> AutoencoderKL:
+    """The autoencoder of a diffusers `AutoencoderKL` folder, with its weights (dtypes kept)."""
+    folder = Path(path)
+    config = read_json(folder / CONFIG_FILE)
+    if config.get("_class_name") != VAE_CLASS:
+        raise HFFolderError(folder / CONFIG_FILE, f"mmtrain reads {VAE_CLASS} here, got "
+                            f"{config.get('_class_name')!r}", field="_class_name")  # fmt: skip
+    vae_config = vae_config_from(config, folder / CONFIG_FILE)
+    with torch.device("meta"):
+        vae = AutoencoderKL(vae_config)
+    expected = {name: tuple(t.shape) for name, t in vae.state_dict().items()}
+    try:
+        with open_weights(_weights_file(folder)) as reader:
+            check_keys(reader.meta_state(), expected, what="the weights do not match config.json",
+                       hint="Were config.json and the safetensors files saved together?")  # fmt: skip
+            state = {name: reader[name] for name in expected}
+    except WeightsFileError as err:
+        raise HFFolderError(err.path, err.message) from None
+    except CheckpointMismatch as err:
+        raise HFFolderError(folder, str(err)) from None
+    vae.load_state_dict(state, assign=True)
+    return vae
+
+
+def write_diffusers_vae(vae: AutoencoderKL, out_dir: str | Path) -> Path:
+    """The diffusers folder of `vae` (the same names: a rename of nothing)."""
+    c = vae.config
+    config = {**c.extra, "_class_name": VAE_CLASS, "_diffusers_version": DIFFUSERS_VERSION}
+    config.update({k: getattr(c, k) for k in VAE_FIELDS})
+    config["block_out_channels"] = list(c.block_out_channels)
+    blocks = len(c.block_out_channels)
+    config.setdefault("down_block_types", ["DownEncoderBlock2D"] * blocks)
+    config.setdefault("up_block_types", ["UpDecoderBlock2D"] * blocks)
+    state = vae.state_dict()
+    groups = [KeyGroup(((k, tuple(t.shape)),), ((k, tuple(t.shape)),)) for k, t in state.items()]
+    return write_hf_groups(out_dir, state, groups, config, VAE_CLASS, prefix=WEIGHTS_PREFIX)
