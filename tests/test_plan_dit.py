@@ -137,6 +137,8 @@ def _spec_file(tmp_path):
             "--lora-targets",
             "mlp",
         ],
+        # the DiT's inputs (patches, timestep MLP, classes) freeze with its first blocks
+        ["--model", "tiny-dit", "--micro-batch", "4", "--freeze-blocks", "denoiser=1"],
         ["--model", "DDPM", "--micro-batch", "2", "--ac", "none"],
         ["--model", "DDPM", "--micro-batch", "2", "--ac", "full"],
     ],

@@ -89,6 +89,10 @@ class DiTBlock(nn.Module):
 class DiT(nn.Module):
     """Patches in, conditioning vector, blocks, patches out (the network of one DenoiserSpec)."""
 
+    # What runs before the first block (train/optim.py: frozen with the first blocks, layer 0
+    # of layer-wise LR decay).
+    INPUT_MODULES = ("patch", "time_fc1", "time_fc2", "classes")
+
     def __init__(self, spec: DenoiserSpec):
         super().__init__()
         self.spec = spec

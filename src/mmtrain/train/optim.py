@@ -79,10 +79,18 @@ def _frozen_by(tower: nn.Module, tc: TowerTrainConfig, path: str) -> list[nn.Par
     return [p for module in modules for p in module.parameters()]
 
 
-def _input_modules(tower: nn.Module) -> list[nn.Module]:
+DEFAULT_INPUT_MODULES = ("stem", "norm_pre", "embed")
+
+
+def _input_names(tower: nn.Module) -> tuple[str, ...]:
     """What runs before a tower's first block: an encoder's stem and pre-norm, a decoder LM's
-    token embedding."""
-    names = ("stem", "norm_pre", "embed")
+    token embedding, or what the tower names (`INPUT_MODULES`: a DiT's patch embedding,
+    timestep MLP and class table)."""
+    return getattr(tower, "INPUT_MODULES", DEFAULT_INPUT_MODULES)
+
+
+def _input_modules(tower: nn.Module) -> list[nn.Module]:
+    names = _input_names(tower)
     return [getattr(tower, n) for n in names if getattr(tower, n, None) is not None]
 
 
@@ -95,11 +103,11 @@ def _no_decay(module: nn.Module, leaf: str, param: nn.Parameter) -> bool:
     return param.ndim < 2 or isinstance(module, nn.Embedding) or leaf in EMBEDDING_NAMES
 
 
-def _layer_of(name: str, layers: int) -> tuple[int, str]:
-    """(layer, label) of a tower parameter by its name inside the tower: the stem and norm_pre
-    (a decoder's embedding) are layer 0, block i layer i + 1, everything after the blocks layer L + 1."""
+def _layer_of(name: str, layers: int, inputs: tuple[str, ...]) -> tuple[int, str]:
+    """(layer, label) of a tower parameter by its name inside the tower: what runs before the
+    blocks (`inputs`) is layer 0, block i layer i + 1, everything after the blocks layer L + 1."""
     first, _, rest = name.partition(".")
-    if first in ("stem", "norm_pre", "embed"):
+    if first in inputs:
         return 0, "stem"
     if first == "blocks":
         index = int(rest.partition(".")[0])
@@ -119,7 +127,7 @@ def _tower_lrs(model: nn.Module, config: TrainConfig) -> dict[int, tuple[str, st
             if decay is None:
                 found[id(param)] = (tower_name, tower_name, lr)
                 continue
-            layer, label = _layer_of(name, layers)
+            layer, label = _layer_of(name, layers, _input_names(tower))
             found[id(param)] = (
                 tower_name,
                 f"{tower_name}/{label}",
