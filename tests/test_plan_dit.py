@@ -118,6 +118,16 @@ def _spec_file(tmp_path):
     return str(path)
 
 
+def _video_spec_file(tmp_path):
+    """A flow-matching video DiT over 4-frame clips in tubes of 2 x 4 x 4."""
+    spec = DenoiserSpec(sample_size=16, channels=3, patch_size=4, width=32, layers=2, heads=2,
+                        frames=4, temporal_patch=2, input="video")  # fmt: skip
+    path = tmp_path / "video-dit.yaml"
+    data = {"name": "video-dit", "objective": "flow_matching", "denoiser": spec.to_dict()}
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -139,12 +149,15 @@ def _spec_file(tmp_path):
         ],
         # the DiT's inputs (patches, timestep MLP, classes) freeze with its first blocks
         ["--model", "tiny-dit", "--micro-batch", "4", "--freeze-blocks", "denoiser=1"],
+        ["--model", "VIDEO", "--micro-batch", "2", "--ac", "none"],
+        ["--model", "VIDEO", "--micro-batch", "2", "--ac", "full"],
         ["--model", "DDPM", "--micro-batch", "2", "--ac", "none"],
         ["--model", "DDPM", "--micro-batch", "2", "--ac", "full"],
     ],
 )
 def test_measure_agrees_with_prediction(capsys, tmp_path, argv):
-    argv = [_spec_file(tmp_path) if a == "DDPM" else a for a in argv]
+    files = {"DDPM": _spec_file, "VIDEO": _video_spec_file}
+    argv = [files[a](tmp_path) if a in files else a for a in argv]
     measured = _plan_json(capsys, [*argv, "--measure"])["measured"]
     assert abs(measured["activations_error"]) < 0.10
     assert abs(measured["model_state_error"]) < 0.01

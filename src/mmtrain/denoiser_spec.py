@@ -20,6 +20,11 @@ Ho et al. 2020) or `v` (v-prediction, Salimans & Ho 2022). `learn_sigma` doubles
 channels as DiT's checkpoints do (the second half interpolates the DDPM variance); a flow model
 has no use for it.
 
+A video DiT (`frames` > 1; Latte, Ma et al. 2024, its full-attention variant) cuts the clip
+[C, T, H, W] into `temporal_patch` x p x p tubes and attends over all of them at once; its fixed
+positions are the sum of the 2-D spatial ones and a 1-D temporal one. The clean sample is then
+"video" pixels or a "latent" of [C, T, H, W].
+
 Counting conventions are spec.py's: FLOPs are 2 x multiply-adds of matmuls and attention (norms,
 softmax, modulation and bias adds left out), attention counted in full.
 """
@@ -32,7 +37,7 @@ from typing import Any
 from mmtrain.structured import FieldError, check_choice, from_dict, to_dict
 
 PREDICTIONS = ("velocity", "epsilon", "v")
-INPUTS = ("image", "latent")  # the batch key of the clean sample
+INPUTS = ("image", "video", "latent")  # the batch key of the clean sample
 TIMESTEP_FREQUENCIES = 256  # sinusoidal features of the timestep before its MLP (DiT's)
 
 
@@ -49,6 +54,8 @@ class DenoiserSpec:
     learn_sigma: bool = False
     prediction: str = "velocity"
     input: str = "image"
+    frames: int = 1  # > 1: a video DiT over clips of this many frames (or latent frames)
+    temporal_patch: int = 1  # frames per patch (a tube of temporal_patch x p x p)
     norm_eps: float = 1e-6  # the attention's and the output's norms (DiT's)
     mlp_norm_eps: float = 1e-6  # the MLP's norm (diffusers' DiT configs: their norm_eps, 1e-5)
 
@@ -76,16 +83,38 @@ class DenoiserSpec:
             raise FieldError(f"{path}.mlp_ratio", f"must be positive, got {self.mlp_ratio}")
         check_choice(f"{path}.prediction", self.prediction, PREDICTIONS)
         check_choice(f"{path}.input", self.input, INPUTS)
+        if self.frames < 1 or self.temporal_patch < 1 or self.frames % self.temporal_patch:
+            raise FieldError(
+                f"{path}.temporal_patch",
+                f"{self.temporal_patch} does not divide frames {self.frames}",
+            )
+        if (self.input == "video") != (self.frames > 1) and self.input != "latent":
+            raise FieldError(f"{path}.input", "video input needs frames > 1, and frames > 1 a video")
 
     # -- shapes
     def grid(self) -> int:
         return self.sample_size // self.patch_size
 
+    def is_video(self) -> bool:
+        return self.frames > 1
+
+    def time_grid(self) -> int:
+        return self.frames // self.temporal_patch
+
     def tokens(self) -> int:
-        return self.grid() ** 2
+        return self.time_grid() * self.grid() ** 2
+
+    def patch_volume(self) -> int:
+        """Positions of one patch: temporal_patch x p x p."""
+        return self.temporal_patch * self.patch_size**2
 
     def patch_dim(self) -> int:
-        return self.channels * self.patch_size**2
+        return self.channels * self.patch_volume()
+
+    def sample_shape(self) -> tuple[int, ...]:
+        """[C, H, W], or [C, T, H, W] for a video DiT: one clean sample."""
+        s = self.sample_size
+        return (self.channels, self.frames, s, s) if self.is_video() else (self.channels, s, s)
 
     def out_channels(self) -> int:
         return self.channels * (2 if self.learn_sigma else 1)
@@ -110,7 +139,7 @@ class DenoiserSpec:
         return modulation + attention + mlp  # its norms have no weights (adaLN gives them)
 
     def final_params(self) -> int:
-        w, out = self.width, self.out_channels() * self.patch_size**2
+        w, out = self.width, self.out_channels() * self.patch_volume()
         return w * 2 * w + 2 * w + w * out + out
 
     def params(self) -> int:
@@ -126,7 +155,7 @@ class DenoiserSpec:
         """Forward FLOPs of one sample: embeddings, blocks, final layer."""
         t, w = self.tokens(), self.width
         embed = 2 * t * self.patch_dim() * w + 2 * (TIMESTEP_FREQUENCIES * w + w * w)
-        final = 2 * w * 2 * w + 2 * t * w * self.out_channels() * self.patch_size**2
+        final = 2 * w * 2 * w + 2 * t * w * self.out_channels() * self.patch_volume()
         return embed + self.layers * self.block_flops() + final
 
     # -- (de)serialisation

@@ -193,21 +193,37 @@ def generate_images(args: argparse.Namespace, model: Any, run_dir: Path) -> int:
     if vae is not None:
         with torch.no_grad():
             images = vae.decode_latent(vae.from_diffusion(images.to(next(vae.parameters()).dtype)))
-    pixels = to_uint8(images).numpy()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    names = [f"class{k}_{i}.png" for k in args.classes for i in range(args.num)] or [
-        f"sample_{i}.png" for i in range(args.num)
+    stems = [f"class{k}_{i}" for k in args.classes for i in range(args.num)] or [
+        f"sample_{i}" for i in range(args.num)
     ]
-    for name, image in zip(names, pixels, strict=True):
-        Image.fromarray(image.squeeze(-1) if image.shape[-1] == 1 else image).save(out / name)
+    if d.is_video():  # [N, C, T, H, W]: an MP4 each; the grid shows their first frames
+        from mmtrain.data.stream.media import encode_video
+
+        clips = (
+            to_uint8(images.transpose(1, 2).flatten(0, 1))
+            .numpy()
+            .reshape(images.shape[0], images.shape[2], *images.shape[3:], -1)
+        )  # [N, T, H, W, C]
+        for stem, clip in zip(stems, clips, strict=True):
+            (out / f"{stem}.mp4").write_bytes(encode_video(clip, fps=8))
+        pixels = clips[:, 0]
+    else:
+        pixels = to_uint8(images).numpy()
+        for stem, image in zip(stems, pixels, strict=True):
+            Image.fromarray(image.squeeze(-1) if image.shape[-1] == 1 else image).save(
+                out / f"{stem}.png"
+            )
+    names = stems
     rows = max(len(args.classes), 1)
     grid = pixels.reshape(rows, args.num, *pixels.shape[1:]).transpose(0, 2, 1, 3, 4)
     grid = grid.reshape(rows * pixels.shape[1], args.num * pixels.shape[2], pixels.shape[3])
     Image.fromarray(np.ascontiguousarray(grid.squeeze(-1) if grid.shape[-1] == 1 else grid)).save(
         out / "grid.png"
     )
-    print(f"wrote {len(names)} images and grid.png to {out}")
+    kind = "videos" if d.is_video() else "images"
+    print(f"wrote {len(names)} {kind} and grid.png to {out}")
     return 0
 
 
@@ -216,10 +232,12 @@ def _vae(args: argparse.Namespace, denoiser: Any, device: Any) -> Any:
     from mmtrain.models.formats.diffusers import read_diffusers_vae
     from mmtrain.structured import FieldError
 
-    if denoiser.input == "image":
+    if denoiser.input != "latent":
         if args.vae:
             raise UsageError("--vae: this denoiser generates pixels, not latents")
         return None
+    if denoiser.is_video():
+        raise UsageError("decoding latent videos needs a video autoencoder (not available yet)")
     if not args.vae:
         raise UsageError("this denoiser generates latents: give --vae VAE_DIR to decode them")
     try:

@@ -49,8 +49,7 @@ def sample(
         raise ValueError(f"steps must be positive, got {steps}")
     param = next(model.parameters())
     g = torch.Generator(device=param.device).manual_seed(seed)
-    x = torch.randn((n, d.channels, d.sample_size, d.sample_size), generator=g,
-                    device=param.device, dtype=param.dtype)  # fmt: skip
+    x = torch.randn((n, *d.sample_shape()), generator=g, device=param.device, dtype=param.dtype)
     predict = _guided(model, classes, cfg)
     with torch.no_grad():
         if flow:

@@ -62,6 +62,25 @@ def sincos_positions(width: int, grid: int) -> Tensor:
     return torch.cat([encode(cols), encode(rows)], dim=1).float()
 
 
+def temporal_positions(width: int, times: int) -> Tensor:
+    """Fixed 1-D positions [times, width] of the patches along time (sines, then cosines), as a
+    video DiT adds to each patch's spatial ones."""
+    half = width // 2
+    omega = 1.0 / MAX_PERIOD ** (torch.arange(half, dtype=torch.float64) / half)
+    angles = torch.arange(times, dtype=torch.float64)[:, None] * omega[None, :]
+    return torch.cat([torch.sin(angles), torch.cos(angles)], dim=1).float()
+
+
+def positions_of(spec: DenoiserSpec) -> Tensor:
+    """Every patch's fixed position [tokens, width]: 2-D over (row, column); a video's tokens,
+    time-major, add the temporal position of their frame."""
+    spatial = sincos_positions(spec.width, spec.grid())
+    if not spec.is_video():
+        return spatial
+    temporal = temporal_positions(spec.width, spec.time_grid())
+    return (temporal[:, None, :] + spatial[None, :, :]).reshape(-1, spec.width)
+
+
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     """adaLN: the normalised tokens [B, T, W] scaled and shifted per sample ([B, W] each)."""
     return x * (1 + scale[:, None, :]) + shift[:, None, :]
@@ -97,14 +116,18 @@ class DiT(nn.Module):
         super().__init__()
         self.spec = spec
         w, p = spec.width, spec.patch_size
-        self.patch = nn.Conv2d(spec.channels, w, kernel_size=p, stride=p)
+        if spec.is_video():  # tubes of temporal_patch frames x p x p
+            kernel = (spec.temporal_patch, p, p)
+            self.patch = nn.Conv3d(spec.channels, w, kernel_size=kernel, stride=kernel)
+        else:
+            self.patch = nn.Conv2d(spec.channels, w, kernel_size=p, stride=p)
         self.time_fc1 = nn.Linear(TIMESTEP_FREQUENCIES, w)
         self.time_fc2 = nn.Linear(w, w)
         self.classes = nn.Embedding(spec.num_classes + 1, w) if spec.num_classes else None
         self.blocks = nn.ModuleList(DiTBlock(spec) for _ in range(spec.layers))
         self.norm_out = nn.LayerNorm(w, elementwise_affine=False, eps=spec.norm_eps)
         self.modulation_out = nn.Linear(w, 2 * w)
-        self.out = nn.Linear(w, p * p * spec.out_channels())
+        self.out = nn.Linear(w, spec.patch_volume() * spec.out_channels())
         self.register_buffer("positions", torch.empty(spec.tokens(), w), persistent=False)
         self.reset_buffers()
 
@@ -113,7 +136,7 @@ class DiT(nn.Module):
         after a meta build, once they have memory."""
         device = self.patch.weight.device
         if device.type != "meta":
-            self.positions = sincos_positions(self.spec.width, self.spec.grid()).to(device)
+            self.positions = positions_of(self.spec).to(device)
 
     def condition(self, t: Tensor, y: Tensor | None) -> Tensor:
         """The conditioning vector [B, W]: the timestep's MLP plus the class embedding."""
@@ -128,9 +151,9 @@ class DiT(nn.Module):
 
     def forward(self, x: Tensor, t: Tensor, y: Tensor | None = None) -> Tensor:
         s = self.spec
-        if x.shape[1:] != (s.channels, s.sample_size, s.sample_size):
+        if tuple(x.shape[1:]) != s.sample_shape():
             raise ValueError(
-                f"the denoiser takes [B, {s.channels}, {s.sample_size}, {s.sample_size}], got "
+                f"the denoiser takes [B, {', '.join(map(str, s.sample_shape()))}], got "
                 f"{list(x.shape)}"
             )
         tokens = self.patch(x).flatten(2).transpose(1, 2)
@@ -143,11 +166,17 @@ class DiT(nn.Module):
         return self._unpatchify(patches)
 
     def _unpatchify(self, patches: Tensor) -> Tensor:
-        """[B, T, p * p * C'] -> [B, C', H, W] (token (i, j) holds pixels (i p + a, j p + b))."""
+        """[B, T, patch values] -> the sample: token (i, j) of an image holds pixels
+        (i p + a, j p + b), channel last within a patch; a video's tokens are time-major and
+        hold temporal_patch frames each."""
         s, b = self.spec, patches.shape[0]
         g, p, c = s.grid(), s.patch_size, s.out_channels()
-        x = patches.reshape(b, g, g, p, p, c).permute(0, 5, 1, 3, 2, 4)
-        return x.reshape(b, c, g * p, g * p)
+        if not s.is_video():
+            x = patches.reshape(b, g, g, p, p, c).permute(0, 5, 1, 3, 2, 4)
+            return x.reshape(b, c, g * p, g * p)
+        tg, tp = s.time_grid(), s.temporal_patch
+        x = patches.reshape(b, tg, g, g, tp, p, p, c).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return x.reshape(b, c, tg * tp, g * p, g * p)
 
 
 class DiffusionModel(nn.Module):

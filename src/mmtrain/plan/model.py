@@ -547,7 +547,7 @@ def denoiser_model(spec: ModelSpec) -> PlanModel:
     d = spec.denoiser
     assert d is not None
     t, w = d.tokens(), d.width
-    pixels = d.channels * d.sample_size**2
+    pixels = math.prod(d.sample_shape())  # [C, H, W], a video's [C, T, H, W]
     stem_inputs = pixels + TIMESTEP_FREQUENCIES + 3 * w  # patch input, time MLP, c
     final = w + (t * w + 2 * t) + t * w + w + t * w
     classes = 1 if d.num_classes else 0

@@ -167,10 +167,10 @@ def language_batch(
 def denoiser_batch(
     spec: ModelSpec, batch: int, generator: torch.Generator
 ) -> dict[str, torch.Tensor]:
-    """Clean samples [B, C, H, W] under the denoiser's input key, and class ids when it is
+    """Clean samples [B, C, H, W] ([B, C, T, H, W] for a video DiT) under the denoiser's input key, and class ids when it is
     class-conditional: what the trainer's loader hands the diffusion objective."""
     d = spec.denoiser
-    shape = (batch, d.channels, d.sample_size, d.sample_size)
+    shape = (batch, *d.sample_shape())
     out = {d.input: torch.randn(shape, generator=generator)}
     if d.num_classes:
         out[CLASS] = torch.randint(0, d.num_classes, (batch,), generator=generator)

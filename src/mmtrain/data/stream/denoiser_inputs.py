@@ -15,8 +15,13 @@ import numpy as np
 import torch
 
 from mmtrain.data.stream.labels import read_class
-from mmtrain.data.stream.media import MediaError, decode_latent
-from mmtrain.data.stream.transforms import MODALITY_EXTENSIONS, AugmentConfig, ImageTransform
+from mmtrain.data.stream.media import DEFAULT_MAX_PIXELS, MediaError, decode_latent, decode_video
+from mmtrain.data.stream.transforms import (
+    MODALITY_EXTENSIONS,
+    AugmentConfig,
+    ImageTransform,
+    VideoTransform,
+)
 from mmtrain.spec import ModelSpec
 
 
@@ -36,32 +41,41 @@ class DenoiserDecoder:
         assert spec.denoiser is not None
         self.denoiser = spec.denoiser
         self.label_field, self.class_names = label_field, list(class_names)
-        self.transform = None
-        if self.denoiser.input == "image":
-            half = (0.5,) * self.denoiser.channels  # (x / 255 - 0.5) / 0.5: [-1, 1]
-            augment = AugmentConfig(
-                scale=(1.0, 1.0), ratio=(1.0, 1.0), flip=True, mean=half, std=half
-            )
-            # train=True with a full-area crop: the centred square (non-square images) and the
-            # flip; eval: the same square, never flipped.
-            self.transform = ImageTransform(
-                self.denoiser.sample_size, True, self.denoiser.channels, augment, uint8_pixels
-            )
+        self.transform = self.video = None
+        half = (0.5,) * self.denoiser.channels  # (x / 255 - 0.5) / 0.5: [-1, 1]
+        # A full-area crop: the centred square of a non-square image; the flip in training.
+        augment = AugmentConfig(scale=(1.0, 1.0), ratio=(1.0, 1.0), flip=train, mean=half, std=half)
+        d = self.denoiser
+        if d.input == "image":
+            self.transform = ImageTransform(d.sample_size, True, d.channels, augment, uint8_pixels)
+        elif d.input == "video":  # one crop and flip for the whole clip; normalised here,
+            # as the device's uint8 path normalises [..., C, H, W] and a clip is [C, T, H, W]
+            self.video = VideoTransform(d.sample_size, d.frames, True, d.channels, augment)
+        self.max_pixels = DEFAULT_MAX_PIXELS
 
     def __call__(self, sample: dict[str, Any], rng: np.random.Generator) -> dict[str, torch.Tensor]:
         d = self.denoiser
         if self.transform is not None:
-            ext = next((e for e in MODALITY_EXTENSIONS["image"] if e in sample), None)
-            if ext is None:
-                raise MediaError(
-                    f"no image member (expected one of {', '.join(MODALITY_EXTENSIONS['image'])})"
-                )
-            out = {"image": self.transform.decode(sample[ext], rng)}
+            out = {"image": self.transform.decode(sample[_member(sample, "image")], rng)}
+        elif self.video is not None:
+            size = self.video.image.min_decode_size()
+            data = sample[_member(sample, "video")]
+            clip = decode_video(data, d.frames, short_side=size, max_pixels=self.max_pixels)
+            out = {"video": self.video(clip.frames, rng).transpose(0, 1)}  # [C, T, H, W]
         else:
             if "npy" not in sample:
                 raise MediaError("no .npy latent member (the denoiser's input is `latent`)")
-            shape = (d.channels, d.sample_size, d.sample_size)
-            out = {"latent": torch.from_numpy(decode_latent(sample["npy"], shape))}
+            latent = decode_latent(sample["npy"], d.sample_shape())
+            out = {"latent": torch.from_numpy(latent)}
         if d.num_classes:
             out["class"] = read_class(sample, d.num_classes, self.label_field, self.class_names)
         return out
+
+
+def _member(sample: dict[str, Any], modality: str) -> str:
+    ext = next((e for e in MODALITY_EXTENSIONS[modality] if e in sample), None)
+    if ext is None:
+        raise MediaError(
+            f"no {modality} member (expected one of {', '.join(MODALITY_EXTENSIONS[modality])})"
+        )
+    return ext

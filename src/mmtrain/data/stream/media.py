@@ -587,6 +587,26 @@ def decode_timeseries(data: bytes, ext: str | None = None) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.float32)
 
 
+def encode_video(frames: np.ndarray, fps: int = 8) -> bytes:
+    """uint8 frames [T, H, W, 3] -> an MP4 (H.264 where this PyAV has it, else MPEG-4 Part 2),
+    sides rounded up to even as yuv420p needs."""
+    import av  # PyAV, imported where video is coded (as the decoders do)
+
+    _, h, w, _ = frames.shape
+    even = np.pad(frames, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
+    codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = even.shape[2], even.shape[1], "yuv420p"
+        for frame in even:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buffer.getvalue()
+
+
 def decode_latent(data: bytes, shape: tuple[int, ...]) -> np.ndarray:
     """A .npy latent (a VAE's encoding of one image) -> float32 of exactly `shape` [C, H, W].
     Loaded with `allow_pickle=False`; a wrong shape or a non-finite value is an error."""
