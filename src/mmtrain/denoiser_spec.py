@@ -89,7 +89,9 @@ class DenoiserSpec:
                 f"{self.temporal_patch} does not divide frames {self.frames}",
             )
         if (self.input == "video") != (self.frames > 1) and self.input != "latent":
-            raise FieldError(f"{path}.input", "video input needs frames > 1, and frames > 1 a video")
+            raise FieldError(
+                f"{path}.input", "video input needs frames > 1, and frames > 1 a video"
+            )
 
     # -- shapes
     def grid(self) -> int:
