@@ -90,7 +90,8 @@ class DenoiserSpec:
             )
         if (self.input == "video") != (self.frames > 1) and self.input != "latent":
             raise FieldError(
-                f"{path}.input", "video input needs frames > 1, and frames > 1 a video"
+                f"{path}.input",
+                f"{self.input!r} with frames {self.frames}: video takes frames > 1, image frames 1",
             )
 
     # -- shapes
