@@ -443,3 +443,42 @@ def test_a_video_dit_trains_on_clips_and_generates_mp4s(tmp_path):
     clip = decode_video((tmp_path / "out" / "sample_0.mp4").read_bytes(), 4)
     assert clip.frames.shape == (4, 16, 16, 3)
     assert np.asarray(Image.open(tmp_path / "out" / "grid.png")).shape == (16, 32, 3)
+
+
+def test_factorised_attention_keeps_frames_then_places_apart_and_counts_their_cost():
+    spec = ModelSpec.from_dict({**video_spec().to_dict(), "denoiser": {
+        **video_spec().denoiser.to_dict(), "attention": "factorised"}})  # fmt: skip
+    d = spec.denoiser
+    model = mmtrain.create_model(spec, seed=0)
+    batch = {"video": torch.randn(2, 3, 4, 16, 16), "timestep": torch.tensor([1.0, 900.0])}
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model.predict(batch)
+    assert counter.get_total_flops() == 2 * d.forward_flops()
+    assert d.forward_flops() < video_spec().denoiser.forward_flops()  # T S^2 + S T^2 < (T S)^2
+    space, time = d.grid() ** 2, d.time_grid()
+    x = torch.randn(1, time * space, d.width)
+    for block, changed, kept in ((0, "frame 1", "frame 0"), (1, "place 1", "place 0")):
+        y = x.clone().reshape(1, time, space, d.width)
+        if block == 0:
+            y[:, 1] += 1.0  # every token of frame 1
+            rows = slice(0, space)  # frame 0's tokens
+        else:
+            y[:, :, 1] += 1.0  # place 1 in every frame
+            rows = slice(0, 1)  # place 0 of frame 0
+        with torch.no_grad():
+            a = model.denoiser.blocks[block]._attend(x)
+            b = model.denoiser.blocks[block]._attend(y.reshape(x.shape))
+        assert torch.allclose(a[:, rows], b[:, rows]), (changed, kept)
+        assert not torch.allclose(a, b)
+
+
+def test_the_init_zeroes_the_modulations_and_the_output_layer_only():
+    # DiT's adaLN-Zero: each block's modulation and the final layer start at zero; the
+    # attention's and MLP's own projections are drawn (Xavier variance), as DiT draws them.
+    model = mmtrain.create_model(tiny(), seed=0)
+    zero = {n for n, p in model.named_parameters() if p.dim() >= 2 and not p.any()}
+    expected = {f"towers.denoiser.blocks.{i}.modulation.weight" for i in range(2)}
+    expected |= {"towers.denoiser.modulation_out.weight", "towers.denoiser.out.weight"}
+    assert zero == expected
+    w = model.denoiser.blocks[0].attn.out.weight
+    assert w.std().item() == pytest.approx((2 / (2 * w.shape[0])) ** 0.5, rel=0.1)

@@ -37,6 +37,7 @@ from typing import Any
 from mmtrain.structured import FieldError, check_choice, from_dict, to_dict
 
 PREDICTIONS = ("velocity", "epsilon", "v")
+ATTENTIONS = ("full", "factorised")  # a video DiT: every tube with every other, or in turns
 INPUTS = ("image", "video", "latent")  # the batch key of the clean sample
 TIMESTEP_FREQUENCIES = 256  # sinusoidal features of the timestep before its MLP (DiT's)
 
@@ -56,6 +57,9 @@ class DenoiserSpec:
     input: str = "image"
     frames: int = 1  # > 1: a video DiT over clips of this many frames (or latent frames)
     temporal_patch: int = 1  # frames per patch (a tube of temporal_patch x p x p)
+    # factorised: even blocks attend within a frame, odd ones across frames at one place
+    # (Latte's interleaved variant): attention costs T S^2 + S T^2 instead of (T S)^2
+    attention: str = "full"
     norm_eps: float = 1e-6  # the attention's and the output's norms (DiT's)
     mlp_norm_eps: float = 1e-6  # the MLP's norm (diffusers' DiT configs: their norm_eps, 1e-5)
 
@@ -87,6 +91,11 @@ class DenoiserSpec:
             raise FieldError(
                 f"{path}.temporal_patch",
                 f"{self.temporal_patch} does not divide frames {self.frames}",
+            )
+        check_choice(f"{path}.attention", self.attention, ATTENTIONS)
+        if self.attention == "factorised" and self.time_grid() < 2:
+            raise FieldError(
+                f"{path}.attention", "factorised attention needs 2 patches in time or more"
             )
         if (self.input == "video") != (self.frames > 1) and self.input != "latent":
             raise FieldError(
@@ -148,18 +157,26 @@ class DenoiserSpec:
     def params(self) -> int:
         return self.embedding_params() + self.layers * self.block_params() + self.final_params()
 
-    def block_flops(self) -> int:
-        """Forward FLOPs of one block for one sample."""
+    def attention_group(self, block: int) -> str:
+        """What block `block` attends over: "all" tokens, a "frame" or a "place" (factorised)."""
+        if self.attention == "full":
+            return "all"
+        return "frame" if block % 2 == 0 else "place"
+
+    def block_flops(self, block: int = 0) -> int:
+        """Forward FLOPs of block `block` for one sample."""
         t, w, h = self.tokens(), self.width, self.mlp_hidden()
         per_token = 3 * w * w + w * w + 2 * w * h
-        return 2 * t * per_token + 4 * t * t * w + 2 * w * 6 * w
+        group = {"all": t, "frame": self.grid() ** 2, "place": self.time_grid()}
+        attention = 4 * t * group[self.attention_group(block)] * w  # groups of g tokens: t g
+        return 2 * t * per_token + attention + 2 * w * 6 * w
 
     def forward_flops(self) -> int:
         """Forward FLOPs of one sample: embeddings, blocks, final layer."""
         t, w = self.tokens(), self.width
         embed = 2 * t * self.patch_dim() * w + 2 * (TIMESTEP_FREQUENCIES * w + w * w)
         final = 2 * w * 2 * w + 2 * t * w * self.out_channels() * self.patch_volume()
-        return embed + self.layers * self.block_flops() + final
+        return embed + sum(self.block_flops(i) for i in range(self.layers)) + final
 
     # -- (de)serialisation
     def to_dict(self) -> dict[str, Any]:

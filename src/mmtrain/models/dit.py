@@ -90,9 +90,11 @@ class DiTBlock(nn.Module):
     """Attention and MLP, each under a LayerNorm modulated by the conditioning vector and
     gated (adaLN-Zero: the modulation starts at zero, so the block starts as the identity)."""
 
-    def __init__(self, spec: DenoiserSpec):
+    def __init__(self, spec: DenoiserSpec, index: int = 0):
         super().__init__()
         w = spec.width
+        self.group = spec.attention_group(index)  # all tokens, a frame's, or a place's
+        self.time, self.space = spec.time_grid(), spec.grid() ** 2
         self.norm1 = nn.LayerNorm(w, elementwise_affine=False, eps=spec.norm_eps)
         self.attn = Attention(w, spec.heads)
         self.norm2 = nn.LayerNorm(w, elementwise_affine=False, eps=spec.mlp_norm_eps)
@@ -101,8 +103,20 @@ class DiTBlock(nn.Module):
 
     def forward(self, x: Tensor, c: Tensor) -> Tensor:
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.modulation(F.silu(c)).chunk(6, 1)
-        x = x + gate_a[:, None, :] * self.attn(modulate(self.norm1(x), shift_a, scale_a))
+        x = x + gate_a[:, None, :] * self._attend(modulate(self.norm1(x), shift_a, scale_a))
         return x + gate_m[:, None, :] * self.mlp(modulate(self.norm2(x), shift_m, scale_m))
+
+    def _attend(self, h: Tensor) -> Tensor:
+        """Attention over all tokens, or within each frame / at each place (tokens time-major)."""
+        if self.group == "all":
+            return self.attn(h)
+        b, _, w = h.shape
+        grid = h.reshape(b, self.time, self.space, w)
+        if self.group == "frame":
+            return self.attn(grid.reshape(b * self.time, self.space, w)).reshape(h.shape)
+        places = grid.transpose(1, 2).reshape(b * self.space, self.time, w)
+        out = self.attn(places).reshape(b, self.space, self.time, w).transpose(1, 2)
+        return out.reshape(h.shape)
 
 
 class DiT(nn.Module):
@@ -124,7 +138,7 @@ class DiT(nn.Module):
         self.time_fc1 = nn.Linear(TIMESTEP_FREQUENCIES, w)
         self.time_fc2 = nn.Linear(w, w)
         self.classes = nn.Embedding(spec.num_classes + 1, w) if spec.num_classes else None
-        self.blocks = nn.ModuleList(DiTBlock(spec) for _ in range(spec.layers))
+        self.blocks = nn.ModuleList(DiTBlock(spec, i) for i in range(spec.layers))
         self.norm_out = nn.LayerNorm(w, elementwise_affine=False, eps=spec.norm_eps)
         self.modulation_out = nn.Linear(w, 2 * w)
         self.out = nn.Linear(w, spec.patch_volume() * spec.out_channels())

@@ -202,7 +202,9 @@ def _language_model_rules(model: nn.Module) -> dict[str, InitRule]:
 
 
 DIT_EMBEDDING_STD = 0.02  # DiT's timestep MLP and class table
-DIT_ZERO = ("modulation.weight", "modulation_out.weight", "out.weight")  # adaLN-Zero
+# adaLN-Zero: every block's modulation, the final layer's modulation and its output layer (the
+# denoiser's own `out`, not a block's attention output projection `attn.out`)
+DIT_ZERO = (".modulation.weight", ".denoiser.modulation_out.weight", ".denoiser.out.weight")
 
 
 def _denoiser_rules(model: nn.Module) -> dict[str, InitRule]:
