@@ -365,6 +365,16 @@ def test_validation_reports_the_loss_at_fixed_timesteps_and_eval_adds_the_fd(tmp
     history = train(config).history
     val = {row["step"]: row["val/diffusion/loss"] for row in history if "val/diffusion/loss" in row}
     assert sorted(val) == [2, 4] and all(math.isfinite(v) for v in val.values())
+    # a grid of samples at each validation (a row per class), and the report shows them
+    grids = sorted(p.name for p in (tmp_path / "run" / "samples").glob("*.png"))
+    assert grids == ["step_00000002.png", "step_00000004.png"]
+    grid = np.asarray(Image.open(tmp_path / "run" / "samples" / grids[-1]))
+    assert grid.shape == (CLASSES * 32, 4 * 32, 3)
+    from mmtrain.report import build_report
+
+    report = build_report(tmp_path / "run", gallery=False)
+    drawn = {plot.name for plot in report.plots if plot.png is not None}
+    assert {"denoiser", "samples_2", "samples_4"} <= drawn
     # `mmtrain eval` with a feature extractor (an image tower: here a micro CLIP, untrained)
     clip = tmp_path / "clip"
     mmtrain.save_model(mmtrain.create_model(ModelSpec.from_dict(MICRO_SPEC), seed=0), clip)

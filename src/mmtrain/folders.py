@@ -6,7 +6,8 @@ A model folder (`mmtrain.save_model`, `mmtrain convert`, a finished run) holds `
 
 A run folder (`mmtrain train`) is a model folder once training finished, and holds besides:
 `config.yaml` (the resolved run config), `metrics.jsonl` (a row per logged step, the plan
-record, validation rows), `eval.json` (the last evaluation) and `checkpoints/step_N/`.
+record, validation rows), `eval.json` (the last evaluation), `checkpoints/step_N/` and, for a
+denoiser, `samples/step_N.png` (a grid of samples at each validation).
 
 Plain names only (no torch): the report reads run folders without importing the trainer.
 """
@@ -18,3 +19,4 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.json"
 CHECKPOINT_DIR = "checkpoints"
+SAMPLES_DIR = "samples"  # a denoiser's sample grids, one per validation: step_N.png

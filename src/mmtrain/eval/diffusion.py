@@ -114,6 +114,31 @@ class DenoiserEvaluator:
             out.update(self._frechet(model, real, classes))
         return {"diffusion": out}
 
+    @torch.no_grad()
+    def sample_grid(self, model: nn.Module, per_class: int = 4, rows: int = 8) -> np.ndarray | None:
+        """uint8 [H, W, 3] grid of samples from a fixed seed: a row per class (the first
+        `rows`), `per_class` columns (one row when unconditional); a video's first frames.
+        None for a latent denoiser (its samples need the VAE to be seen). Every rank calls it
+        (the model's forward is a collective under FSDP); all get the same grid."""
+        d = self.spec.denoiser
+        if d.input == "latent":
+            return None
+        n_rows = min(rows, d.num_classes) if d.num_classes else 1
+        device = next(model.parameters()).device
+        classes = None
+        if d.num_classes:
+            classes = torch.arange(n_rows, device=device).repeat_interleave(per_class)
+        images = sample(model, classes, n_rows * per_class, steps=self.steps, cfg=self.cfg,
+                        seed=self.seed, config=self.config)  # fmt: skip
+        if d.is_video():
+            images = images[:, :, 0]  # [N, C, T, H, W] -> the first frames
+        pixels = to_uint8(images).numpy()
+        if pixels.shape[-1] == 1:
+            pixels = np.repeat(pixels, 3, axis=-1)
+        h, w = pixels.shape[1:3]
+        grid = pixels.reshape(n_rows, per_class, h, w, 3).transpose(0, 2, 1, 3, 4)
+        return np.ascontiguousarray(grid.reshape(n_rows * h, per_class * w, 3))
+
     def _error(self, model: nn.Module, x0: Tensor, y: Tensor | None, t: float, g) -> Tensor:
         """Summed squared error of the prediction at time t (its sample's channels only)."""
         d = self.spec.denoiser

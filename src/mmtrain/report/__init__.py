@@ -69,7 +69,10 @@ def build_report(
         sections.append((title, gallery_plots, True))
         stale |= set(GALLERY_NAMES)
 
-    plots = training + gallery_plots
+    samples = sample_grids(run)
+    if samples:
+        sections.append(("Samples", samples, True))
+    plots = training + gallery_plots + samples
     files = {p.name: f"{html_path.stem}_{p.name}.png" for p in plots if p.png is not None}
     pngs = []
     for plot in plots:
@@ -95,6 +98,22 @@ def build_report(
     atomic_write_text(html_path, render_html(page))
     log.debug("report written to %s (%d charts)", html_path, len(pngs))
     return Report(html=html_path, pngs=pngs, plots=plots, notes=run.notes)
+
+
+def sample_grids(run: RunData) -> list[Plot]:
+    """A denoiser's sample grids (RUN/samples/step_N.png, written at each validation): the
+    first and the newest, a row per class, from the same seed, so they show what training
+    changed."""
+    from mmtrain.folders import SAMPLES_DIR
+
+    grids = sorted((run.run_dir / SAMPLES_DIR).glob("step_*.png"))
+    chosen = list(dict.fromkeys([grids[0], grids[-1]])) if grids else []
+    plots = []
+    for path in chosen:
+        step = int(path.stem.removeprefix("step_"))
+        plots.append(Plot(f"samples_{step}", f"Samples at step {step}", path.read_bytes(),
+                          "a row per class, the same noise at every step"))  # fmt: skip
+    return plots
 
 
 def eval_tables(report: Mapping[str, Any]) -> list[Table]:

@@ -275,6 +275,24 @@ def eval_plot(run: RunData) -> Plot:
     return Plot("eval", title, figure(lines, ylabel="% of queries", ylim=(0, 100)))
 
 
+def denoiser_plot(run: RunData) -> Plot:
+    """A denoiser's validation: the loss at each fixed timestep and their mean (and the FD
+    when an extractor was set), by step."""
+    title = "Denoiser validation"
+    keys = [k for k in run.keys("", run.eval_rows) if "/diffusion/" in f"/{k}" and
+            k.rsplit("/", 1)[-1] not in ("n", "fd_n", "extractor")]  # fmt: skip
+    if not keys:
+        return _missing("denoiser", title, "no denoiser validation rows in metrics.jsonl")
+    lines = []
+    for i, key in enumerate(keys):
+        steps, values = run.series(key, run.eval_rows)
+        style = "-" if key.endswith(("/loss", "/fd")) else ":"
+        label = key.split("diffusion/", 1)[-1].replace("loss_at/", "loss at t=")
+        lines.append(Line(label, steps, values, style=style, marker="o",
+                          color=PALETTE[i % len(PALETTE)]))  # fmt: skip
+    return Plot("denoiser", title, figure(lines, ylabel="mean squared error / FD"))
+
+
 def _is_recall(key: str) -> bool:
     last = key.rsplit("/", 1)[-1]
     return last.startswith(("R@", "top")) or last in ("accuracy",)
@@ -290,6 +308,7 @@ PLOTS: tuple[Callable[[RunData], Plot], ...] = (
     mfu_plot,
     memory_plot,
     eval_plot,
+    denoiser_plot,
 )
 
 

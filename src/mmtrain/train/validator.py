@@ -13,7 +13,7 @@ from mmtrain import __version__
 from mmtrain.atomic import atomic_write_text
 from mmtrain.config import RunConfig
 from mmtrain.data.storage.shards import ShardSet
-from mmtrain.folders import EVAL_FILE
+from mmtrain.folders import EVAL_FILE, SAMPLES_DIR
 from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
 from mmtrain.train.data import source_towers
@@ -133,11 +133,30 @@ class Validator:
 
         reports = [evaluator.report(model) for evaluator in self.evaluators]
         self.last = (step, reports)
+        self._sample_grids(model, step)
         flat: dict[str, float] = {}
         for i, report in enumerate(reports):
             prefix = "val" if len(reports) == 1 else f"val/{i}"
             flat.update(flatten_metrics(report, prefix))
         return flat
+
+    def _sample_grids(self, model: nn.Module, step: int) -> None:
+        """A denoiser's samples at this step, OUT/samples/step_N.png (the report shows them);
+        every rank samples (a collective under FSDP), rank 0 writes."""
+        grids = [e.sample_grid(model) for e in self.evaluators if hasattr(e, "sample_grid")]
+        grid = next((g for g in grids if g is not None), None)
+        if grid is None or self.rank != 0:
+            return
+        import io
+
+        from PIL import Image
+
+        from mmtrain.atomic import atomic_write_bytes
+
+        buffer = io.BytesIO()
+        Image.fromarray(grid).save(buffer, format="PNG")
+        (self.out / SAMPLES_DIR).mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(self.out / SAMPLES_DIR / f"step_{step:08d}.png", buffer.getvalue())
 
     def write_report(self, spec: ModelSpec) -> dict[str, Any] | None:
         """OUT/eval.json from the evaluation at the final step (rank 0 writes; all return it)."""
