@@ -359,12 +359,22 @@ def test_fsdp_on_two_ranks_trains_a_dit_and_its_ema_as_ddp_does(tmp_path, shards
 def test_validation_reports_the_loss_at_fixed_timesteps_and_eval_adds_the_fd(tmp_path, shards):
     spec_file = tmp_path / "spec.yaml"
     tiny().save(spec_file)
+    # the feature extractor: an image tower with a text tower beside it (a micro CLIP, untrained)
+    clip = tmp_path / "clip"
+    mmtrain.save_model(mmtrain.create_model(ModelSpec.from_dict(MICRO_SPEC), seed=0), clip)
     config = _config(tmp_path / "run", shards, spec_file, steps=4)
     config.data.val = config.data.train
+    config.data.class_names = ["red", "green", "blue", "white"]
     config.eval.every_steps = 2
+    config.eval.extractor, config.eval.samples, config.eval.sample_steps = str(clip), 8, 2
     history = train(config).history
     val = {row["step"]: row["val/diffusion/loss"] for row in history if "val/diffusion/loss" in row}
     assert sorted(val) == [2, 4] and all(math.isfinite(v) for v in val.values())
+    last = next(row for row in history if row["step"] == 4)
+    assert last["val/diffusion/fd_n"] == 8 and last["val/diffusion/fd"] >= 0
+    for key in ("cond_accuracy", "real_accuracy"):  # fractions of the 8 samples / images
+        assert last[f"val/diffusion/{key}"] * 8 in range(9)
+    assert 0 <= last["val/diffusion/clip_score"] <= 100
     # a grid of samples at each validation (a row per class), and the report shows them
     grids = sorted(p.name for p in (tmp_path / "run" / "samples").glob("*.png"))
     assert grids == ["step_00000002.png", "step_00000004.png"]
@@ -375,9 +385,7 @@ def test_validation_reports_the_loss_at_fixed_timesteps_and_eval_adds_the_fd(tmp
     report = build_report(tmp_path / "run", gallery=False)
     drawn = {plot.name for plot in report.plots if plot.png is not None}
     assert {"denoiser", "samples_2", "samples_4"} <= drawn
-    # `mmtrain eval` with a feature extractor (an image tower: here a micro CLIP, untrained)
-    clip = tmp_path / "clip"
-    mmtrain.save_model(mmtrain.create_model(ModelSpec.from_dict(MICRO_SPEC), seed=0), clip)
+    # `mmtrain eval` with the extractor
     out = tmp_path / "eval.json"
     argv = ["eval", str(tmp_path / "run"), "--data", shards, "--extractor", str(clip),
             "--samples", "12", "--steps", "3", "--out", str(out)]  # fmt: skip

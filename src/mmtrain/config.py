@@ -203,6 +203,7 @@ class EvalConfig:
     # `samples` generated images (`sample_steps`, guidance `cfg`) to the held-out ones in the
     # features of `extractor` (an mmtrain model folder with an image tower); null: loss only.
     extractor: str | None = None
+    extractor_tokenizer: str = "byte"  # the extractor's text tower's (conditional accuracy)
     samples: int = 256
     sample_steps: int = 25
     cfg: float = 1.0

@@ -116,6 +116,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a model with an image tower whose features the Fréchet distance is taken in",
     )
     gen.add_argument(
+        "--extractor-tokenizer",
+        default="byte",
+        help="the extractor's text tokenizer, for the conditional accuracy (default byte)",
+    )
+    gen.add_argument(
         "--samples", type=count, default=256, help="images generated for the FD (default 256)"
     )
     gen.add_argument("--steps", type=count, default=25, help="sampling steps (default 25)")
@@ -289,7 +294,7 @@ def _denoiser_report(model: Any, run_dir: Path, args: argparse.Namespace, device
             model.spec, args.data, batch_size=args.batch_size, config=config,
             label_field=args.label_field, class_names=_manifest_class_names(args.data) or (),
             extractor=extractor, samples=args.samples, steps=args.steps, cfg=args.cfg,
-            num_workers=args.workers,
+            num_workers=args.workers, extractor_tokenizer=args.extractor_tokenizer,
         )  # fmt: skip
     except FieldError as err:
         raise UsageError(
@@ -466,6 +471,11 @@ def format_report(report: dict[str, Any], out: Path) -> str:
             lines.append(
                 f"FD in {d['extractor']}'s features: {d['fd']:.4f} (real-vs-real floor "
                 f"{d['fd_real_floor']:.4f}; {d['fd_n']} images)"
+            )
+        if "cond_accuracy" in d:
+            lines.append(
+                f"conditional accuracy {d['cond_accuracy']:.3f} (real images "
+                f"{d['real_accuracy']:.3f}); CLIP score {d['clip_score']:.2f}"
             )
     for pair, s in report.get("clip_score", {}).items():
         lines.append(

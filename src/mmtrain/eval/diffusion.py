@@ -10,6 +10,11 @@ extractor, the Fréchet distance between its samples and those images.
   its own input size; `fd_real_floor` is the FD between two halves of the real set, what
   sampling noise alone costs at this n. The extractor is any mmtrain model with an image tower
   (e.g. a CLIP trained on the same domain): nothing is downloaded.
+- With class names and an extractor that has a text tower (a CLIP), also the conditional
+  accuracy (zero-shot, eval/zeroshot.py: is a sample of class k nearest to class k's prompts?)
+  beside the real images' (the ceiling this extractor allows), and the CLIP score of each
+  sample against its class's prompts (models/clip_score.py). The extractor is not the
+  denoiser's conditioning (a class DiT has none), so it does not grade its own homework.
 
 Every rank evaluates its share of the images; the sums and the features are gathered, so the
 report is the same on every rank (a collective: call it on all of them).
@@ -67,6 +72,7 @@ class DenoiserEvaluator:
         num_workers: int = 0,
         rank: int | None = None,
         world_size: int | None = None,
+        extractor_tokenizer: str = "byte",
     ):
         if spec.denoiser is None:
             raise FieldError("model", f"{spec.name} is not a denoiser")
@@ -77,6 +83,8 @@ class DenoiserEvaluator:
         self.spec, self.config = spec, config or DiffusionConfig()
         self.seed, self.samples, self.steps, self.cfg = seed, samples, steps, cfg
         self.extractor = extractor
+        self.class_names = list(class_names)
+        self.extractor_tokenizer = extractor_tokenizer
         self.rank = distributed.rank() if rank is None else rank
         decoder = DenoiserDecoder(spec, label_field, class_names, train=False)
         self.loader = StreamingLoader(
@@ -173,11 +181,39 @@ class DenoiserEvaluator:
         real_features = _gathered(image_features(self.extractor, real_images))
         fake_features = _gathered(image_features(self.extractor, fake))
         half = real_features.shape[0] // 2
-        return {
+        out = {
             "fd": frechet_distance(fake_features, real_features),
             "fd_real_floor": frechet_distance(real_features[:half], real_features[half:]),
             "fd_n": int(real_features.shape[0]),
             "extractor": getattr(self.extractor.spec, "name", "extractor"),
+        }
+        if labels is not None and self.class_names and _text_tower(self.extractor) is not None:
+            all_labels = _gathered(labels.double()).long()
+            out.update(self._conditional(fake_features, real_features, all_labels))
+        return out
+
+    def _conditional(self, fake: Tensor, real: Tensor, labels: Tensor) -> dict[str, float]:
+        """Zero-shot accuracy of samples (and of the real images) for their class, and the
+        samples' CLIP score against their class's prompts."""
+        from mmtrain.data.stream.tokenizer import get_tokenizer
+        from mmtrain.eval.zeroshot import class_embeddings
+        from mmtrain.models.clip_score import clip_score
+
+        tower = _text_tower(self.extractor)
+        tokenizer = get_tokenizer(self.extractor_tokenizer)
+        context = self.extractor.spec.towers[tower].stem.context_length
+        param = next(self.extractor.parameters())
+
+        def embed(texts: list[str]) -> Tensor:
+            ids = tokenizer(texts, context).to(param.device)
+            return self.extractor.encode({tower: ids})[tower].double().cpu()
+
+        with torch.no_grad():
+            classes = class_embeddings(embed, self.class_names).double()
+        return {
+            "cond_accuracy": float(((fake @ classes.T).argmax(1) == labels).double().mean()),
+            "real_accuracy": float(((real @ classes.T).argmax(1) == labels).double().mean()),
+            "clip_score": float(clip_score(fake, classes[labels]).mean()),
         }
 
     def close(self) -> None:
@@ -205,6 +241,10 @@ def image_features(extractor: nn.Module, images: Tensor, batch: int = 64) -> Ten
         x = torch.stack(chunk).to(param.device, param.dtype)
         out.append(extractor.encode({tower: x})[tower].double().cpu())
     return torch.cat(out)
+
+
+def _text_tower(model: nn.Module) -> str | None:
+    return next((n for n, t in model.spec.towers.items() if t.modality == "text"), None)
 
 
 def _resized(transform: ImageTransform, pixels: np.ndarray) -> Tensor:
