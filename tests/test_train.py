@@ -310,3 +310,13 @@ def test_pixels_normalised_on_the_device_train_exactly_like_the_workers(tmp_path
         runs[on_device] = load_file(str(tmp_path / str(on_device) / "run" / "model.safetensors"))
     assert runs[True].keys() == runs[False].keys()
     assert all(torch.equal(runs[True][k], runs[False][k]) for k in runs[False])
+    # ... and the on-device run did get uint8 pixels, with the values to normalise them by
+    from mmtrain.spec import load_spec
+    from mmtrain.train.data import TrainData
+
+    config = micro_run(tmp_path / "probe", shards, data={"normalise_on_device": True})
+    data = TrainData(config, load_spec(config.model), rank=0, world_size=1, micro_batch=4,
+                     uint8_pixels=True)  # fmt: skip
+    assert data.next_batch()["image"].dtype == torch.uint8
+    assert set(data.pixel_normalisation()) == {"image"}
+    data.close()

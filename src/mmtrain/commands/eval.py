@@ -267,22 +267,11 @@ def _language_model_report(model: Any, run_dir: Path, args: argparse.Namespace) 
 def _denoiser_report(model: Any, run_dir: Path, args: argparse.Namespace, device: Any) -> dict:
     """Loss at fixed timesteps and, with --extractor, the FD of samples (eval/diffusion.py),
     with the run's `train.diffusion` settings."""
-    import yaml
-
     import mmtrain
-    from mmtrain.config import DiffusionConfig
     from mmtrain.eval.diffusion import DenoiserEvaluator
-    from mmtrain.structured import FieldError, from_dict
+    from mmtrain.structured import FieldError
 
-    try:
-        raw = (
-            yaml.safe_load((run_dir / "config.yaml").read_text())
-            if (run_dir / "config.yaml").is_file()
-            else {}
-        )
-        config = from_dict(DiffusionConfig, ((raw or {}).get("train") or {}).get("diffusion") or {})
-    except (yaml.YAMLError, FieldError, AttributeError) as err:
-        raise UsageError(f"{run_dir / 'config.yaml'}: {err}") from None
+    config = run_diffusion_config(run_dir)
     extractor = None
     if args.extractor:
         try:
@@ -305,6 +294,33 @@ def _denoiser_report(model: Any, run_dir: Path, args: argparse.Namespace, device
     finally:
         evaluator.close()
     return {"n_samples": report["diffusion"]["n"], **report}
+
+
+def run_config(run_dir: Path) -> dict[str, Any]:
+    """The run's config.yaml as a mapping ({} without one); UsageError naming it if unreadable."""
+    import yaml
+
+    config = run_dir / "config.yaml"
+    if not config.is_file():
+        return {}
+    try:
+        data = yaml.safe_load(config.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise UsageError(f"{config}: not a readable run config ({err})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def run_diffusion_config(run_dir: Path) -> Any:
+    """The run's `train.diffusion` (the defaults without a config.yaml): how its denoiser was
+    trained is how it is sampled and evaluated."""
+    from mmtrain.config import DiffusionConfig
+    from mmtrain.structured import FieldError, from_dict
+
+    train = run_config(run_dir).get("train") or {}
+    try:
+        return from_dict(DiffusionConfig, train.get("diffusion") or {}, "train.diffusion")
+    except (FieldError, AttributeError) as err:
+        raise UsageError(f"{run_dir / 'config.yaml'}: {err}") from None
 
 
 def _run_data_field(run_dir: Path, name: str) -> Any:

@@ -153,12 +153,10 @@ def run(args: argparse.Namespace) -> int:
 
 def generate_images(args: argparse.Namespace, model: Any, run_dir: Path) -> int:
     """Sample a denoiser: `--num` PNGs per `--class` into `--out`, and their grid."""
-    import numpy as np
     from PIL import Image
 
-    from mmtrain.config import DiffusionConfig
-    from mmtrain.eval.sampling import sample, to_uint8
-    from mmtrain.structured import FieldError, from_dict
+    from mmtrain.commands.eval import run_diffusion_config
+    from mmtrain.eval.sampling import image_grid, sample, to_uint8
 
     d = model.spec.denoiser
     if args.out is None:
@@ -173,11 +171,7 @@ def generate_images(args: argparse.Namespace, model: Any, run_dir: Path) -> int:
         raise UsageError(
             f"--class {bad or args.classes}: {model.spec.name} has {d.num_classes} classes"
         )
-    try:
-        settings = (_run_config(run_dir).get("train") or {}).get("diffusion") or {}
-        config = from_dict(DiffusionConfig, settings, "train.diffusion")
-    except FieldError as err:
-        raise UsageError(f"{run_dir / 'config.yaml'}: {err}") from None
+    config = run_diffusion_config(run_dir)
     import torch
 
     classes = [k for k in args.classes for _ in range(args.num)] or None
@@ -215,15 +209,9 @@ def generate_images(args: argparse.Namespace, model: Any, run_dir: Path) -> int:
             Image.fromarray(image.squeeze(-1) if image.shape[-1] == 1 else image).save(
                 out / f"{stem}.png"
             )
-    names = stems
-    rows = max(len(args.classes), 1)
-    grid = pixels.reshape(rows, args.num, *pixels.shape[1:]).transpose(0, 2, 1, 3, 4)
-    grid = grid.reshape(rows * pixels.shape[1], args.num * pixels.shape[2], pixels.shape[3])
-    Image.fromarray(np.ascontiguousarray(grid.squeeze(-1) if grid.shape[-1] == 1 else grid)).save(
-        out / "grid.png"
-    )
+    Image.fromarray(image_grid(pixels, max(len(args.classes), 1))).save(out / "grid.png")
     kind = "videos" if d.is_video() else "images"
-    print(f"wrote {len(names)} {kind} and grid.png to {out}")
+    print(f"wrote {len(stems)} {kind} and grid.png to {out}")
     return 0
 
 
@@ -250,20 +238,6 @@ def _vae(args: argparse.Namespace, denoiser: Any, device: Any) -> Any:
             f"takes {denoiser.channels}"
         )
     return vae
-
-
-def _run_config(run_dir: Path) -> dict[str, Any]:
-    """The run's config.yaml as a mapping ({} without one)."""
-    import yaml
-
-    config = run_dir / "config.yaml"
-    if not config.is_file():
-        return {}
-    try:
-        data = yaml.safe_load(config.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise UsageError(f"{config}: not a readable run config ({err})") from None
-    return data if isinstance(data, dict) else {}
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -299,7 +273,9 @@ def _device(name: str | None, torch: Any) -> Any:
 
 def _run_data_config(run_dir: Path) -> dict[str, Any]:
     """The `data` section of the run's config.yaml ({} without one)."""
-    data = _run_config(run_dir).get("data")
+    from mmtrain.commands.eval import run_config
+
+    data = run_config(run_dir).get("data")
     return data if isinstance(data, dict) else {}
 
 

@@ -37,7 +37,7 @@ from mmtrain.data.stream.denoiser_inputs import DenoiserDecoder
 from mmtrain.data.stream.loader import StreamingLoader
 from mmtrain.data.stream.transforms import ImageTransform
 from mmtrain.eval.frechet import frechet_distance
-from mmtrain.eval.sampling import sample, to_uint8
+from mmtrain.eval.sampling import image_grid, sample, to_uint8
 from mmtrain.models.dit import CLASS, PREDICTION, TIMESTEP
 from mmtrain.models.schedules import (
     FLOW_TIMESTEP_SCALE,
@@ -101,20 +101,20 @@ class DenoiserEvaluator:
         self.loader.set_epoch(0)
         param = next(model.parameters())
         key = self.spec.denoiser.input
-        sums, elements, images, real, classes = [0.0] * len(TIMES), 0, 0, [], []
+        sums = torch.zeros(len(TIMES), dtype=torch.float64, device=param.device)
+        elements, images, real, classes = 0, 0, [], []
         for number, batch in enumerate(self.loader):
             x0 = batch[key].to(param.device, param.dtype)
             y = batch[CLASS].to(param.device) if CLASS in batch else None
-            for i, t in enumerate(TIMES):
-                error = self._error(model, x0, y, t, draw_generator(
+            for i, t in enumerate(TIMES):  # summed on the device, read once below
+                sums[i] += self._error(model, x0, y, t, draw_generator(
                     self.seed, number, self.rank, i, device=param.device))  # fmt: skip
-                sums[i] += float(error)
             elements += x0.numel()
             images += x0.shape[0]
             if self.extractor is not None and sum(len(r) for r in real) < self.samples:
                 real.append(x0.cpu())
                 classes.append(None if y is None else y.cpu())
-        *sums, elements, images = distributed.sum_over_ranks([*sums, elements, images])
+        *sums, elements, images = distributed.sum_over_ranks([*sums.tolist(), elements, images])
         losses = {f"{t:g}": s / max(elements, 1) for t, s in zip(TIMES, sums, strict=True)}
         out: dict[str, Any] = {"loss": float(np.mean(list(losses.values()))), "loss_at": losses,
                                "n": int(images)}  # fmt: skip
@@ -140,12 +140,7 @@ class DenoiserEvaluator:
                         seed=self.seed, config=self.config)  # fmt: skip
         if d.is_video():
             images = images[:, :, 0]  # [N, C, T, H, W] -> the first frames
-        pixels = to_uint8(images).numpy()
-        if pixels.shape[-1] == 1:
-            pixels = np.repeat(pixels, 3, axis=-1)
-        h, w = pixels.shape[1:3]
-        grid = pixels.reshape(n_rows, per_class, h, w, 3).transpose(0, 2, 1, 3, 4)
-        return np.ascontiguousarray(grid.reshape(n_rows * h, per_class * w, 3))
+        return image_grid(to_uint8(images).numpy(), n_rows)
 
     def _error(self, model: nn.Module, x0: Tensor, y: Tensor | None, t: float, g) -> Tensor:
         """Summed squared error of the prediction at time t (its sample's channels only)."""
@@ -176,6 +171,7 @@ class DenoiserEvaluator:
         if mine:
             device = next(model.parameters()).device
             fake = sample(model, None if labels is None else labels.to(device), mine,
+                          # other noise on every rank, or the ranks' samples would repeat
                           steps=self.steps, cfg=self.cfg, seed=self.seed + 7919 * self.rank,
                           config=self.config).cpu()  # fmt: skip
         real_features = _gathered(image_features(self.extractor, real_images))

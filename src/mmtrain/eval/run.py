@@ -22,7 +22,6 @@ For the training loop: build an `Evaluator` once, call it every N steps on every
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from torch import nn
 
 from mmtrain import distributed
 from mmtrain.data.storage.shards import ShardSet
+from mmtrain.data.stream.labels import label_value
 from mmtrain.data.stream.loader import StreamingLoader
 from mmtrain.data.stream.media import (
     DEFAULT_MAX_PIXELS,
@@ -153,21 +153,7 @@ class EvalDecoder:
         return decode_text(data)
 
     def _label(self, sample: Mapping[str, Any]) -> int:
-        if "cls" in sample:
-            text = decode_text(sample["cls"], what="label").strip()
-            value: Any = int(text) if text.lstrip("-").isdigit() else text
-        elif "json" in sample:
-            try:
-                meta = json.loads(sample["json"])
-            except ValueError as err:
-                raise MediaError(f"json member is not valid JSON: {err}") from None
-            if not isinstance(meta, dict) or self.label_field not in meta:
-                raise MediaError(f"json member has no field {self.label_field!r}")
-            value = meta[self.label_field]
-        else:
-            raise MediaError(
-                f"no label: neither a .cls member nor a .json with {self.label_field!r}"
-            )
+        value = label_value(sample, self.label_field)
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise MediaError(f"label {value!r} is neither an integer nor a class name")
         if isinstance(value, str):

@@ -13,6 +13,7 @@ from one generator seeded by `seed` on the model's device: the same seed gives t
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -121,3 +122,13 @@ def to_uint8(images: Tensor) -> Tensor:
     """Pixels in [-1, 1] [N, C, H, W] -> uint8 [N, H, W, C] (clamped)."""
     pixels = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
     return pixels.permute(0, 2, 3, 1).cpu()
+
+
+def image_grid(pixels: np.ndarray, rows: int) -> np.ndarray:
+    """uint8 images [rows * cols, H, W, C] -> one RGB grid [rows * H, cols * W, 3], row-major."""
+    if pixels.shape[-1] == 1:
+        pixels = np.repeat(pixels, 3, axis=-1)
+    n, h, w, _ = pixels.shape
+    cols = n // rows
+    grid = pixels.reshape(rows, cols, h, w, 3).transpose(0, 2, 1, 3, 4)
+    return np.ascontiguousarray(grid.reshape(rows * h, cols * w, 3))

@@ -12,6 +12,7 @@ size and the counts.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,6 @@ IMAGE_EXTENSIONS = set(MODALITY_EXTENSIONS["image"])
 
 
 def _npy(array: np.ndarray) -> bytes:
-    import io
-
     buffer = io.BytesIO()
     np.save(buffer, array, allow_pickle=False)
     return buffer.getvalue()

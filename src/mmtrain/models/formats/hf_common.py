@@ -217,16 +217,3 @@ def write_hf_groups(
     atomic_write_text(out / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True) + "\n")
     log.info("wrote %s (%s, %d tensors)", out, name, len(entries))
     return out
-
-
-def write_hf_files(
-    out_dir: str | Path,
-    tensors: Mapping[str, Tensor],
-    config: dict[str, Any],
-    name: str,
-    *,
-    max_shard_bytes: int = MAX_SHARD_BYTES,
-) -> Path:
-    """`write_hf_groups` of tensors already in HF's names (each group a rename)."""
-    groups = [KeyGroup(((k, tuple(t.shape)),), ((k, tuple(t.shape)),)) for k, t in tensors.items()]
-    return write_hf_groups(out_dir, tensors, groups, config, name, max_shard_bytes=max_shard_bytes)
