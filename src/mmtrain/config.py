@@ -120,6 +120,8 @@ class DiffusionConfig:
     diffusion (DDPM): integer steps uniform in [0, ddpm_steps) of a linear beta schedule
     (beta_start .. beta_end, as DDPM and DiT); `min_snr` weights each step by min(SNR, gamma)
     over SNR (epsilon) or SNR + 1 (v), Hang et al. 2023; null: unweighted.
+    temporal_weight (video denoisers): adds that weight times the mean squared change of the
+    prediction's error from one frame to the next, a term against flicker (train/diffusion.py).
     """
 
     timesteps: str = "logit_normal"
@@ -131,6 +133,7 @@ class DiffusionConfig:
     beta_start: float = 1e-4
     beta_end: float = 0.02
     min_snr: float | None = None
+    temporal_weight: float = 0.0
 
     def validate(self, path: str = "train.diffusion") -> None:
         check_choice(f"{path}.timesteps", self.timesteps, ("logit_normal", "uniform"))
@@ -140,6 +143,10 @@ class DiffusionConfig:
             raise FieldError(f"{path}.shift", f"must be positive, got {self.shift}")
         if not 0.0 <= self.cfg_dropout < 1.0:
             raise FieldError(f"{path}.cfg_dropout", f"must be in [0, 1), got {self.cfg_dropout}")
+        if self.temporal_weight < 0:
+            raise FieldError(
+                f"{path}.temporal_weight", f"must be 0 or more, got {self.temporal_weight}"
+            )
         _at_least(f"{path}.ddpm_steps", self.ddpm_steps, 1)
         if not 0.0 < self.beta_start < self.beta_end < 1.0:
             raise FieldError(

@@ -25,6 +25,17 @@ A video DiT (`frames` > 1; Latte, Ma et al. 2024, its full-attention variant) cu
 positions are the sum of the 2-D spatial ones and a 1-D temporal one. The clean sample is then
 "video" pixels or a "latent" of [C, T, H, W].
 
+An MMDiT (`architecture: mmdit`; Esser et al. 2024, "Scaling Rectified Flow Transformers",
+arXiv 2403.03206, SD3's `SD3Transformer2DModel`) is conditioned on a text encoder's outputs,
+cached beside the latents: its hidden states [L, text_width] enter as `text_tokens` tokens of
+their own stream (a linear layer to the width), and the pooled text vector [pooled_width]
+through a two-layer MLP is added to the timestep's, forming c. Each block holds two sets of
+weights, one per stream (adaLN-Zero modulation, q/k/v, output, MLP), and one attention over
+the image and text tokens together; the last block's text stream only gives keys and values
+(SD3's `context_pre_only`: no text output, MLP or gates, a scale and shift alone). SD3 crops
+its positions out of a larger fixed grid (`pos_embed_max_size`), and SD3.5 adds an RMSNorm of
+each head's q and k (`qk_norm: rms_norm`).
+
 Counting conventions are spec.py's: FLOPs are 2 x multiply-adds of matmuls and attention (norms,
 softmax, modulation and bias adds left out), attention counted in full.
 """
@@ -39,6 +50,9 @@ from mmtrain.structured import FieldError, check_choice, from_dict, to_dict
 PREDICTIONS = ("velocity", "epsilon", "v")
 ATTENTIONS = ("full", "factorised")  # a video DiT: every tube with every other, or in turns
 INPUTS = ("image", "video", "latent")  # the batch key of the clean sample
+ARCHITECTURES = ("dit", "mmdit")  # class-conditional DiT, or SD3's joint image-text MMDiT
+QK_NORMS = ("none", "rms_norm")  # an MMDiT's per-head norm of q and k (SD3.5: rms_norm)
+MMDIT_ONLY = ("text_width", "pooled_width", "text_tokens", "pos_embed_max_size")
 TIMESTEP_FREQUENCIES = 256  # sinusoidal features of the timestep before its MLP (DiT's)
 
 
@@ -62,6 +76,14 @@ class DenoiserSpec:
     attention: str = "full"
     norm_eps: float = 1e-6  # the attention's and the output's norms (DiT's)
     mlp_norm_eps: float = 1e-6  # the MLP's norm (diffusers' DiT configs: their norm_eps, 1e-5)
+    architecture: str = "dit"
+    text_width: int = 0  # mmdit: the text encoder's hidden width (diffusers' joint_attention_dim)
+    pooled_width: int = 0  # mmdit: the pooled text vector's (pooled_projection_dim)
+    text_tokens: int = 0  # mmdit: text tokens per sample (SD3: 77 CLIP + 256 T5 = 333)
+    qk_norm: str = "none"
+    # mmdit: side of the fixed position grid the sample's grid is the centre of (SD3: 192 for
+    # 64 x 64 patches, so one checkpoint serves several sizes); 0: the sample's own grid
+    pos_embed_max_size: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -102,6 +124,34 @@ class DenoiserSpec:
                 f"{path}.input",
                 f"{self.input!r} with frames {self.frames}: video takes frames > 1, image frames 1",
             )
+        check_choice(f"{path}.architecture", self.architecture, ARCHITECTURES)
+        check_choice(f"{path}.qk_norm", self.qk_norm, QK_NORMS)
+        if self.is_mmdit():
+            self._validate_mmdit(path)
+            return
+        for name in (*MMDIT_ONLY, "qk_norm"):
+            if getattr(self, name) != getattr(DenoiserSpec, name):
+                raise FieldError(f"{path}.{name}", "is for architecture mmdit (a DiT has no text)")
+
+    def _validate_mmdit(self, path: str) -> None:
+        for name in ("text_width", "pooled_width", "text_tokens"):
+            if getattr(self, name) <= 0:
+                raise FieldError(f"{path}.{name}", f"an MMDiT needs it positive, got "
+                                 f"{getattr(self, name)}")  # fmt: skip
+        refused = {
+            "num_classes": (self.num_classes, "an MMDiT is conditioned on text, not classes"),
+            "frames": (self.frames != 1, "an MMDiT is an image model (frames 1)"),
+            "learn_sigma": (self.learn_sigma, "an MMDiT has no learned-sigma channels"),
+            "attention": (self.attention != "full", "an MMDiT attends over all tokens"),
+        }
+        for name, (bad, why) in refused.items():
+            if bad:
+                raise FieldError(f"{path}.{name}", why)
+        if self.pos_embed_max_size and self.pos_embed_max_size < self.grid():
+            raise FieldError(
+                f"{path}.pos_embed_max_size",
+                f"{self.pos_embed_max_size} is smaller than the sample's grid of {self.grid()}",
+            )
 
     # -- shapes
     def grid(self) -> int:
@@ -128,6 +178,20 @@ class DenoiserSpec:
         s = self.sample_size
         return (self.channels, self.frames, s, s) if self.is_video() else (self.channels, s, s)
 
+    def is_mmdit(self) -> bool:
+        return self.architecture == "mmdit"
+
+    def position_grid(self) -> int:
+        """Side of the fixed position grid the sample's positions are the centre of."""
+        return self.pos_embed_max_size or self.grid()
+
+    def is_context_pre_only(self, block: int) -> bool:
+        """An MMDiT's last block: its text stream gives keys and values, nothing after."""
+        return self.is_mmdit() and block == self.layers - 1
+
+    def head_dim(self) -> int:
+        return self.width // self.heads
+
     def out_channels(self) -> int:
         return self.channels * (2 if self.learn_sigma else 1)
 
@@ -141,21 +205,38 @@ class DenoiserSpec:
         patch = self.patch_dim() * w + w
         timestep = TIMESTEP_FREQUENCIES * w + w + w * w + w
         classes = (self.num_classes + 1) * w if self.num_classes else 0
-        return patch + timestep + classes
+        if not self.is_mmdit():
+            return patch + timestep + classes
+        pooled = self.pooled_width * w + w + w * w + w  # the pooled text's MLP
+        context = self.text_width * w + w  # the text's hidden states to the width
+        return patch + timestep + pooled + context
 
-    def block_params(self) -> int:
+    def qk_norm_params(self) -> int:
+        """One stream's per-head norms of q and k (a weight of head_dim each)."""
+        return 2 * self.head_dim() if self.qk_norm == "rms_norm" else 0
+
+    def block_params(self, block: int = 0) -> int:
+        """Parameters of block `block`: an MMDiT's hold one set per stream (the last block's
+        text stream only its q/k/v and a scale-and-shift modulation)."""
         w, h = self.width, self.mlp_hidden()
         modulation = w * 6 * w + 6 * w  # shift, scale, gate for attention and MLP
         attention = w * 3 * w + 3 * w + w * w + w
         mlp = w * h + h + h * w + w
-        return modulation + attention + mlp  # its norms have no weights (adaLN gives them)
+        stream = modulation + attention + mlp + self.qk_norm_params()  # norms: no weights
+        if not self.is_mmdit():
+            return stream
+        if not self.is_context_pre_only(block):
+            return 2 * stream
+        qkv_only = w * 3 * w + 3 * w + self.qk_norm_params()
+        return stream + (w * 2 * w + 2 * w) + qkv_only
 
     def final_params(self) -> int:
         w, out = self.width, self.out_channels() * self.patch_volume()
         return w * 2 * w + 2 * w + w * out + out
 
     def params(self) -> int:
-        return self.embedding_params() + self.layers * self.block_params() + self.final_params()
+        blocks = sum(self.block_params(i) for i in range(self.layers))
+        return self.embedding_params() + blocks + self.final_params()
 
     def attention_group(self, block: int) -> str:
         """What block `block` attends over: "all" tokens, a "frame" or a "place" (factorised)."""
@@ -167,14 +248,30 @@ class DenoiserSpec:
         """Forward FLOPs of block `block` for one sample."""
         t, w, h = self.tokens(), self.width, self.mlp_hidden()
         per_token = 3 * w * w + w * w + 2 * w * h
+        if self.is_mmdit():
+            return self._mmdit_block_flops(block, per_token)
         group = {"all": t, "frame": self.grid() ** 2, "place": self.time_grid()}
         attention = 4 * t * group[self.attention_group(block)] * w  # groups of g tokens: t g
         return 2 * t * per_token + attention + 2 * w * 6 * w
+
+    def _mmdit_block_flops(self, block: int, per_token: int) -> int:
+        """Both streams' projections, one attention over image and text tokens together; the
+        last block's text gives keys and values (its q is computed, unused), so only the image
+        tokens query and its text stream has nothing after the attention."""
+        t, n, w = self.tokens(), self.text_tokens, self.width
+        if not self.is_context_pre_only(block):
+            return 2 * (t + n) * per_token + 4 * (t + n) ** 2 * w + 2 * 2 * w * 6 * w
+        text = 2 * n * 3 * w * w
+        return 2 * t * per_token + text + 4 * t * (t + n) * w + 2 * w * (6 + 2) * w
 
     def forward_flops(self) -> int:
         """Forward FLOPs of one sample: embeddings, blocks, final layer."""
         t, w = self.tokens(), self.width
         embed = 2 * t * self.patch_dim() * w + 2 * (TIMESTEP_FREQUENCIES * w + w * w)
+        if self.is_mmdit():  # the pooled text's MLP, the text's projection to the width
+            embed += (
+                2 * (self.pooled_width * w + w * w) + 2 * self.text_tokens * self.text_width * w
+            )
         final = 2 * w * 2 * w + 2 * t * w * self.out_channels() * self.patch_volume()
         return embed + sum(self.block_flops(i) for i in range(self.layers)) + final
 

@@ -4,8 +4,8 @@
     mmtrain convert --to openclip DIR [--model NAME|spec.yaml] --out FILE.safetensors|FILE.pt
     mmtrain convert --from hf HF_DIR --out DIR
     mmtrain convert --to hf DIR --out HF_DIR
-    mmtrain convert --from diffusers DIT_DIR --out DIR
-    mmtrain convert --to diffusers DIR --out DIT_DIR
+    mmtrain convert --from diffusers DIT_DIR|SD3_DIR --out DIR
+    mmtrain convert --to diffusers DIR --out DIT_DIR|SD3_DIR
 
 DIR holds spec.yaml + model.safetensors, or shards listed in model.safetensors.index.json past
 5 GB (what `mmtrain.load_model(DIR)` reads). `--to hf` reads DIR one tensor at a time and writes
@@ -17,8 +17,8 @@ LlamaForCausalLM, Qwen2ForCausalLM or LlavaForConditionalGeneration (config.json
 `architectures` decides); its config.json gives the model's shape, so --model is not used with
 hf. A language model's folder holds the decoder under `towers.text.*` (and a LLaVA's image tower
 under `towers.image.*`, its projector under `projector.*`). DIT_DIR is a diffusers
-`DiTTransformer2DModel` folder (config.json + diffusion_pytorch_model.safetensors, or shards);
-the denoiser lies under `towers.denoiser.*`.
+`DiTTransformer2DModel` or SD3 `SD3Transformer2DModel` folder (config.json +
+diffusion_pytorch_model.safetensors, or shards); the denoiser lies under `towers.denoiser.*` (an SD3 folder's is an MMDiT).
 """
 
 from __future__ import annotations
@@ -140,6 +140,7 @@ def _to_hf(source: Path, out: Path) -> int:
 def _to_diffusers(source: Path, out: Path) -> int:
     from mmtrain.models.build import read_model_folder
     from mmtrain.models.formats.diffusers import DIT_CLASS, write_diffusers_dit
+    from mmtrain.models.formats.diffusers_sd3 import SD3_CLASS
     from mmtrain.models.formats.hf_common import NoHFCounterpart
     from mmtrain.models.formats.keys import CheckpointMismatch
 
@@ -149,7 +150,8 @@ def _to_diffusers(source: Path, out: Path) -> int:
             write_diffusers_dit(spec, weights, out)
         except (NoHFCounterpart, CheckpointMismatch) as err:
             raise UsageError(f"{source}: {err}") from None
-    print(f"wrote {out} ({DIT_CLASS} for diffusers, from {source})")
+    mmdit = spec.denoiser is not None and spec.denoiser.is_mmdit()
+    print(f"wrote {out} ({SD3_CLASS if mmdit else DIT_CLASS} for diffusers, from {source})")
     return 0
 
 

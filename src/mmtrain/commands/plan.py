@@ -188,7 +188,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--inference", action="store_true", help="serving memory: weights, KV cache, max batch, MIG"
     )
-    p.add_argument("--batch", type=count, default=1, help="sequences served at once (--inference)")
+    p.add_argument(
+        "--batch", type=count, default=1, help="sequences (or images) served at once (--inference)"
+    )
+    p.add_argument(
+        "--sampling-steps",
+        type=count,
+        default=50,
+        help="--inference of a denoiser: sampler steps per image (default 50)",
+    )
+    p.add_argument(
+        "--no-guidance",
+        action="store_true",
+        help="--inference of a denoiser: one forward per step (default: two, classifier-free "
+        "guidance)",
+    )
     p.add_argument(
         "--measure",
         action="store_true",
@@ -617,6 +631,8 @@ def _inference(args, model, catalog) -> int:
 
     gpu = catalog.gpu(args.gpu)
     precision = "bf16" if args.precision in ("bf16-weights", "bf16-pure") else args.precision
+    if any(s.kind == "diffusion" for s in model.stacks):
+        return _sampling(args, model, gpu, precision)
     est = inference_memory(model, gpu, args.context or 4096, args.batch, precision)
     result = {
         "model": {"name": model.name, "params": model.params()},
@@ -641,6 +657,47 @@ def _inference(args, model, catalog) -> int:
             if est.mig_profile
             else "  MIG: no profile holds it"
         )
+    return 0
+
+
+def _sampling(args, model, gpu, precision: str) -> int:
+    """--inference of a denoiser: a sampler's time, images/s and cost per image on one GPU."""
+    from mmtrain.plan.sampling import sampling_estimate
+
+    est = sampling_estimate(
+        model, gpu, steps=args.sampling_steps, guidance=not args.no_guidance, batch=args.batch,
+        precision=precision, mfu=args.mfu, price_per_gpu_hour=args.price_per_gpu_hour,
+    )  # fmt: skip
+    result = {
+        "model": {"name": model.name, "params": model.params()},
+        "gpu": gpu.key,
+        "sampling": est.to_dict(),
+    }
+    if args.samples:
+        result["sampling"]["images"] = args.samples
+        result["sampling"]["gpu_hours"] = est.gpu_hours(args.samples)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    d = result["sampling"]
+    guidance = "with guidance (2 forwards a step)" if est.forwards_per_step == 2 else "no guidance"
+    print(f"{model.name} on {gpu.name}, {precision}, {est.steps} sampling steps {guidance}")
+    print(
+        f"  {d['flops_per_image'] / 1e12:,.3g} TFLOPs an image; {est.images_per_s:,.3g} images/s "
+        f"per GPU at {est.achievable_fraction:.1%} of peak ({est.efficiency_source})"
+    )
+    cost = d["cost_per_million_images"]
+    print(
+        f"  {d['gpu_hours_per_million_images']:,.1f} GPU-hours per million images"
+        + (f", ${cost:,.0f} at ${est.price_per_gpu_hour:,.2f} per GPU-hour" if cost else "")
+    )
+    if args.samples:
+        print(f"  {args.samples:,} images: {d['gpu_hours']:,.1f} GPU-hours")
+    print(
+        f"  memory for {est.batch} image{'s' if est.batch > 1 else ''}: weights {_gib(est.weights_bytes)} GiB, activations "
+        f"{_gib(est.activations_bytes)} GiB, CUDA context {_gib(est.overhead_bytes)} GiB: "
+        f"{'fits' if d['fits'] else 'does not fit'}; largest batch {est.max_batch}"
+    )
     return 0
 
 

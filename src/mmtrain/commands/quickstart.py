@@ -1,5 +1,5 @@
-"""`mmtrain quickstart [--out DIR] [--steps N] [--minutes N] [--modalities LIST | --vlm]`: the
-offline demos of the README (code: `mmtrain.quickstart`).
+"""`mmtrain quickstart [--out DIR] [--steps N] [--minutes N] [--modalities LIST | --vlm |
+--diffusion]`: the offline demos of the README (code: `mmtrain.quickstart`).
 
 Builds the Twemoji image-caption set from the `quickstart` extra's packages, trains tiny-clip
 on the CPU for a fixed number of steps (fewer if they do not fit the time budget), evaluates
@@ -7,6 +7,8 @@ retrieval on held-out emoji, writes the report and prints where to look. `--moda
 image,audio,timeseries` adds spoken captions and sensor time-series (the `modalities` extra)
 as further towers bound to text. `--vlm` then trains a small vision-language model on the
 emoji in LLaVA's two stages and scores its answers to "What is this?" on held-out emoji.
+`--diffusion` trains a class-conditional DiT on emoji of ten classes and scores its samples
+against the held-out emoji in a CLIP's features (FD, conditional accuracy).
 Without an extra it stops (exit 2) with the command that installs it.
 """
 
@@ -70,15 +72,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         "held-out emoji, scored by token F1 with their own and with shuffled images",
     )
     p.add_argument(
+        "--diffusion",
+        action="store_true",
+        help="a small class-conditional DiT (flow matching) drawing emoji of ten classes; its "
+        "samples for the held-out emoji's classes are scored against those images in the "
+        "features of an image-text quickstart's CLIP (FD beside the untrained model's and the "
+        "real-vs-real floor, conditional accuracy), with a sample grid",
+    )
+    p.add_argument(
         "--clip",
         type=Path,
-        help="with --vlm: the --out folder (or run folder) of an image-text quickstart whose "
-        "image tower to use; default: train one first, into OUT/clip",
+        help="with --vlm or --diffusion: the --out folder (or run folder) of an image-text "
+        "quickstart to use (the VLM's vision tower, the DiT's feature extractor); default: "
+        "train one first, into OUT/clip",
     )
     p.add_argument(
         "--clip-steps",
         type=count,
-        help="with --vlm and no --clip: steps of the image-text model trained first (default 450)",
+        help="with --vlm or --diffusion and no --clip: steps of the image-text model trained "
+        "first (default 450)",
     )
     p.set_defaults(func=run)
 
@@ -88,10 +100,14 @@ def run(args: argparse.Namespace) -> int:
     from mmtrain.quickstart.config import parse_modalities
     from mmtrain.quickstart.emoji_data import MissingPackages
 
+    if args.vlm and args.diffusion:
+        raise UsageError("--vlm and --diffusion are two demos; give one of them")
     if args.vlm:
         return run_vlm(args)
+    if args.diffusion:
+        return run_diffusion(args)
     if args.clip is not None or args.clip_steps is not None:
-        raise UsageError("--clip and --clip-steps go with --vlm")
+        raise UsageError("--clip and --clip-steps go with --vlm or --diffusion")
     config = make_config(
         parse_modalities(args.modalities),
         out=args.out or Path("runs/quickstart"),
@@ -135,6 +151,32 @@ def run_vlm(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_diffusion(args: argparse.Namespace) -> int:
+    """`--diffusion`: the class-conditional DiT demo (`mmtrain.quickstart.diffusion`)."""
+    from mmtrain.quickstart.diffusion import DiffusionDemoConfig, run_diffusion_demo
+    from mmtrain.quickstart.emoji_data import MissingPackages
+
+    if args.modalities is not None:
+        raise UsageError("--diffusion and --modalities are two demos; give one of them")
+    given = {
+        "out": args.out or Path("runs/quickstart-diffusion"),
+        "steps": args.steps,
+        "minutes": args.minutes,
+        "batch_size": args.batch_size,
+        "limit": args.limit,
+        "clip": args.clip,
+        "clip_steps": args.clip_steps,
+    }
+    config = DiffusionDemoConfig(**{k: v for k, v in given.items() if v is not None})
+    progress = _Progress()
+    try:
+        result = run_diffusion_demo(config, on_phase=progress.phase, on_step=progress.step)
+    except MissingPackages as err:
+        raise UsageError(str(err)) from None
+    print(diffusion_summary(result))
+    return 0
+
+
 class _Progress:
     """A line per stage and one every 10 training steps (or a live line on a terminal)."""
 
@@ -144,7 +186,7 @@ class _Progress:
         "train": "training (mmtrain train)",
         "evaluate": "evaluating on the held-out data (mmtrain eval)",
         "report": "writing the report (mmtrain report)",
-        "clip": "stage 0, the vision tower: the image-text quickstart",
+        "clip": "stage 0, the CLIP: the image-text quickstart",
         "stage1": "stage 1, training the projector (mmtrain train)",
         "stage2": "stage 2, training the projector and the LM (mmtrain train)",
     }
@@ -277,6 +319,46 @@ def vlm_summary(result: Any) -> str:
             f"{result.paths.stage1}",
             f"data        {result.paths.out / 'data'}, tokenizer {result.paths.tokenizer}  "
             f"(licence: {result.paths.out / 'ATTRIBUTION.txt'})",
+        ]
+    )
+
+
+def diffusion_summary(result: Any) -> str:
+    """The --diffusion ending: FD against the untrained model and the floor, conditional
+    accuracy against the real images', then where to look."""
+    seconds = result.seconds
+    stages = ", ".join(f"{name} {_clock(s)}" for name, s in seconds.items())
+    steps = result.steps
+    clip = f"CLIP {steps['clip']} steps" if steps["clip"] else f"CLIP from {result.clip_run}"
+    d = result.diffusion
+    lines = [
+        "",
+        f"done in {_clock(sum(seconds.values()))} ({stages}); {clip}, DiT {steps['dit']} steps "
+        f"on {result.n_train} training emoji",
+        "",
+        f"{d['fd_n']} samples for the classes of held-out emoji never seen in training, against "
+        f"those images, in the features of {d['extractor']} (lower is closer):",
+        f"  Fréchet distance  {d['fd']:.3f} trained   {d['fd_untrained']:.3f} untrained   "
+        f"{d['fd_real_floor']:.3f} real vs real (the floor at this n)",
+    ]
+    if "cond_accuracy" in d:
+        lines.append(
+            f"  class accuracy    {_pct(d['cond_accuracy'])} trained   "
+            f"{_pct(d['cond_accuracy_untrained'])} untrained   {_pct(d['real_accuracy'])} real "
+            "images (zero-shot by the CLIP: its ceiling)"
+        )
+    paths = result.paths
+    return "\n".join(
+        lines
+        + [
+            "",
+            f"samples     {result.grid}  (a row per class), {paths.run / 'samples'}/ (per "
+            "validation)",
+            f"report      {result.report_html}",
+            f"eval.json   {result.eval_json}",
+            f"run folder  {paths.run}  (config.yaml, metrics.jsonl, model.safetensors, ema/)",
+            f"data        {paths.train_shards}, {paths.val_shards}  (licence: "
+            f"{paths.out / 'ATTRIBUTION.txt'})",
         ]
     )
 

@@ -1,6 +1,8 @@
 """A diffusion transformer (DiT) built from a `DenoiserSpec` (denoiser_spec.py says what it is).
 
     DiffusionModel(spec).predict({"image": x_t, "timestep": t, "class": y}) -> [B, C', H, W]
+    DiffusionModel(spec).predict({"latent": x_t, "timestep": t, "text_hidden": h,
+                                  "text_pooled": p}) -> [B, C, H, W]      (an MMDiT, mmdit.py)
 
 `x_t` is the noisy sample under the spec's input key ("image" pixels or "latent"), `t` the
 timestep per sample as a float (in [0, 1000): a flow model's t in [0, 1] times 1000, a DDPM
@@ -34,25 +36,32 @@ from mmtrain.spec import DENOISER_PART, ModelSpec
 
 TIMESTEP = "timestep"
 CLASS = "class"
+TEXT_HIDDEN = "text_hidden"  # an MMDiT's text: the encoder's hidden states [B, L, text_width]
+TEXT_POOLED = "text_pooled"  # and its pooled vector [B, pooled_width]
 PREDICTION = "prediction"
 MAX_PERIOD = 10_000
 
 
-def timestep_features(t: Tensor, dim: int = TIMESTEP_FREQUENCIES) -> Tensor:
-    """Sinusoidal features [B, dim] of float timesteps [B]: cosines, then sines."""
+def timestep_features(t: Tensor, dim: int = TIMESTEP_FREQUENCIES, shift: int = 1) -> Tensor:
+    """Sinusoidal features [B, dim] of float timesteps [B]: cosines, then sines, at frequencies
+    exp(-ln(1e4) i / (half - shift)): DiT's shift is 1, SD3's 0."""
     half = dim // 2
     exponent = -math.log(MAX_PERIOD) * torch.arange(half, dtype=torch.float32, device=t.device)
-    frequencies = torch.exp(exponent / (half - 1))
+    frequencies = torch.exp(exponent / (half - shift))
     angles = t.float()[:, None] * frequencies[None, :]
     return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
 
 
-def sincos_positions(width: int, grid: int) -> Tensor:
-    """Fixed 2-D positions [grid * grid, width]: half the features encode the column, half the
-    row, each as sines then cosines of the position at frequencies 1 / 10000^(2i / (width / 2))."""
+def position_table(width: int, grid: int, max_grid: int = 0) -> Tensor:
+    """Fixed 2-D positions [side * side, width] of a grid of side `max_grid` (or `grid`): half
+    the features encode the column, half the row, each as sines then cosines of the coordinate
+    at frequencies 1 / 10000^(2i / (width / 2)). Coordinates are 0 .. grid - 1, or (SD3, a
+    larger grid) spaced grid / max_grid apart, computed in float32 as diffusers computes them:
+    a checkpoint's positions are those very numbers."""
+    side = max_grid or grid
     quarter = width // 4
     omega = 1.0 / MAX_PERIOD ** (torch.arange(quarter, dtype=torch.float64) / quarter)
-    coords = torch.arange(grid, dtype=torch.float64)
+    coords = (torch.arange(side, dtype=torch.float32) / (side / grid)).double()
     rows, cols = torch.meshgrid(coords, coords, indexing="ij")
 
     def encode(pos: Tensor) -> Tensor:
@@ -60,6 +69,16 @@ def sincos_positions(width: int, grid: int) -> Tensor:
         return torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
 
     return torch.cat([encode(cols), encode(rows)], dim=1).float()
+
+
+def sincos_positions(width: int, grid: int, max_grid: int = 0) -> Tensor:
+    """The positions [grid * grid, width] of the sample's patches: `position_table`, or (SD3)
+    the centre grid x grid of its larger table."""
+    table = position_table(width, grid, max_grid)
+    side = max_grid or grid
+    start = (side - grid) // 2
+    centre = table.reshape(side, side, width)[start : start + grid, start : start + grid]
+    return centre.reshape(grid * grid, width)
 
 
 def temporal_positions(width: int, times: int) -> Tensor:
@@ -74,11 +93,19 @@ def temporal_positions(width: int, times: int) -> Tensor:
 def positions_of(spec: DenoiserSpec) -> Tensor:
     """Every patch's fixed position [tokens, width]: 2-D over (row, column); a video's tokens,
     time-major, add the temporal position of their frame."""
-    spatial = sincos_positions(spec.width, spec.grid())
+    spatial = sincos_positions(spec.width, spec.grid(), spec.pos_embed_max_size)
     if not spec.is_video():
         return spatial
     temporal = temporal_positions(spec.width, spec.time_grid())
     return (temporal[:, None, :] + spatial[None, :, :]).reshape(-1, spec.width)
+
+
+def unpatchify_image(patches: Tensor, grid: int, patch: int, channels: int) -> Tensor:
+    """[B, grid * grid, p * p * C] -> [B, C, H, W]: token (i, j) holds pixels (i p + a, j p + b),
+    channel last within a patch."""
+    b = patches.shape[0]
+    x = patches.reshape(b, grid, grid, patch, patch, channels).permute(0, 5, 1, 3, 2, 4)
+    return x.reshape(b, channels, grid * patch, grid * patch)
 
 
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
@@ -186,32 +213,46 @@ class DiT(nn.Module):
         s, b = self.spec, patches.shape[0]
         g, p, c = s.grid(), s.patch_size, s.out_channels()
         if not s.is_video():
-            x = patches.reshape(b, g, g, p, p, c).permute(0, 5, 1, 3, 2, 4)
-            return x.reshape(b, c, g * p, g * p)
+            return unpatchify_image(patches, g, p, c)
         tg, tp = s.time_grid(), s.temporal_patch
         x = patches.reshape(b, tg, g, g, tp, p, p, c).permute(0, 7, 1, 4, 2, 5, 3, 6)
         return x.reshape(b, c, tg * tp, g * p, g * p)
 
 
 class DiffusionModel(nn.Module):
-    """A generator: the denoiser of `spec.denoiser` under `towers["denoiser"]`."""
+    """A generator: the denoiser of `spec.denoiser` (a DiT, or an MMDiT) under
+    `towers["denoiser"]`."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
         if spec.denoiser is None:
             raise ValueError(f"spec {spec.name!r} has no denoiser")
+        # mmdit.py builds on this module's layers: imported here, so neither imports the other
+        # while it loads.
+        from mmtrain.models.mmdit import MMDiT
+
         self.spec = spec
-        self.towers = nn.ModuleDict({DENOISER_PART: DiT(spec.denoiser)})
+        network = MMDiT if spec.denoiser.is_mmdit() else DiT
+        self.towers = nn.ModuleDict({DENOISER_PART: network(spec.denoiser)})
 
     @property
-    def denoiser(self) -> DiT:
+    def denoiser(self) -> nn.Module:
         return self.towers[DENOISER_PART]
 
     def predict(self, batch: Mapping[str, Tensor]) -> Tensor:
         """The network's output for the noisy input under the spec's key (module docstring)."""
         key = self.spec.denoiser.input
-        if key not in batch or TIMESTEP not in batch:
-            raise KeyError(f"the denoiser needs {key!r} and {TIMESTEP!r}; got {sorted(batch)}")
+        needed = [key, TIMESTEP]
+        if self.spec.denoiser.is_mmdit():
+            needed += [TEXT_HIDDEN, TEXT_POOLED]
+        if any(name not in batch for name in needed):
+            raise KeyError(
+                f"the denoiser needs {', '.join(map(repr, needed))}; got {sorted(batch)}"
+            )
+        if self.spec.denoiser.is_mmdit():
+            return self.denoiser(
+                batch[key], batch[TIMESTEP], batch[TEXT_HIDDEN], batch[TEXT_POOLED]
+            )
         return self.denoiser(batch[key], batch[TIMESTEP], batch.get(CLASS))
 
     def forward(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -220,7 +261,8 @@ class DiffusionModel(nn.Module):
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:
         """DiT's init (init_rules.py): Xavier-variance normal matrices, the timestep MLP and the
-        class table N(0, 0.02), the modulations and the output layer zero."""
+        class table (an MMDiT: the pooled text's MLP) N(0, 0.02), the modulations and the
+        output layer zero."""
         apply_init_rules(initialised_parameters(self), init_rules(self), generator)
         self.reset_buffers()
 

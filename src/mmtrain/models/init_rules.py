@@ -202,21 +202,26 @@ def _language_model_rules(model: nn.Module) -> dict[str, InitRule]:
 
 
 DIT_EMBEDDING_STD = 0.02  # DiT's timestep MLP and class table
-# adaLN-Zero: every block's modulation, the final layer's modulation and its output layer (the
-# denoiser's own `out`, not a block's attention output projection `attn.out`)
-DIT_ZERO = (".modulation.weight", ".denoiser.modulation_out.weight", ".denoiser.out.weight")
+# adaLN-Zero: every block's modulation (an MMDiT's text stream's too), the final layer's
+# modulation and its output layer (the denoiser's own `out`, not a block's `attn.out`)
+DIT_ZERO = (".modulation.weight", ".context_modulation.weight",
+            ".denoiser.modulation_out.weight", ".denoiser.out.weight")  # fmt: skip
+# What plays the class table's part: DiT's embedding std (an MMDiT's pooled text MLP)
+DIT_EMBEDDINGS = (".time_fc", ".pooled_fc")
 
 
 def _denoiser_rules(model: nn.Module) -> dict[str, InitRule]:
     """DiT's init (Peebles & Xie 2023, section 3): every matrix with Xavier's variance
     2 / (fan_in + fan_out) (drawn normal, as every rule here), the timestep MLP and the class
     table N(0, 0.02), the modulations and the output layer zero, so each block starts as the
-    identity and the first prediction is 0; biases 0."""
+    identity and the first prediction is 0; biases 0. An MMDiT follows the same rules: its
+    text stream's modulations start at zero too (both streams start as the identity), its
+    pooled text's MLP is drawn like the timestep's and its text projection like any matrix."""
     rules = _constant_rules(model)
     for name, param in model.named_parameters():
         if name.endswith(DIT_ZERO) or name.endswith("bias"):
             rules[name] = InitRule(value=0.0)
-        elif ".time_fc" in name or name.endswith("classes.weight"):
+        elif any(part in name for part in DIT_EMBEDDINGS) or name.endswith("classes.weight"):
             rules[name] = InitRule(DIT_EMBEDDING_STD)
         elif param.dim() >= 2:
             rules[name] = InitRule((2 / (_fan_in(param) + param.shape[0])) ** 0.5)

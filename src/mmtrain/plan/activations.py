@@ -26,6 +26,10 @@ modulation needs for the gradients of its shift, scale and gate: both normalised
 autocast) and both branch outputs (the gate's product reads them), 4h per token, and per sample
 the modulation Linear's input SiLU(c) and output (6h; the gates are views of it) and the two
 `(1 + scale)` factors: 9h. Measured exact on the CPU (docs/PLANNER.md, "Denoisers").
+An MMDiT's joint block (models/mmdit.py) keeps these over its image and text tokens together,
+9h a sample per stream (`Stack.adaln_streams`), and the copy its output projections read of
+the attention's merged heads; its last block less (`_pre_only_saving`). Measured exact on the
+CPU in fp32 (tests/test_plan_dit.py); its q/k norms' tensors (`qk_norm`) are not counted.
 
 Tensor parallel t divides everything except the norm inputs, qkv input and fc1 input (which
 stay replicated: Korthikanti's "10" at 16-bit with dropout) unless sequence parallelism is on.
@@ -98,7 +102,14 @@ def layer_terms(stack: Stack, micro_batch: int, o: ActivationOptions) -> dict[st
         # gradient reads it) and the modulation Linear's output (the gates are views of it);
         # per sample also the Linear's input SiLU(c) and the two (1 + scale) factors.
         terms["gated_outputs"] = 2 * sb * h * o.act_bytes / rep
-        terms["modulation"] = b * (1 + 6 + 2) * h * o.act_bytes
+        terms["modulation"] = b * (1 + 6 + 2) * h * o.act_bytes * stack.adaln_streams
+        if stack.adaln_streams > 1:
+            # An MMDiT's streams read SiLU(c) as one tensor, unless autocast gives each
+            # modulation its own copy; its attention's output (laid out by head) is merged
+            # into a copy whose two streams' slices the output projections read.
+            if o.act_bytes >= o.residual_bytes:
+                terms["modulation"] -= b * (stack.adaln_streams - 1) * h * o.act_bytes
+            terms["attention_merged"] = sb * inner * o.act_bytes / t
     if o.attention == "flash":
         terms["attention_lse"] = a * sb * FP32 / t
     else:
@@ -176,6 +187,7 @@ def _lora_terms(terms: dict[str, float], stack: Stack, sb: int, o: ActivationOpt
 _SELECTIVE_DROPS = (
     "qkv",
     "attention_output",
+    "attention_merged",
     "attention_lse",
     "attention_softmax",
     "attention_mask",
@@ -199,6 +211,28 @@ def layer_bytes(stack: Stack, micro_batch: int, o: ActivationOptions) -> float:
                 kept["lora_intermediate"] -= 2 * stack.tokens * micro_batch * r * o.act_bytes / o.tp
         return sum(kept.values())
     return sum(terms.values())
+
+
+def _pre_only_saving(stack: Stack, micro_batch: float, o: ActivationOptions) -> float:
+    """What an MMDiT's last block keeps less than a joint block (models/mmdit.py): its text
+    stream ends at the attention (no second norm, MLP or gates; its modulation, of which only
+    one (1 + scale) is kept, 7h a sample less), and only the image tokens query: no attention
+    output or statistics for the text, and the image's q is a view of its q/k/v output (kept
+    whole, 3h a token, beside the joined k and v), so the output is laid out by token and the
+    output projection reads a view of it (no merged copy)."""
+    if o.ac == "full":
+        return 0.0  # every block keeps its input: image and text tokens alike
+    n, b, h, f = stack.pre_only_tokens, micro_batch, stack.width, stack.mlp_hidden
+    t, rep = stack.tokens - n, o.tp if o.sp else 1
+    text = n * b * (2 * h * o.residual_bytes + 2 * FP32) / rep  # second norm: input, stats, copy
+    text += n * b * (h / rep + 2 * f / o.tp + 2 * h / rep) * o.act_bytes  # MLP input, MLP, gates
+    text += b * 7 * h * o.act_bytes  # its modulation's 6h and one (1 + scale)
+    if o.ac == "selective":
+        return text  # the attention's saved tensors are recomputed, in every block alike
+    attention = n * b * (h * o.act_bytes + stack.heads * FP32) / o.tp  # text rows: output, lse
+    merged = (t + n) * b * h * o.act_bytes / o.tp
+    qkv = b * (n * h - 2 * t * h) * o.act_bytes / o.tp  # 3h (t + n) joined -> 5h t + 2h n
+    return text + attention + merged + qkv
 
 
 def _loss_bytes(stack: Stack, micro_batch: float, o: ActivationOptions) -> float:
@@ -271,6 +305,8 @@ def stack_activations(
     in_flight = min(1.0, pp_microbatches / pp) if pp > 1 else 1.0
     trained = stack.layers * stack.trained_layer_share()  # frozen front blocks keep nothing
     layers = trained * layer_bytes(stack, micro_batch, o) * in_flight
+    if stack.pre_only_tokens and trained:  # an MMDiT's last block (always a trained one)
+        layers -= _pre_only_saving(stack, micro_batch, o) * in_flight
     if input_grad and stack.frozen_blocks and o.ac == "none":
         frozen = _frozen_layer_with_input_grad(stack, micro_batch, o)
         layers += stack.frozen_blocks * frozen * in_flight

@@ -81,6 +81,10 @@ class Stack:
     logit_rows: int = 0  # rows of logits per sample (0: tokens); the loss scores rows - 1
     # Diffusion transformers (dit.py): adaLN-Zero conditioning per block (see activations.py).
     adaln: bool = False
+    # An MMDiT (mmdit.py): two streams of weights per block (the image's, the text's), and the
+    # last block's text stream, of `pre_only_tokens` tokens, ends at the attention.
+    adaln_streams: int = 1
+    pre_only_tokens: int = 0
 
     def block_params(self) -> int:
         """Parameters of one block (what ZeRO-3 gathers at a time)."""
@@ -90,7 +94,7 @@ class Stack:
         )
         mlp = (3 if self.gated else 2) * self.width * self.mlp_hidden
         modulation = 6 * self.width * self.width if self.adaln else 0  # shift, scale, gate x 2
-        return attn + mlp + modulation
+        return (attn + mlp + modulation) * self.adaln_streams
 
     def lora_params(self) -> int:
         """Adapter parameters at rank r of every block: r x (in + out) per adapted linear, on
@@ -543,12 +547,18 @@ def denoiser_model(spec: ModelSpec) -> PlanModel:
     the conditioning vector c (one tensor, read by every block's SiLU: kept once), and the
     final layer's SiLU(c), norm input and statistics, normalised copy, (1 + scale) and output
     projection input; the class ids (int64). The loss keeps the fp32 error (prediction minus
-    target, over the input's channels) and the per-sample weight."""
+    target, over the input's channels) and the per-sample weight.
+
+    An MMDiT's joint blocks keep a DiT block's terms over its image and text tokens together
+    (both streams, their modulations: `adaln_streams`), its last block less (its text stream
+    ends at the attention: `pre_only_tokens`); its stem also keeps the pooled text's MLP
+    input and hidden layer (before and after SiLU) and the text the projection reads."""
     d = spec.denoiser
     assert d is not None
     t, w = d.tokens(), d.width
     pixels = math.prod(d.sample_shape())  # [C, H, W], a video's [C, T, H, W]
-    stem_inputs = pixels + TIMESTEP_FREQUENCIES + 3 * w  # patch input, time MLP, c
+    text = d.pooled_width + 2 * w + d.text_tokens * d.text_width if d.is_mmdit() else 0
+    stem_inputs = pixels + TIMESTEP_FREQUENCIES + 3 * w + text  # patch input, time MLP, c
     final = w + (t * w + 2 * t) + t * w + w + t * w
     classes = 1 if d.num_classes else 0
     stack = Stack(
@@ -562,7 +572,7 @@ def denoiser_model(spec: ModelSpec) -> PlanModel:
         mlp_hidden=d.mlp_hidden(),
         params=d.params(),
         forward_flops=d.forward_flops(),
-        tokens=t,
+        tokens=t + d.text_tokens,  # a DiT's text_tokens are 0
         stem_elements=stem_inputs + final,
         stem_int64=classes,
         stem_params=d.embedding_params(),
@@ -574,6 +584,10 @@ def denoiser_model(spec: ModelSpec) -> PlanModel:
         proj_input_elements=2 * t * w + w,
         norm_copy=True,
         adaln=True,
+        adaln_streams=2 if d.is_mmdit() else 1,
+        # the last block's text queries do not attend: their q norm never runs (mmdit.py)
+        unused_params=d.head_dim() if d.qk_norm == "rms_norm" else 0,
+        pre_only_tokens=d.text_tokens,
         source=f"denoiser of {spec.name}",
     )
     return PlanModel(

@@ -7,10 +7,16 @@
 - `image_text`: the default demo, a tiny CLIP on the emoji (`run_image_text`).
 - `modalities`, `speech`, `series`: `--modalities`, with spoken captions (eSpeak NG) and
   BasicMotions sensor recordings bound to text.
+- `vlm`, `vlm_data`: `--vlm`, LLaVA's two stages on the emoji as conversations.
+- `diffusion`, `emoji_classes`: `--diffusion`, a class-conditional DiT drawing emoji of ten
+  classes, scored by FD and conditional accuracy in a CLIP's features.
+- `stage0`: the image-text CLIP that `--vlm` (its vision tower) and `--diffusion` (its feature
+  extractor) start from, trained here or given with `--clip`.
 - `runner`: `run_quickstart`, which picks the demo.
 
 The demos import `common`, `budget` and `config`, never each other's run code (the
-`--modalities` demo reuses the image-text model description, `image_text.quickstart_spec`).
+`--modalities` demo reuses the image-text model description, `image_text.quickstart_spec`;
+`stage0` runs the image-text demo as the first stage of the others).
 """
 
 from mmtrain.quickstart.common import QuickstartResult

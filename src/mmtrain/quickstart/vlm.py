@@ -48,8 +48,8 @@ from mmtrain.quickstart.common import (
     check_out,
 )
 from mmtrain.quickstart.config import QuickstartConfig
-from mmtrain.quickstart.emoji_data import check_packages, list_emoji, write_attribution, write_raw
-from mmtrain.quickstart.image_text import run_image_text
+from mmtrain.quickstart.emoji_data import check_packages
+from mmtrain.quickstart.stage0 import clip_stage
 from mmtrain.quickstart.vlm_data import (
     EVAL_PROMPT,
     TokenizerFolder,
@@ -213,18 +213,6 @@ def vlm_spec(clip: ModelSpec, tokens: TokenizerFolder, config: VlmConfig) -> Mod
     return spec
 
 
-def clip_run_folder(path: Path) -> Path:
-    """The run folder of an image-text quickstart given as its OUT folder or its run folder."""
-    for candidate in (path, path / "run"):
-        if (candidate / "model.safetensors").is_file() and (candidate / "spec.yaml").is_file():
-            return candidate
-    raise FieldError(
-        "--clip",
-        f"{path} holds no finished run (model.safetensors + spec.yaml, or run/ with them); "
-        "give the --out folder of `mmtrain quickstart`, or leave --clip out to train one here",
-    )
-
-
 # ----------------------------------------------------------------------------- stages
 def stage_config(
     config: VlmConfig,
@@ -353,7 +341,9 @@ def run_vlm(
     phase = on_phase or (lambda name, detail: None)
     lap = PhaseClock()
 
-    clip_run, raw, clip_retrieval, n_steps = _stage0(config, paths, phase, on_step)
+    clip = clip_stage(config.clip, config.clip_config(paths.clip), paths.out, phase, on_step,
+                      images=paths.raw)  # fmt: skip
+    clip_run, raw = clip.run, clip.raw
     lap("clip")
 
     phase("data", "emoji conversations, a BPE tokenizer with its chat template, shards")
@@ -390,36 +380,13 @@ def run_vlm(
         paths=paths,
         clip_run=clip_run,
         n_train=len(train_records),
-        steps={"clip": n_steps, "stage1": steps1, "stage2": steps2},
+        steps={"clip": clip.steps, "stage1": steps1, "stage2": steps2},
         generation=document.get("generation", {}),
         examples=document.get("examples", []),
-        clip_retrieval=clip_retrieval,
+        clip_retrieval=clip.retrieval,
         seconds=lap.seconds,
         step_seconds=step_seconds,
     )
-
-
-def _stage0(
-    config: VlmConfig, paths: VlmPaths, phase: Phase, on_step: StepHook | None
-) -> tuple[Path, Path, dict[str, Any] | None, int | None]:
-    """The CLIP whose image tower the VLM starts from, and the emoji images (raw folder):
-    the image-text quickstart trained into OUT/clip (its images are reused), or the run given
-    with --clip (the images are written here, with the same split). Returns (CLIP run folder,
-    raw folder, its held-out retrieval or None, its steps or None)."""
-    if config.clip is not None:
-        clip_run = clip_run_folder(config.clip)
-        phase("clip", f"taken from {clip_run}; writing the emoji images")
-        write_raw(list_emoji(config.limit), paths.raw, config.val_fraction)
-        shutil.copy2(paths.raw / "ATTRIBUTION.txt", paths.out / "ATTRIBUTION.txt")
-        return clip_run, paths.raw, None, None
-    phase("clip", f"{config.clip_steps} steps, into {paths.clip}")
-    clip = run_image_text(
-        config.clip_config(paths.clip),
-        on_phase=lambda name, detail: phase(f"clip:{name}", detail),
-        on_step=on_step,
-    )
-    write_attribution(paths.out)  # the same text as the CLIP's: images and names
-    return clip.paths.run, clip.paths.raw, clip.retrieval, clip.steps
 
 
 def _steps(n: int) -> str:
@@ -442,7 +409,6 @@ __all__ = [
     "VlmPaths",
     "VlmResult",
     "build_conversation_shards",
-    "clip_run_folder",
     "evaluate",
     "fit_vlm_steps",
     "run_vlm",

@@ -10,8 +10,9 @@ in `inputs`, before the forward:
   linear beta schedule; the network predicts eps, or v = sqrt(abar_t) eps - sqrt(1 - abar_t) x0
   (Salimans & Ho 2022); min-SNR-gamma weights each sample (Hang et al. 2023).
 
-A share `cfg_dropout` of the samples get the "no class" id, which classifier-free guidance
-needs at sampling time. The loss is the mean squared error per sample (over the prediction's
+A share `cfg_dropout` of the samples get the "no class" id (an MMDiT: zeroed text, its hidden
+states and pooled vector both, SD3's empty condition), which classifier-free guidance needs at
+sampling time. The loss is the mean squared error per sample (over the prediction's
 channels; DiT's learned-sigma channels are not trained by it), averaged over the micro-batch
 and divided by the K micro-batches of the step, like any per-sample mean.
 
@@ -30,7 +31,7 @@ from torch import nn
 
 from mmtrain.config import DiffusionConfig
 from mmtrain.losses import at_least_fp32
-from mmtrain.models.dit import CLASS, PREDICTION, TIMESTEP
+from mmtrain.models.dit import CLASS, PREDICTION, TEXT_HIDDEN, TEXT_POOLED, TIMESTEP
 from mmtrain.models.schedules import (
     FLOW_TIMESTEP_SCALE,
     ddpm_alphas_cumprod,
@@ -40,6 +41,7 @@ from mmtrain.models.schedules import (
     shift_flow_time,
 )
 from mmtrain.spec import ModelSpec
+from mmtrain.structured import FieldError
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -54,6 +56,16 @@ def flow_timesteps(n: int, config: DiffusionConfig, g: torch.Generator, device) 
     return shift_flow_time(t, config.shift)
 
 
+def frame_change(error: torch.Tensor) -> torch.Tensor:
+    """Mean squared change [B] of a video's error [B, C, T, H, W] between consecutive frames.
+
+    An error that is the same in every frame (a steady offset) costs nothing here; one that
+    alternates from frame to frame (flicker) costs up to four times its own square: the term
+    asks the prediction to move between frames as the target does, on top of matching it.
+    """
+    return (error[:, :, 1:] - error[:, :, :-1]).square().flatten(1).mean(dim=1)
+
+
 class DiffusionObjective:
     """Flow matching (`flow_matching`) or DDPM (`diffusion`) for the spec's denoiser."""
 
@@ -64,6 +76,13 @@ class DiffusionObjective:
         self.config, self.seed, self.rank = config, seed, rank
         self.key = spec.denoiser.input
         self.alphas_cumprod = None if self.flow else ddpm_alphas_cumprod(config)
+        self.temporal = config.temporal_weight > 0
+        if self.temporal and not spec.denoiser.is_video():
+            raise FieldError(
+                "train.diffusion.temporal_weight",
+                f"{spec.name} is not a video denoiser (frames 1): a term between frames needs "
+                "frames > 1",
+            )
 
     def prepare(
         self, trained: nn.Module, micro_batches: Sequence[Batch], precision: Any, step: int = 0
@@ -85,10 +104,13 @@ class DiffusionObjective:
             timestep, weight = t * FLOW_TIMESTEP_SCALE, torch.ones_like(t)
         else:
             noisy, target, timestep, weight = self._ddpm(x0, noise, g)
-        out = {k: v for k, v in batch.items() if k not in (self.key, CLASS)}
+        conditions = (CLASS, TEXT_HIDDEN, TEXT_POOLED)
+        out = {k: v for k, v in batch.items() if k != self.key and k not in conditions}
         out.update({self.key: noisy, TIMESTEP: timestep})
         if self.denoiser.num_classes:
             out[CLASS] = self._dropped(batch[CLASS], g)
+        if self.denoiser.is_mmdit():
+            out.update(self._dropped_text(batch, g))
         self.targets[j] = (target, weight)
         return out
 
@@ -110,14 +132,27 @@ class DiffusionObjective:
         )
         return torch.where(keep, classes, torch.full_like(classes, self.denoiser.num_classes))
 
+    def _dropped_text(self, batch: Batch, g: torch.Generator) -> dict[str, torch.Tensor]:
+        """The text of a share `cfg_dropout` of the samples zeroed, hidden states and pooled
+        vector together (one draw per sample, where a DiT draws its class dropout)."""
+        hidden, pooled = batch[TEXT_HIDDEN], batch[TEXT_POOLED]
+        keep = torch.rand(hidden.shape[0], generator=g, device=hidden.device)
+        keep = keep >= self.config.cfg_dropout
+        return {
+            TEXT_HIDDEN: torch.where(keep[:, None, None], hidden, torch.zeros_like(hidden)),
+            TEXT_POOLED: torch.where(keep[:, None], pooled, torch.zeros_like(pooled)),
+        }
+
     def reads(self, batch: Batch) -> set[str]:
         return {PREDICTION}
 
     def loss(self, out: Mapping[str, torch.Tensor], batch: Batch, j: int) -> torch.Tensor:
         target, weight = self.targets.pop(j)
         prediction = at_least_fp32(out[PREDICTION])[:, : self.denoiser.channels]
-        error = (prediction - at_least_fp32(target)) ** 2
-        per_sample = error.flatten(1).mean(dim=1)
+        error = prediction - at_least_fp32(target)
+        per_sample = error.square().flatten(1).mean(dim=1)
+        if self.temporal:
+            per_sample = per_sample + self.config.temporal_weight * frame_change(error)
         share = (at_least_fp32(weight) * per_sample).mean() / self.k
         self.total = share.detach() if self.total is None else self.total + share.detach()
         return share

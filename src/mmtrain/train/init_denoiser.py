@@ -1,6 +1,6 @@
 """`init` for a denoiser (a DiffusionModel): the whole network from one source.
 
-    init: PATH      # a diffusers DiT folder, an mmtrain model or run folder, a checkpoint
+    init: PATH      # a diffusers DiT or SD3 folder, an mmtrain model or run folder, a checkpoint
 
 The source's denoiser must have the shape of the model's (width, layers, heads, patches, input
 channels); what may differ is what fine-tuning changes on purpose: the class table (a new set
@@ -28,7 +28,20 @@ from mmtrain.train.init import (
 
 log = logging.getLogger(__name__)
 
-SHAPE_FIELDS = ("sample_size", "channels", "patch_size", "width", "layers", "heads", "mlp_ratio")
+SHAPE_FIELDS = (
+    "architecture",
+    "sample_size",
+    "channels",
+    "patch_size",
+    "width",
+    "layers",
+    "heads",
+    "mlp_ratio",
+    "text_width",
+    "pooled_width",
+    "qk_norm",
+)
+# An MMDiT's text length and position table size are no weights: a run may change them.
 OUTPUT_LAYER = ("towers.denoiser.out.weight", "towers.denoiser.out.bias")
 CLASS_TABLE = "towers.denoiser.classes.weight"
 

@@ -1,13 +1,17 @@
-"""A denoiser's inputs from shard samples: the clean image or latent and its class.
+"""A denoiser's inputs from shard samples: the clean image or latent and its condition.
 
 Images are the centred square of the sample at the denoiser's `sample_size` (bicubic), in
 [-1, 1] (mean 0.5, std 0.5 per channel), flipped at random in training as DiT trains; a latent
-is a `.npy` member holding exactly the denoiser's [C, H, W] (a VAE's encoding made beforehand).
-The class comes from `.cls` or the `.json` member's `label_field` (labels.py).
+is a `.npy` (or `.latent.npy`) member holding exactly the denoiser's [C, H, W] (a VAE's
+encoding made beforehand). A DiT's class comes from `.cls` or the `.json` member's
+`label_field` (labels.py). An MMDiT's text is its text encoders' outputs, cached beside the
+latent as they are: `.text_hidden.npy` [text_tokens, text_width] and `.text_pooled.npy`
+[pooled_width] (float .npy arrays; their guidance dropout is the objective's).
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +27,9 @@ from mmtrain.data.stream.transforms import (
     VideoTransform,
 )
 from mmtrain.spec import ModelSpec
+
+LATENT_MEMBERS = ("latent.npy", "npy")  # named, or the one .npy of a sample
+TEXT_MEMBERS = {"text_hidden": "text_hidden.npy", "text_pooled": "text_pooled.npy"}
 
 
 class DenoiserDecoder:
@@ -63,12 +70,20 @@ class DenoiserDecoder:
             clip = decode_video(data, d.frames, short_side=size, max_pixels=self.max_pixels)
             out = {"video": self.video(clip.frames, rng).transpose(0, 1)}  # [C, T, H, W]
         else:
-            if "npy" not in sample:
+            member = next((m for m in LATENT_MEMBERS if m in sample), None)
+            if member is None:
                 raise MediaError("no .npy latent member (the denoiser's input is `latent`)")
-            latent = decode_latent(sample["npy"], d.sample_shape())
+            latent = decode_latent(sample[member], d.sample_shape())
             out = {"latent": torch.from_numpy(latent)}
         if d.num_classes:
             out["class"] = read_class(sample, d.num_classes, self.label_field, self.class_names)
+        if d.is_mmdit():
+            shapes = {
+                "text_hidden": (d.text_tokens, d.text_width),
+                "text_pooled": (d.pooled_width,),
+            }
+            for key, member in TEXT_MEMBERS.items():
+                out[key] = torch.from_numpy(_cached_text(sample, member, shapes[key]))
         return out
 
 
@@ -79,3 +94,22 @@ def _member(sample: dict[str, Any], modality: str) -> str:
             f"no {modality} member (expected one of {', '.join(MODALITY_EXTENSIONS[modality])})"
         )
     return ext
+
+
+def _cached_text(sample: dict[str, Any], member: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A text encoder's cached output: a float .npy member of exactly `shape`, as float32."""
+    if member not in sample:
+        raise MediaError(f"no .{member} member (an MMDiT reads its text encoders' outputs)")
+    try:
+        array = np.load(io.BytesIO(sample[member]), allow_pickle=False)
+    except MemoryError:
+        raise
+    except Exception as err:  # ValueError (pickled objects, bad header), EOFError (truncated)
+        raise MediaError(f".{member} is not a readable .npy array: {err}") from None
+    if not isinstance(array, np.ndarray) or array.dtype.kind != "f":
+        raise MediaError(f".{member} must be a float array, got {getattr(array, 'dtype', array)}")
+    if tuple(array.shape) != shape:
+        raise MediaError(f".{member} of shape {list(array.shape)}, the MMDiT takes {list(shape)}")
+    if not np.isfinite(array).all():
+        raise MediaError(f".{member} holds non-finite values")
+    return array.astype(np.float32)

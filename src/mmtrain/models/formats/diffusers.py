@@ -1,6 +1,8 @@
 """diffusers folders <-> mmtrain: the DiT of `DiTTransformer2DModel` and the autoencoder of
 `AutoencoderKL` (config.json + diffusion_pytorch_model.safetensors, or shards with their
 index). The autoencoder (models/vae.py) keeps diffusers' own names: its mapping renames nothing.
+SD3's `SD3Transformer2DModel` (an MMDiT) has its mapping in diffusers_sd3.py; the readers and
+writers of denoisers here dispatch to it by the folder's class or the spec's architecture.
 
 One mapping, tested against diffusers' own forward: the numbers are the same under other
 names, with two differences of layout. diffusers' attention has separate q, k and v
@@ -163,12 +165,18 @@ def _prediction(folder: Path) -> str:
 
 
 def read_diffusers_dit(path: str | Path) -> tuple[ModelSpec, dict[str, Tensor]]:
-    """(spec, state dict in our names) of a diffusers DiT folder; dtypes are kept."""
+    """(spec, state dict in our names) of a diffusers denoiser folder: a DiT, or SD3's MMDiT
+    (diffusers_sd3.py); dtypes are kept."""
+    # diffusers_sd3.py builds on this module: imported when needed, not while either loads
+    from mmtrain.models.formats.diffusers_sd3 import SD3_CLASS, read_diffusers_sd3
+
     folder = Path(path)
     config = read_json(folder / CONFIG_FILE)
+    if config.get("_class_name") == SD3_CLASS:
+        return read_diffusers_sd3(folder)
     if config.get("_class_name") != DIT_CLASS:
-        raise HFFolderError(folder / CONFIG_FILE, f"mmtrain reads {DIT_CLASS}, got "
-                            f"{config.get('_class_name')!r}", field="_class_name")  # fmt: skip
+        raise HFFolderError(folder / CONFIG_FILE, f"mmtrain reads {DIT_CLASS} or {SD3_CLASS}, "
+                            f"got {config.get('_class_name')!r}", field="_class_name")  # fmt: skip
     spec = spec_from_dit_config(config, folder / CONFIG_FILE)
     groups = dit_groups(spec.denoiser)
     try:
@@ -250,8 +258,13 @@ def write_diffusers_dit(
     *,
     max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> Path:
-    """diffusers' DiT folder of the model `create_model(spec)` builds, from its state dict (in
-    memory, or a lazy reader of a model folder, read one tensor at a time)."""
+    """diffusers' DiT folder (an MMDiT's: SD3's, diffusers_sd3.py) of the model
+    `create_model(spec)` builds, from its state dict (in memory, or a lazy reader of a model
+    folder, read one tensor at a time)."""
+    if spec.denoiser is not None and spec.denoiser.is_mmdit():
+        from mmtrain.models.formats.diffusers_sd3 import write_diffusers_sd3
+
+        return write_diffusers_sd3(spec, state, out_dir, max_shard_bytes=max_shard_bytes)
     config = dit_config(spec)
     groups = dit_groups(spec.denoiser)
     expected = {name: shape for g in groups for name, shape in g.ours}
