@@ -287,14 +287,16 @@ def test_guidance_extrapolates_from_the_unconditional_prediction():
     with torch.no_grad():  # a non-zero output layer, so predictions depend on the class
         torch.nn.init.normal_(model.denoiser.out.weight, std=0.02)
         torch.nn.init.normal_(model.denoiser.modulation_out.weight, std=0.02)
-    classes = torch.tensor([1, 2])
+    classes = {"class": torch.tensor([1, 2])}
     plain = sample(model, classes, 2, steps=3, seed=5)
     assert torch.equal(plain, sample(model, classes, 2, steps=3, seed=5))  # deterministic
     guided = sample(model, classes, 2, steps=3, seed=5, cfg=4.0)
     assert not torch.allclose(plain, guided)
-    none = torch.full_like(classes, CLASSES)  # cfg 0: the unconditional prediction alone
+    none = {"class": torch.full((2,), CLASSES)}  # cfg 0: the unconditional prediction alone
     assert torch.allclose(sample(model, classes, 2, steps=3, seed=5, cfg=0.0),
                           sample(model, none, 2, steps=3, seed=5), atol=1e-6)  # fmt: skip
+    with pytest.raises(ValueError, match="samples with 'class'"):
+        sample(model, None, 2, steps=1)
 
 
 def test_generate_writes_a_grid_of_the_classes_asked_for(tmp_path, shards, capsys):
@@ -354,6 +356,24 @@ def test_fsdp_on_two_ranks_trains_a_dit_and_its_ema_as_ddp_does(tmp_path, shards
         c = load_file(str(tmp_path / "resumed" / name))
         assert all(torch.equal(b[k], c[k]) for k in b), name
     assert (tmp_path / "fsdp" / "checkpoints" / "step_00000004" / "dcp").is_dir()  # sharded
+
+
+def test_every_held_out_image_counts_once_whatever_the_batch(tmp_path, shards):
+    # 47 readable images (one of the 48 is broken): a batch larger than the set, or one that
+    # does not divide it, makes the loader pad its last step with images from the start.
+    from mmtrain.eval.diffusion import DenoiserEvaluator
+
+    clip = tmp_path / "clip"
+    mmtrain.save_model(mmtrain.create_model(ModelSpec.from_dict(MICRO_SPEC), seed=0), clip)
+    model = mmtrain.create_model(tiny(), seed=0).eval()
+    for batch_size in (64, 10):
+        evaluator = DenoiserEvaluator(tiny(), shards, batch_size=batch_size, rank=0, world_size=1,
+                                      extractor=mmtrain.load_model(clip), samples=100, steps=1)  # fmt: skip
+        try:
+            report = evaluator.report(model)["diffusion"]
+        finally:
+            evaluator.close()
+        assert report["n"] == 47 and report["fd_n"] == 47, batch_size
 
 
 def test_validation_reports_the_loss_at_fixed_timesteps_and_eval_adds_the_fd(tmp_path, shards):

@@ -229,6 +229,41 @@ def test_decode_video_windows_and_seeks(mp4):
     assert many == sorted(many) and set(many) == set(range(VIDEO_FRAMES))
 
 
+def test_decode_video_windows_at_a_stride_stay_inside_the_clip(mp4):
+    # 30 frames at 10 fps; 4 frames 3 apart span 1 s: starts from 0 s to 2 s keep them inside.
+    def window(position: float, stride: int = 3) -> list[int]:
+        return frame_indices(decode_video(mp4, 4, window=(position, stride)).frames)
+
+    assert window(0.0) == [0, 3, 6, 9]
+    assert window(0.5) == [10, 13, 16, 19]
+    assert window(1.0) == [20, 23, 26, 29]
+    assert window(0.0, stride=10) == [0, 10, 20, 29]  # longer than the clip: from 0, last repeats
+    with pytest.raises(ValueError, match="window position"):
+        decode_video(mp4, 4, window=(1.5, 3))
+
+
+def test_a_video_denoiser_draws_its_window_from_the_samples_rng(mp4):
+    import torch
+
+    from mmtrain.data.stream.denoiser_inputs import DenoiserDecoder
+    from mmtrain.spec import ModelSpec
+
+    spec = ModelSpec.from_dict({"name": "v", "objective": "flow_matching", "denoiser": {
+        "sample_size": 16, "channels": 3, "patch_size": 4, "width": 64, "layers": 1, "heads": 4,
+        "frames": 4, "temporal_patch": 2, "input": "video"}})  # fmt: skip
+    train = DenoiserDecoder(spec, video_stride=3)
+    sample = {"mp4": mp4}
+
+    def first_frames(decoder, seed: int) -> torch.Tensor:
+        return decoder(sample, np.random.default_rng(seed))["video"][0, :, 8, 8]  # [T]
+
+    assert torch.equal(first_frames(train, 1), first_frames(train, 1))  # a pure function
+    starts = {round(float(first_frames(train, seed)[0]), 3) for seed in range(6)}
+    assert len(starts) > 1  # windows at several places
+    middle = DenoiserDecoder(spec, video_stride=3, train=False)
+    assert torch.equal(first_frames(middle, 1), first_frames(middle, 2))  # always the middle
+
+
 def test_decode_video_scales_in_the_decoder(mp4):
     clip = decode_video(mp4, 2, short_side=24)
     assert clip.frames.shape == (2, 24, 32, 3)

@@ -1,7 +1,7 @@
 """The planner on diffusion transformers: a denoiser spec is one "diffusion" stack whose
 parameters, FLOPs and saved activations are the module's (`--measure`: activations within
 10%, model states within 1%, as tests/test_plan_measure.py), and the hand-built DiT workload
-rows still plan as before."""
+rows still plan as before; an MMDiT's joint blocks and text are planned as measured."""
 
 import json
 
@@ -186,3 +186,22 @@ def test_dit_workload_rows(capsys, name):
     out = _plan_json(capsys, ["--model", name, "--gpu", "h100"])
     assert out["model"]["params"] == params
     assert out["time"]["efficiency_family"] == "diffusion"
+
+
+# ----------------------------------------------------------------------------- MMDiT
+def test_sd3_medium_plans_as_one_diffusion_stack_over_image_and_text_tokens(capsys):
+    out = _plan_json(capsys, ["--model", "SD3-medium", "--gpu", "h100"])
+    d = load_spec("SD3-medium").denoiser
+    assert out["model"]["params"] == d.params() == 2_028_328_000
+    assert out["model"]["tokens_per_sample"] == {"denoiser": 64 * 64 + 333}
+    assert out["model"]["forward_flops_per_sample"] == d.forward_flops()
+    assert out["time"]["efficiency_family"] == "diffusion"
+
+
+@pytest.mark.parametrize("ac", ["none", "selective", "full"])
+def test_mmdit_measure_agrees_with_prediction(capsys, ac):
+    # joint blocks, the last block whose text ends at the attention, the text's stem: exact
+    argv = ["--model", "tiny-mmdit", "--micro-batch", "2", "--ac", ac, "--measure"]
+    measured = _plan_json(capsys, argv)["measured"]
+    assert measured["activations_error"] == 0 and measured["model_state_error"] == 0
+    assert measured["trainable_params"] == measured["predicted_trainable_params"]

@@ -9,8 +9,8 @@ import pytest
 
 from mmtrain.cli import main
 from mmtrain.hardware import default_catalog
-from mmtrain.plan.workloads import load_model
 from mmtrain.plan.sampling import sampling_estimate
+from mmtrain.plan.workloads import load_model
 from mmtrain.spec import load_spec
 from mmtrain.structured import FieldError
 

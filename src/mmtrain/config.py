@@ -66,6 +66,11 @@ class DataConfig:
     # Image / video pixels travel as uint8 (a quarter of float32's bytes, page-locked) and are
     # normalised on the device; null: when training on CUDA (on a CPU the workers do it).
     normalise_on_device: bool | None = None
+    # A video denoiser's clips (one shot each: `data build --video-scene-threshold`): frames
+    # every `video_stride` source frames from a random start inside the shot in training (the
+    # middle one in evaluation), a window at the clip's own frame rate; null: spread evenly
+    # over the whole clip.
+    video_stride: int | None = None
 
 
 @dataclass
@@ -278,6 +283,8 @@ class RunConfig:
         t = self.train
         _at_least("train.steps", t.steps, 1)
         _at_least("train.batch_size", t.batch_size, 1)
+        if self.data.video_stride is not None:
+            _at_least("data.video_stride", self.data.video_stride, 1)
         check_choice("train.precision", t.precision, PRECISIONS)
         check_choice("train.fp8_recipe", t.fp8_recipe, ("tensorwise", "rowwise"))
         check_choice("train.schedule", t.schedule, SCHEDULES)

@@ -641,8 +641,9 @@ class ModelSpec:
         if self.towers or self.pairs:
             raise FieldError(
                 "towers" if self.towers else "pairs",
-                "a class-conditional denoiser has no encoder towers (text conditioning is an "
-                "MMDiT's, not yet available)",
+                "a denoiser has no encoder towers: a DiT is conditioned on classes, an MMDiT "
+                "(denoiser.architecture: mmdit) on its text encoders' outputs, cached in the "
+                "shards as .text_hidden.npy / .text_pooled.npy",
             )
 
     def tower_names(self) -> list[str]:

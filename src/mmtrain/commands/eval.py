@@ -284,6 +284,7 @@ def _denoiser_report(model: Any, run_dir: Path, args: argparse.Namespace, device
             label_field=args.label_field, class_names=_manifest_class_names(args.data) or (),
             extractor=extractor, samples=args.samples, steps=args.steps, cfg=args.cfg,
             num_workers=args.workers, extractor_tokenizer=args.extractor_tokenizer,
+            video_stride=_run_data_field(run_dir, "video_stride"),  # the run's middle window
         )  # fmt: skip
     except FieldError as err:
         raise UsageError(
@@ -485,8 +486,9 @@ def format_report(report: dict[str, Any], out: Path) -> str:
         lines.append(f"loss at fixed timesteps: mean {d['loss']:.4f} ({at})")
         if "fd" in d:
             lines.append(
-                f"FD in {d['extractor']}'s features: {d['fd']:.4f} (real-vs-real floor "
-                f"{d['fd_real_floor']:.4f}; {d['fd_n']} images)"
+                f"FD in {d['extractor']}'s features: {d['fd']:.4f} ({d['fd_n']} images); at "
+                f"half of them {d['fd_half']:.4f} against the real-vs-real floor "
+                f"{d['fd_real_floor']:.4f}"
             )
         if "cond_accuracy" in d:
             lines.append(

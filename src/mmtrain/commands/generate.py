@@ -1,5 +1,6 @@
 """`mmtrain generate RUN_DIR --image X.jpg --prompt "..."`: ask a (vision-)language model;
-`mmtrain generate RUN_DIR --class 3 --num 8 --out DIR`: sample images from a trained denoiser.
+`mmtrain generate RUN_DIR --class 3 --num 8 --out DIR`: sample images from a trained DiT;
+`mmtrain generate RUN_DIR --text-from SHARDS --num 8 --out DIR`: from a trained MMDiT.
 
 Loads the model (a model folder, a finished run, or a run's newest checkpoint), the tokenizer
 and chat template the run trained with (its config.yaml: `data.tokenizer`,
@@ -10,7 +11,10 @@ the prompt; a prompt without tags gets one per image in front of it, as LLaVA's 
 A denoiser (a DiT: flow matching or DDPM) is sampled with the run's own `train.diffusion`
 settings (eval/sampling.py): `--num` images per `--class` (or unconditionally), `--steps`,
 `--cfg` (classifier-free guidance scale), `--sampler`, `--seed`; the PNGs and a grid (one row
-per class) go to `--out`.
+per class) go to `--out`. An MMDiT (SD3) is conditioned on its text encoders' outputs, and
+mmtrain runs none of SD3's encoders (CLIP-L, CLIP-G, T5-XXL): it samples one image for each of
+the first `--num` samples of `--text-from` shards, from their cached `.text_hidden.npy` and
+`.text_pooled.npy` (what it trained on), in order, the grid one row of them.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Generate an answer with the language model in RUN_DIR (or a model folder). Each "
             "--image fills one <image> tag of the prompt (a prompt without tags gets one per "
             "image in front). Greedy by default; --temperature > 0 samples (nucleus: --top-p). "
-            "Exit code 2 on bad input."
+            "A denoiser writes images to --out instead: a DiT's for --class K, an MMDiT's for "
+            "the cached text of --text-from SHARDS. Exit code 2 on bad input."
         ),
     )
     p.add_argument(
@@ -44,7 +49,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="RUN_DIR|MODEL_DIR|CHECKPOINT",
         help="a run folder, a model folder (model.safetensors + spec.yaml) or a checkpoint",
     )
-    p.add_argument("--prompt", help="the user's message (language models)")
+    p.add_argument(
+        "--prompt",
+        help="the user's message (language models; an MMDiT takes --text-from instead: "
+        "mmtrain runs no text encoder of SD3's)",
+    )
     p.add_argument(
         "--image",
         action="append",
@@ -72,7 +81,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(default: the run's data.chat_template, else the tokenizer folder's)",
     )
     p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when available)")
-    images = p.add_argument_group("denoisers (a DiT: flow matching or DDPM)")
+    images = p.add_argument_group("denoisers (a DiT or an MMDiT: flow matching or DDPM)")
     images.add_argument(
         "--class",
         dest="classes",
@@ -82,7 +91,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="K",
         help="a class id to sample (repeat for several; class-conditional models)",
     )
-    images.add_argument("--num", type=count, default=4, help="images per class (default 4)")
+    images.add_argument(
+        "--text-from",
+        metavar="SHARDS",
+        help="an MMDiT's condition: shards holding its text encoders' cached outputs "
+        "(.text_hidden.npy, .text_pooled.npy), one image for each of the first --num samples, "
+        "in order (mmtrain has no SD3 text encoder to run a --prompt through)",
+    )
+    images.add_argument(
+        "--num",
+        type=count,
+        default=4,
+        help="images per class, or texts taken from --text-from (default 4)",
+    )
     images.add_argument("--steps", type=count, default=50, help="sampling steps (default 50)")
     images.add_argument(
         "--cfg", type=float, default=1.0, help="guidance scale (default 1: no guidance)"
@@ -152,36 +173,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def generate_images(args: argparse.Namespace, model: Any, run_dir: Path) -> int:
-    """Sample a denoiser: `--num` PNGs per `--class` into `--out`, and their grid."""
+    """Sample a denoiser: `--num` PNGs per `--class` (an MMDiT: one per text of
+    `--text-from`) into `--out`, and their grid."""
     from PIL import Image
 
     from mmtrain.commands.eval import run_diffusion_config
     from mmtrain.eval.sampling import image_grid, sample, to_uint8
 
     d = model.spec.denoiser
+    condition, stems, rows = _condition(args, model.spec)
     if args.out is None:
         raise UsageError("a denoiser writes images: give --out DIR")
     vae = _vae(args, d, next(model.parameters()).device)
-    if d.num_classes and not args.classes:
-        raise UsageError(
-            f"{model.spec.name} is class-conditional: give --class K (0..{d.num_classes - 1})"
-        )
-    bad = [k for k in args.classes if not 0 <= k < max(d.num_classes, 1)]
-    if bad or (args.classes and not d.num_classes):
-        raise UsageError(
-            f"--class {bad or args.classes}: {model.spec.name} has {d.num_classes} classes"
-        )
     config = run_diffusion_config(run_dir)
     import torch
 
-    classes = [k for k in args.classes for _ in range(args.num)] or None
-    labels = (
-        None if classes is None else torch.tensor(classes, device=next(model.parameters()).device)
-    )
     model.eval()
     try:
-        images = sample(model, labels, len(classes or range(args.num)), steps=args.steps,
-                        cfg=args.cfg, seed=args.seed, config=config, sampler=args.sampler)  # fmt: skip
+        images = sample(model, condition, len(stems), steps=args.steps, cfg=args.cfg,
+                        seed=args.seed, config=config, sampler=args.sampler)  # fmt: skip
     except ValueError as err:
         raise UsageError(str(err)) from None
     if vae is not None:
@@ -189,9 +199,6 @@ def generate_images(args: argparse.Namespace, model: Any, run_dir: Path) -> int:
             images = vae.decode_latent(vae.from_diffusion(images.to(next(vae.parameters()).dtype)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stems = [f"class{k}_{i}" for k in args.classes for i in range(args.num)] or [
-        f"sample_{i}" for i in range(args.num)
-    ]
     if d.is_video():  # [N, C, T, H, W]: an MP4 each; the grid shows their first frames
         from mmtrain.data.stream.media import encode_video
 
@@ -209,10 +216,77 @@ def generate_images(args: argparse.Namespace, model: Any, run_dir: Path) -> int:
             Image.fromarray(image.squeeze(-1) if image.shape[-1] == 1 else image).save(
                 out / f"{stem}.png"
             )
-    Image.fromarray(image_grid(pixels, max(len(args.classes), 1))).save(out / "grid.png")
+    Image.fromarray(image_grid(pixels, rows)).save(out / "grid.png")
     kind = "videos" if d.is_video() else "images"
     print(f"wrote {len(stems)} {kind} and grid.png to {out}")
     return 0
+
+
+NO_TEXT_ENCODER = (
+    "{name} is an MMDiT, conditioned on its text encoders' outputs, and mmtrain runs none of "
+    "SD3's (CLIP-L, CLIP-G, T5-XXL) to turn a prompt into them: give --text-from SHARDS, "
+    "shards holding the cached .text_hidden.npy and .text_pooled.npy (e.g. the validation "
+    "shards it trained beside)"
+)
+
+
+def _condition(args: argparse.Namespace, spec: Any) -> tuple[dict | None, list[str], int]:
+    """What to sample: the condition (eval/sampling.py), a file stem per sample, grid rows."""
+    d = spec.denoiser
+    if d.is_mmdit():
+        return _text_condition(args, spec)
+    if args.prompt is not None or args.text_from is not None:
+        flag = "--prompt" if args.prompt is not None else "--text-from"
+        what = f"give --class K (0..{d.num_classes - 1})" if d.num_classes else "it takes none"
+        raise UsageError(f"{flag}: {spec.name} is not text-conditioned (an MMDiT is): {what}")
+    if d.num_classes and not args.classes:
+        raise UsageError(
+            f"{spec.name} is class-conditional: give --class K (0..{d.num_classes - 1})"
+        )
+    bad = [k for k in args.classes if not 0 <= k < max(d.num_classes, 1)]
+    if bad or (args.classes and not d.num_classes):
+        raise UsageError(f"--class {bad or args.classes}: {spec.name} has {d.num_classes} classes")
+    if not args.classes:
+        return None, [f"sample_{i}" for i in range(args.num)], 1
+    import torch
+
+    classes = [k for k in args.classes for _ in range(args.num)]
+    stems = [f"class{k}_{i}" for k in args.classes for i in range(args.num)]
+    return {"class": torch.tensor(classes)}, stems, len(args.classes)
+
+
+def _text_condition(args: argparse.Namespace, spec: Any) -> tuple[dict, list[str], int]:
+    """The cached text of the first --num samples of --text-from, a stem per sample's key."""
+    import re
+
+    import torch
+
+    from mmtrain.data.storage.shards import ShardSet
+    from mmtrain.data.stream.media import MediaError
+    from mmtrain.eval.diffusion import cached_text
+
+    if args.prompt is not None or args.text_from is None:
+        raise UsageError(NO_TEXT_ENCODER.format(name=spec.name))
+    if args.classes:
+        raise UsageError(f"--class: {spec.name} is an MMDiT, conditioned on text: give --text-from")
+    try:
+        shards = ShardSet.open(args.text_from)
+    except (FileNotFoundError, ValueError) as err:
+        raise UsageError(f"--text-from {args.text_from}: {err}") from None
+    if len(shards) < args.num:
+        raise UsageError(f"--text-from {args.text_from}: {len(shards)} samples, --num {args.num}")
+    hidden, pooled, stems = [], [], []
+    for i in range(args.num):
+        key = shards.key(i)
+        try:
+            h, p = cached_text(shards, i, spec.denoiser)
+        except MediaError as err:
+            raise UsageError(f"--text-from {args.text_from}: sample {key}: {err}") from None
+        hidden.append(h)
+        pooled.append(p)
+        stems.append(f"text{i}_" + re.sub(r"[^\w.-]", "_", key))  # a key may hold a path
+    condition = {"text_hidden": torch.stack(hidden), "text_pooled": torch.stack(pooled)}
+    return condition, stems, 1
 
 
 def _vae(args: argparse.Namespace, denoiser: Any, device: Any) -> Any:

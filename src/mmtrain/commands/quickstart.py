@@ -127,39 +127,31 @@ def run(args: argparse.Namespace) -> int:
 
 def run_vlm(args: argparse.Namespace) -> int:
     """`--vlm`: the two-stage vision-language demo (`mmtrain.quickstart.vlm`)."""
-    from mmtrain.quickstart.emoji_data import MissingPackages
     from mmtrain.quickstart.vlm import VlmConfig, run_vlm
 
-    if args.modalities is not None:
-        raise UsageError("--vlm and --modalities are two demos; give one of them")
-    given = {
-        "out": args.out or Path("runs/quickstart-vlm"),
-        "steps": args.steps,
-        "minutes": args.minutes,
-        "batch_size": args.batch_size,
-        "limit": args.limit,
-        "clip": args.clip,
-        "clip_steps": args.clip_steps,
-    }
-    config = VlmConfig(**{name: value for name, value in given.items() if value is not None})
-    progress = _Progress()
-    try:
-        result = run_vlm(config, on_phase=progress.phase, on_step=progress.step)
-    except MissingPackages as err:
-        raise UsageError(str(err)) from None
-    print(vlm_summary(result))
-    return 0
+    return _staged_demo(args, "--vlm", Path("runs/quickstart-vlm"), VlmConfig, run_vlm,
+                        vlm_summary)  # fmt: skip
 
 
 def run_diffusion(args: argparse.Namespace) -> int:
     """`--diffusion`: the class-conditional DiT demo (`mmtrain.quickstart.diffusion`)."""
     from mmtrain.quickstart.diffusion import DiffusionDemoConfig, run_diffusion_demo
+
+    return _staged_demo(args, "--diffusion", Path("runs/quickstart-diffusion"),
+                        DiffusionDemoConfig, run_diffusion_demo, diffusion_summary)  # fmt: skip
+
+
+def _staged_demo(
+    args: argparse.Namespace, flag: str, default_out: Path, make_config, run_demo, summarise
+) -> int:
+    """A demo that starts from the image-text quickstart's CLIP (stage 0, or `--clip`): its
+    config from the flags given, its run with progress lines, its summary."""
     from mmtrain.quickstart.emoji_data import MissingPackages
 
     if args.modalities is not None:
-        raise UsageError("--diffusion and --modalities are two demos; give one of them")
+        raise UsageError(f"{flag} and --modalities are two demos; give one of them")
     given = {
-        "out": args.out or Path("runs/quickstart-diffusion"),
+        "out": args.out or default_out,
         "steps": args.steps,
         "minutes": args.minutes,
         "batch_size": args.batch_size,
@@ -167,13 +159,13 @@ def run_diffusion(args: argparse.Namespace) -> int:
         "clip": args.clip,
         "clip_steps": args.clip_steps,
     }
-    config = DiffusionDemoConfig(**{k: v for k, v in given.items() if v is not None})
+    config = make_config(**{name: value for name, value in given.items() if value is not None})
     progress = _Progress()
     try:
-        result = run_diffusion_demo(config, on_phase=progress.phase, on_step=progress.step)
+        result = run_demo(config, on_phase=progress.phase, on_step=progress.step)
     except MissingPackages as err:
         raise UsageError(str(err)) from None
-    print(diffusion_summary(result))
+    print(summarise(result))
     return 0
 
 
@@ -338,8 +330,9 @@ def diffusion_summary(result: Any) -> str:
         "",
         f"{d['fd_n']} samples for the classes of held-out emoji never seen in training, against "
         f"those images, in the features of {d['extractor']} (lower is closer):",
-        f"  Fréchet distance  {d['fd']:.3f} trained   {d['fd_untrained']:.3f} untrained   "
-        f"{d['fd_real_floor']:.3f} real vs real (the floor at this n)",
+        f"  Fréchet distance  {d['fd']:.3f} trained   {d['fd_untrained']:.3f} untrained",
+        f"  at half the n     {d['fd_half']:.3f} trained   {d['fd_half_untrained']:.3f} untrained   "
+        f"{d['fd_real_floor']:.3f} real vs real (the floor: FD's bias at this n)",
     ]
     if "cond_accuracy" in d:
         lines.append(

@@ -5,18 +5,23 @@ extractor, the Fréchet distance between its samples and those images.
   DDPM: the step at that fraction of the schedule) with noise drawn from (seed, batch, rank,
   time) alone, the prediction's mean squared error per time and their mean. Deterministic, so
   two checkpoints compare on the same noise; unweighted (min-SNR is a training choice).
-- FD (eval/frechet.py): `samples` images generated for the classes of the first held-out
-  images (eval/sampling.py: `steps`, `cfg`), both sets through the extractor's image tower at
+- FD (eval/frechet.py): `samples` images generated for the conditions of the first held-out
+  images, their classes or (an MMDiT) their cached text (eval/sampling.py: `steps`, `cfg`;
+  guided from the "no class" id or the zeroed text), both sets through the extractor's image tower at
   its own input size; `fd_real_floor` is the FD between two halves of the real set, what
-  sampling noise alone costs at this n. The extractor is any mmtrain model with an image tower
+  sampling noise alone costs at half this n, and `fd_half` the samples' first half against the
+  real set's second: FD's estimate is biased upwards the more the fewer the images, so the
+  floor compares with `fd_half` (the same n), not with `fd`. The extractor is any mmtrain model with an image tower
   (e.g. a CLIP trained on the same domain): nothing is downloaded.
 - With class names and an extractor that has a text tower (a CLIP), also the conditional
   accuracy (zero-shot, eval/zeroshot.py: is a sample of class k nearest to class k's prompts?)
   beside the real images' (the ceiling this extractor allows), and the CLIP score of each
   sample against its class's prompts (models/clip_score.py). The extractor is not the
   denoiser's conditioning (a class DiT has none), so it does not grade its own homework.
+  An MMDiT's loss is its prediction's error given each held-out image's own text.
 
-Every rank evaluates its share of the images; the sums and the features are gathered, so the
+Each held-out image counts once (the loader pads the epoch's last step with samples from its
+start; those repeats are dropped by key). Every rank evaluates its share of the images; the sums and the features are gathered, so the
 report is the same on every rank (a collective: call it on all of them).
 """
 
@@ -33,12 +38,14 @@ from torch import Tensor, nn
 from mmtrain import distributed
 from mmtrain.config import DiffusionConfig
 from mmtrain.data.storage.shards import ShardSet
-from mmtrain.data.stream.denoiser_inputs import DenoiserDecoder
+from mmtrain.data.stream.denoiser_inputs import TEXT_MEMBERS, DenoiserDecoder, _cached_text
 from mmtrain.data.stream.loader import StreamingLoader
+from mmtrain.data.stream.media import MediaError
 from mmtrain.data.stream.transforms import ImageTransform
+from mmtrain.denoiser_spec import DenoiserSpec
 from mmtrain.eval.frechet import frechet_distance
-from mmtrain.eval.sampling import image_grid, sample, to_uint8
-from mmtrain.models.dit import CLASS, PREDICTION, TIMESTEP
+from mmtrain.eval.sampling import Condition, condition_of, image_grid, sample, to_uint8
+from mmtrain.models.dit import CLASS, PREDICTION, TEXT_HIDDEN, TEXT_POOLED, TIMESTEP
 from mmtrain.models.schedules import (
     FLOW_TIMESTEP_SCALE,
     ddpm_alphas_cumprod,
@@ -73,6 +80,7 @@ class DenoiserEvaluator:
         rank: int | None = None,
         world_size: int | None = None,
         extractor_tokenizer: str = "byte",
+        video_stride: int | None = None,  # the run's data.video_stride: its middle window
     ):
         if spec.denoiser is None:
             raise FieldError("model", f"{spec.name} is not a denoiser")
@@ -86,7 +94,9 @@ class DenoiserEvaluator:
         self.class_names = list(class_names)
         self.extractor_tokenizer = extractor_tokenizer
         self.rank = distributed.rank() if rank is None else rank
-        decoder = DenoiserDecoder(spec, label_field, class_names, train=False)
+        self.shards = shards  # the grid's texts are read from it directly, the same on every rank
+        decoder = DenoiserDecoder(spec, label_field, class_names, train=False,
+                                  video_stride=video_stride)  # fmt: skip
         self.loader = StreamingLoader(
             shards, decoder, batch_size, rank=self.rank,
             world_size=distributed.world_size() if world_size is None else world_size,
@@ -97,53 +107,65 @@ class DenoiserEvaluator:
     @torch.no_grad()
     def report(self, model: nn.Module) -> dict[str, Any]:
         """{"diffusion": {"loss", "loss_at": {t: loss}, "n", and with an extractor "fd",
-        "fd_real_floor", "fd_n", "extractor"}}."""
+        "fd_real_floor", "fd_half", "fd_n", "extractor"}}."""
         self.loader.set_epoch(0)
         param = next(model.parameters())
         key = self.spec.denoiser.input
-        sums = torch.zeros(len(TIMES), dtype=torch.float64, device=param.device)
-        elements, images, real, classes = 0, 0, [], []
+        errors, keys, real, conditions, elements = [], [], [], [], 0
         for number, batch in enumerate(self.loader):
             x0 = batch[key].to(param.device, param.dtype)
-            y = batch[CLASS].to(param.device) if CLASS in batch else None
-            for i, t in enumerate(TIMES):  # summed on the device, read once below
-                sums[i] += self._error(model, x0, y, t, draw_generator(
-                    self.seed, number, self.rank, i, device=param.device))  # fmt: skip
-            elements += x0.numel()
-            images += x0.shape[0]
-            if self.extractor is not None and sum(len(r) for r in real) < self.samples:
+            condition = _on(condition_of(self.spec.denoiser, batch), param)
+            errors.append(torch.stack([self._error(model, x0, condition, t, draw_generator(
+                self.seed, number, self.rank, i, device=param.device))
+                for i, t in enumerate(TIMES)], dim=1))  # fmt: skip
+            keys.append(list(batch["__key__"]))
+            elements = x0[0].numel()
+            # Enough for `samples` images once the tail's repeats are dropped (at most a batch).
+            if self.extractor is not None and sum(len(r) for r in real) < self.samples + len(x0):
                 real.append(x0.cpu())
-                classes.append(None if y is None else y.cpu())
-        *sums, elements, images = distributed.sum_over_ranks([*sums.tolist(), elements, images])
-        losses = {f"{t:g}": s / max(elements, 1) for t, s in zip(TIMES, sums, strict=True)}
+                conditions.append({k: v.cpu() for k, v in condition.items()})
+        kept = _first_occurrences(keys, self.rank)
+        mask = torch.cat(kept).to(param.device) if kept else torch.zeros(0, dtype=torch.bool)
+        mine = torch.cat(errors)[mask].sum(0) if errors else torch.zeros(len(TIMES))
+        *sums, images = distributed.sum_over_ranks([*mine.tolist(), int(mask.sum())])
+        losses = {f"{t:g}": s / max(images * elements, 1) for t, s in zip(TIMES, sums, strict=True)}
         out: dict[str, Any] = {"loss": float(np.mean(list(losses.values()))), "loss_at": losses,
                                "n": int(images)}  # fmt: skip
         if self.extractor is not None:
-            out.update(self._frechet(model, real, classes))
+            real = [x[m] for x, m in zip(real, kept, strict=False)]
+            conditions = [
+                {k: v[m] for k, v in c.items()} for c, m in zip(conditions, kept, strict=False)
+            ]
+            out.update(self._frechet(model, real, conditions))
         return {"diffusion": out}
 
     @torch.no_grad()
     def sample_grid(self, model: nn.Module, per_class: int = 4, rows: int = 8) -> np.ndarray | None:
         """uint8 [H, W, 3] grid of samples from a fixed seed: a row per class (the first
-        `rows`), `per_class` columns (one row when unconditional); a video's first frames.
+        `rows`) or, for an MMDiT, per held-out text (the set's first `rows` samples'),
+        `per_class` columns (one row when unconditional); a video's first frames.
         None for a latent denoiser (its samples need the VAE to be seen). Every rank calls it
         (the model's forward is a collective under FSDP); all get the same grid."""
         d = self.spec.denoiser
         if d.input == "latent":
             return None
-        n_rows = min(rows, d.num_classes) if d.num_classes else 1
-        device = next(model.parameters()).device
-        classes = None
-        if d.num_classes:
-            classes = torch.arange(n_rows, device=device).repeat_interleave(per_class)
-        images = sample(model, classes, n_rows * per_class, steps=self.steps, cfg=self.cfg,
+        condition: dict[str, Tensor] = {}
+        n_rows = 1
+        if d.is_mmdit():
+            texts = first_texts(self.shards, d, rows)
+            n_rows = texts[TEXT_POOLED].shape[0]
+            condition = {k: v.repeat_interleave(per_class, 0) for k, v in texts.items()}
+        elif d.num_classes:
+            n_rows = min(rows, d.num_classes)
+            condition = {CLASS: torch.arange(n_rows).repeat_interleave(per_class)}
+        images = sample(model, condition, n_rows * per_class, steps=self.steps, cfg=self.cfg,
                         seed=self.seed, config=self.config)  # fmt: skip
         if d.is_video():
             images = images[:, :, 0]  # [N, C, T, H, W] -> the first frames
         return image_grid(to_uint8(images).numpy(), n_rows)
 
-    def _error(self, model: nn.Module, x0: Tensor, y: Tensor | None, t: float, g) -> Tensor:
-        """Summed squared error of the prediction at time t (its sample's channels only)."""
+    def _error(self, model: nn.Module, x0: Tensor, condition: Condition, t: float, g) -> Tensor:
+        """Squared error [n] of each sample's prediction at time t (its channels only)."""
         d = self.spec.denoiser
         noise = torch.randn(x0.shape, generator=g, device=x0.device, dtype=x0.dtype)
         n = x0.shape[0]
@@ -157,20 +179,21 @@ class DenoiserEvaluator:
             abar = ddpm_alphas_cumprod(self.config)[step].to(x0.device, x0.dtype).expand(n)
             noisy, target = ddpm_pair(x0, noise, abar, d.prediction)
             timestep = torch.full((n,), float(step), dtype=x0.dtype, device=x0.device)
-        batch = {d.input: noisy, TIMESTEP: timestep}
-        if y is not None:
-            batch[CLASS] = y
+        batch = {d.input: noisy, TIMESTEP: timestep, **condition}
         prediction = model(batch)[PREDICTION][:, : d.channels]  # through wrappers' hooks
-        return (prediction.double() - target.double()).square().sum()
+        return (prediction.double() - target.double()).square().flatten(1).sum(1)
 
-    def _frechet(self, model: nn.Module, real: list[Tensor], classes: list) -> dict[str, Any]:
+    def _frechet(
+        self, model: nn.Module, real: list[Tensor], conditions: list[dict[str, Tensor]]
+    ) -> dict[str, Any]:
         real_images = torch.cat(real)[: self.samples] if real else torch.zeros(0)
-        labels = None if not classes or classes[0] is None else torch.cat(classes)[: self.samples]
+        condition = {k: torch.cat([c[k] for c in conditions])[: self.samples]
+                     for k in (conditions[0] if conditions else {})}  # fmt: skip
+        labels = condition.get(CLASS)
         mine = real_images.shape[0]
         fake = torch.zeros(0)
         if mine:
-            device = next(model.parameters()).device
-            fake = sample(model, None if labels is None else labels.to(device), mine,
+            fake = sample(model, condition, mine,
                           # other noise on every rank, or the ranks' samples would repeat
                           steps=self.steps, cfg=self.cfg, seed=self.seed + 7919 * self.rank,
                           config=self.config).cpu()  # fmt: skip
@@ -180,6 +203,9 @@ class DenoiserEvaluator:
         out = {
             "fd": frechet_distance(fake_features, real_features),
             "fd_real_floor": frechet_distance(real_features[:half], real_features[half:]),
+            # FD's bias grows as n falls, so the floor (halves) is set beside the samples' FD
+            # at the same n against the same half: the comparison free of that bias.
+            "fd_half": frechet_distance(fake_features[:half], real_features[half:]),
             "fd_n": int(real_features.shape[0]),
             "extractor": getattr(self.extractor.spec, "name", "extractor"),
         }
@@ -239,6 +265,43 @@ def image_features(extractor: nn.Module, images: Tensor, batch: int = 64) -> Ten
     return torch.cat(out)
 
 
+def first_texts(shards: ShardSet, denoiser: DenoiserSpec, n: int) -> dict[str, Tensor]:
+    """The cached text ({"text_hidden": [k, L, W], "text_pooled": [k, P]}, float32) of the
+    first k <= n samples of `shards` that hold a readable one, in order."""
+    hidden, pooled = [], []
+    for index in range(len(shards)):
+        if len(pooled) == n:
+            break
+        try:
+            h, p = cached_text(shards, index, denoiser)
+        except MediaError:  # a corrupt sample, skipped as the loader skips it
+            continue
+        hidden.append(h)
+        pooled.append(p)
+    if not pooled:
+        raise FieldError("data", f"no sample holds a readable .{TEXT_MEMBERS[TEXT_POOLED]}")
+    return {TEXT_HIDDEN: torch.stack(hidden), TEXT_POOLED: torch.stack(pooled)}
+
+
+def cached_text(shards: ShardSet, index: int, denoiser: DenoiserSpec) -> tuple[Tensor, Tensor]:
+    """Sample `index`'s text encoders' outputs, [text_tokens, text_width] and [pooled_width],
+    read and checked as training reads them (data/stream/denoiser_inputs.py); MediaError
+    when the sample has none or they do not fit the MMDiT."""
+    sample = shards.read(index)
+    shapes = {TEXT_HIDDEN: (denoiser.text_tokens, denoiser.text_width),
+              TEXT_POOLED: (denoiser.pooled_width,)}  # fmt: skip
+    return tuple(
+        torch.from_numpy(_cached_text(sample, TEXT_MEMBERS[key], shapes[key]))
+        for key in (TEXT_HIDDEN, TEXT_POOLED)
+    )
+
+
+def _on(condition: dict[str, Tensor], param: Tensor) -> dict[str, Tensor]:
+    """A loader's condition on the model's device, its text in the model's dtype."""
+    return {k: v.to(param.device, param.dtype if v.is_floating_point() else v.dtype)
+            for k, v in condition.items()}  # fmt: skip
+
+
 def _text_tower(model: nn.Module) -> str | None:
     return next((n for n, t in model.spec.towers.items() if t.modality == "text"), None)
 
@@ -248,6 +311,28 @@ def _resized(transform: ImageTransform, pixels: np.ndarray) -> Tensor:
         pixels = np.repeat(pixels, 3, axis=-1)
     h, w = pixels.shape[:2]
     return transform.apply(pixels, (0, 0, w, h), False)
+
+
+def _first_occurrences(keys: list[list[str]], rank: int) -> list[Tensor]:
+    """Per batch, a bool mask of the samples counted: the loader pads the epoch's last step
+    with samples from its start so that every rank takes the same steps, and those repeats
+    (the same key again, on this rank or another) are counted once, at their first place in
+    rank order. A collective: every rank calls it with its own batches' keys."""
+    everyone: list[Any] = [keys]
+    if distributed.world_size() > 1:
+        everyone = [None] * distributed.world_size()
+        torch.distributed.all_gather_object(everyone, keys)
+    seen: set[str] = set()
+    masks: list[Tensor] = []
+    for other, batches in enumerate(everyone):
+        for batch in batches:
+            first = []
+            for k in batch:  # one by one: a small set repeats inside one batch too
+                first.append(k not in seen)
+                seen.add(k)
+            if other == rank:
+                masks.append(torch.tensor(first, dtype=torch.bool))
+    return masks
 
 
 def _gathered(features: Tensor) -> Tensor:

@@ -6,28 +6,58 @@
 - DDPM: DDIM's deterministic update (Song et al. 2021, eta = 0) over `steps` of the training
   schedule's steps, spaced evenly from the last to the first, from an epsilon or v prediction.
 
-Classifier-free guidance (Ho & Salimans 2022): with `cfg` != 1 every step also predicts with
-the "no class" id, and the prediction used is uncond + cfg (cond - uncond). The noise comes
-from one generator seeded by `seed` on the model's device: the same seed gives the same samples.
+The condition is what the model's batch holds beside the noisy sample: {"class": ids [n]} for
+a class-conditional DiT, {"text_hidden": [n, L, text_width], "text_pooled": [n, pooled_width]}
+(a text encoder's outputs) for an MMDiT, nothing for an unconditional DiT. Classifier-free
+guidance (Ho & Salimans 2022): with `cfg` != 1 every step also predicts with the "no class" id
+or the zeroed text (what the objective's guidance dropout trains, train/diffusion.py), and the
+prediction used is uncond + cfg (cond - uncond). The noise comes from one generator seeded by
+`seed` on the model's device: the same seed gives the same samples.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from mmtrain.config import DiffusionConfig
+from mmtrain.denoiser_spec import DenoiserSpec
 from mmtrain.models.build import unwrap_model
-from mmtrain.models.dit import CLASS, PREDICTION, TIMESTEP
+from mmtrain.models.dit import CLASS, PREDICTION, TEXT_HIDDEN, TEXT_POOLED, TIMESTEP
 from mmtrain.models.schedules import FLOW_TIMESTEP_SCALE, ddpm_alphas_cumprod, shift_flow_time
 
 SAMPLERS = ("euler", "heun", "ddim")
+Condition = Mapping[str, Tensor]
+
+
+def condition_keys(denoiser: DenoiserSpec) -> tuple[str, ...]:
+    """The batch keys a denoiser is conditioned on (module docstring)."""
+    if denoiser.is_mmdit():
+        return (TEXT_HIDDEN, TEXT_POOLED)
+    return (CLASS,) if denoiser.num_classes else ()
+
+
+def condition_of(denoiser: DenoiserSpec, batch: Condition) -> dict[str, Tensor]:
+    """The condition entries of a batch (a loader's, or the model's input)."""
+    return {key: batch[key] for key in condition_keys(denoiser)}
+
+
+def null_condition(denoiser: DenoiserSpec, condition: Condition) -> dict[str, Tensor]:
+    """The unconditional branch of guidance: the "no class" id (`num_classes`), or the text
+    zeroed, hidden states and pooled vector both, as the objective drops them in training."""
+    if denoiser.is_mmdit():
+        return {key: torch.zeros_like(condition[key]) for key in (TEXT_HIDDEN, TEXT_POOLED)}
+    if denoiser.num_classes:
+        return {CLASS: torch.full_like(condition[CLASS], denoiser.num_classes)}
+    return {}
 
 
 def sample(
     model: nn.Module,
-    classes: Tensor | None,
+    condition: Condition | None,
     n: int,
     *,
     steps: int = 50,
@@ -36,10 +66,10 @@ def sample(
     config: DiffusionConfig | None = None,
     sampler: str | None = None,
 ) -> Tensor:
-    """`n` samples [n, C, H, W] of the model's input space (pixels in [-1, 1] or latents);
-    `classes` int64 [n] for a class-conditional model (None otherwise). `config`: the run's
-    `train.diffusion` (its shift or its DDPM schedule); `sampler`: euler or heun (flow), ddim
-    (DDPM); default euler / ddim."""
+    """`n` samples [n, C, H, W] of the model's input space (pixels in [-1, 1] or latents), for
+    `condition` (module docstring; None for an unconditional DiT), moved to the model's device.
+    `config`: the run's `train.diffusion` (its shift or its DDPM schedule); `sampler`: euler or
+    heun (flow), ddim (DDPM); default euler / ddim."""
     spec, config = unwrap_model(model).spec, config or DiffusionConfig()
     d = spec.denoiser
     flow = spec.objective == "flow_matching"
@@ -49,31 +79,52 @@ def sample(
     if steps < 1:
         raise ValueError(f"steps must be positive, got {steps}")
     param = next(model.parameters())
+    condition = _checked(d, condition or {}, n, param)
     g = torch.Generator(device=param.device).manual_seed(seed)
     x = torch.randn((n, *d.sample_shape()), generator=g, device=param.device, dtype=param.dtype)
-    predict = _guided(model, classes, cfg)
+    predict = _guided(model, condition, cfg)
     with torch.no_grad():
         if flow:
             return _flow(predict, x, steps, config.shift, heun=sampler == "heun")
         return _ddim(predict, x, steps, ddpm_alphas_cumprod(config), d.prediction)
 
 
-def _guided(model: nn.Module, classes: Tensor | None, cfg: float):
+def _checked(d: DenoiserSpec, condition: Condition, n: int, param: Tensor) -> dict[str, Tensor]:
+    """The condition the denoiser takes, one row per sample, on the model's device (text in
+    its dtype); a ValueError naming what is missing, extra or of the wrong shape."""
+    keys = condition_keys(d)
+    if set(condition) != set(keys):
+        kind = "an MMDiT" if d.is_mmdit() else "a class-conditional DiT" if keys else "this DiT"
+        wanted = " + ".join(map(repr, keys)) or "no condition"
+        raise ValueError(f"{kind} samples with {wanted}; got {sorted(condition) or 'none'}")
+    out = {}
+    for key in keys:
+        value = condition[key]
+        # any text length L: SD3's encoders give 333 tokens, a model may train on others
+        shape = {CLASS: (n,), TEXT_HIDDEN: (n, None, d.text_width),
+                 TEXT_POOLED: (n, d.pooled_width)}[key]  # fmt: skip
+        if value.dim() != len(shape) or any(
+            want is not None and got != want for got, want in zip(value.shape, shape, strict=True)
+        ):
+            wanted = ", ".join("L" if w is None else str(w) for w in shape)
+            raise ValueError(f"{key!r} must be [{wanted}], got {list(value.shape)}")
+        dtype = torch.long if key == CLASS else param.dtype
+        out[key] = value.to(param.device, dtype)
+    return out
+
+
+def _guided(model: nn.Module, condition: dict[str, Tensor], cfg: float):
     """t [n] -> the (guided) prediction at x, channels of the prediction only."""
     d = unwrap_model(model).spec.denoiser
     key = d.input
-    if d.num_classes and classes is None:
-        raise ValueError("a class-conditional model samples with `classes`")
+    null = null_condition(d, condition)
 
     def predict(x: Tensor, t: Tensor) -> Tensor:
         batch = {key: x, TIMESTEP: t.to(x.dtype)}
-        if not d.num_classes:
-            return _predict(model, batch)[:, : d.channels]
-        cond = _predict(model, {**batch, CLASS: classes})[:, : d.channels]
-        if cfg == 1.0:
+        cond = _predict(model, {**batch, **condition})[:, : d.channels]
+        if not condition or cfg == 1.0:  # an unconditional model has nothing to guide by
             return cond
-        null = torch.full_like(classes, d.num_classes)
-        uncond = _predict(model, {**batch, CLASS: null})[:, : d.channels]
+        uncond = _predict(model, {**batch, **null})[:, : d.channels]
         return uncond + cfg * (cond - uncond)
 
     return predict

@@ -207,6 +207,7 @@ def evaluate(config: DiffusionDemoConfig, paths: Paths, clip_run: Path, step: in
         trained_eval.close()
         untrained_eval.close()
     trained["fd_untrained"] = before["fd"]
+    trained["fd_half_untrained"] = before["fd_half"]
     trained["cond_accuracy_untrained"] = before.get("cond_accuracy")
     trained["clip_score_untrained"] = before.get("clip_score")
     document = {

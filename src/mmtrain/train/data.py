@@ -148,6 +148,7 @@ class TrainData:
         )
         self.label_field = config.data.label_field
         self.class_names = config.data.class_names
+        self.video_stride = config.data.video_stride
         self.spec = spec  # the spec whose sizes the current transforms produce
         self.uint8_pixels = uint8_pixels
         options = dict(
@@ -228,7 +229,8 @@ class TrainData:
         if self.conversations is not None:
             return self.conversations.decoder(spec, uint8=self.uint8_pixels)
         if spec.denoiser is not None:
-            return DenoiserDecoder(spec, self.label_field, self.class_names, self.uint8_pixels)
+            return DenoiserDecoder(spec, self.label_field, self.class_names, self.uint8_pixels,
+                                   video_stride=self.video_stride)  # fmt: skip
         return TrainDecoder(
             spec, self.tokenizer, self.label_field, self.class_names, towers, self.uint8_pixels
         )

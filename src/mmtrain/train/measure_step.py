@@ -8,7 +8,8 @@ micro-batch and checkpointing mode, and count what it holds, to set beside the p
 - Language models (spec.decoder): rows of the planned length (`context`, default
   `decoder.max_positions`), `images` placeholders per row, `packed` rows of two documents,
   scored by the next-token cross-entropy the model's forward sums in chunks (`next_token_loss`).
-- Denoisers (spec.denoiser): random clean samples under the spec's input key (and classes),
+- Denoisers (spec.denoiser): random clean samples under the spec's input key (and classes, or
+  an MMDiT's text encoders' outputs at the planned text length),
   made noisy by the trainer's own objective (train/diffusion.py: timesteps, noise, guidance
   dropout) and scored by its MSE.
 - Model states: parameters, gradients and optimizer states after one AdamW step, by storage.
@@ -33,7 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from mmtrain.config import DiffusionConfig, LoraConfig, TowerTrainConfig, TrainConfig
 from mmtrain.losses import ContrastiveLoss
 from mmtrain.models.build import create_model
-from mmtrain.models.dit import CLASS
+from mmtrain.models.dit import CLASS, TEXT_HIDDEN, TEXT_POOLED
 from mmtrain.plan.estimate import Plan
 from mmtrain.plan.memory import training_memory
 from mmtrain.spec import ModelSpec, load_spec, with_input_sizes
@@ -167,13 +168,19 @@ def language_batch(
 def denoiser_batch(
     spec: ModelSpec, batch: int, generator: torch.Generator
 ) -> dict[str, torch.Tensor]:
-    """Clean samples [B, C, H, W] ([B, C, T, H, W] for a video DiT) under the denoiser's input key, and class ids when it is
-    class-conditional: what the trainer's loader hands the diffusion objective."""
+    """Clean samples [B, C, H, W] ([B, C, T, H, W] for a video DiT) under the denoiser's input
+    key, and its condition: class ids when it is class-conditional, an MMDiT's cached text
+    ([B, text_tokens, text_width] hidden states and a [B, pooled_width] pooled vector, the
+    length the planner counts): what the trainer's loader hands the diffusion objective."""
     d = spec.denoiser
     shape = (batch, *d.sample_shape())
     out = {d.input: torch.randn(shape, generator=generator)}
     if d.num_classes:
         out[CLASS] = torch.randint(0, d.num_classes, (batch,), generator=generator)
+    if d.is_mmdit():
+        hidden = (batch, d.text_tokens, d.text_width)
+        out[TEXT_HIDDEN] = torch.randn(hidden, generator=generator)
+        out[TEXT_POOLED] = torch.randn(batch, d.pooled_width, generator=generator)
     return out
 
 

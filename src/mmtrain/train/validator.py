@@ -80,7 +80,7 @@ def _denoiser_evaluator(config: RunConfig, spec: ModelSpec, path: str, rank: int
         label_field=config.data.label_field, class_names=config.data.class_names,
         seed=config.seed, extractor=extractor, samples=e.samples, steps=e.sample_steps,
         cfg=e.cfg, num_workers=config.data.workers, rank=rank, world_size=world,
-        extractor_tokenizer=e.extractor_tokenizer,
+        extractor_tokenizer=e.extractor_tokenizer, video_stride=config.data.video_stride,
     )  # fmt: skip
 
 

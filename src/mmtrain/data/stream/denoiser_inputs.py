@@ -35,7 +35,9 @@ TEXT_MEMBERS = {"text_hidden": "text_hidden.npy", "text_pooled": "text_pooled.np
 class DenoiserDecoder:
     """A shard sample -> a denoiser's clean input and condition: "image" (the centred square at
     `sample_size`, in [-1, 1]; flipped at random in training) or "latent" (a `.npy` member of
-    the denoiser's [C, H, W]), and "class" when the denoiser is class-conditional."""
+    the denoiser's [C, H, W]), and "class" when the denoiser is class-conditional. A video's
+    frames are spread over its clip, or with `video_stride` a window of every stride-th frame
+    (`decode_video`'s `window`) at a random place in training, the middle in evaluation."""
 
     def __init__(
         self,
@@ -44,8 +46,10 @@ class DenoiserDecoder:
         class_names: Sequence[str] = (),
         uint8_pixels: bool = False,
         train: bool = True,
+        video_stride: int | None = None,
     ):
         assert spec.denoiser is not None
+        self.train, self.video_stride = train, video_stride
         self.denoiser = spec.denoiser
         self.label_field, self.class_names = label_field, list(class_names)
         self.transform = self.video = None
@@ -67,7 +71,8 @@ class DenoiserDecoder:
         elif self.video is not None:
             size = self.video.image.min_decode_size()
             data = sample[_member(sample, "video")]
-            clip = decode_video(data, d.frames, short_side=size, max_pixels=self.max_pixels)
+            clip = decode_video(data, d.frames, short_side=size, max_pixels=self.max_pixels,
+                                window=self._window(rng))  # fmt: skip
             out = {"video": self.video(clip.frames, rng).transpose(0, 1)}  # [C, T, H, W]
         else:
             member = next((m for m in LATENT_MEMBERS if m in sample), None)
@@ -85,6 +90,13 @@ class DenoiserDecoder:
             for key, member in TEXT_MEMBERS.items():
                 out[key] = torch.from_numpy(_cached_text(sample, member, shapes[key]))
         return out
+
+    def _window(self, rng: np.random.Generator) -> tuple[float, int] | None:
+        """Where a clip's frames come from: a window at a random place in training, the middle
+        one in evaluation, or (no stride) the frames spread over the whole clip."""
+        if self.video_stride is None:
+            return None
+        return (float(rng.random()) if self.train else 0.5), self.video_stride
 
 
 def _member(sample: dict[str, Any], modality: str) -> str:

@@ -297,12 +297,16 @@ def decode_video(
     interval_s: float | None = None,
     short_side: int | None = None,
     max_pixels: int = DEFAULT_MAX_PIXELS,
+    window: tuple[float, int] | None = None,
 ) -> VideoClip:
     """Decode exactly `frames` frames of the first video stream as uint8 [T, H, W, 3].
 
     Without `start_s` the frames are spread evenly over the whole video (the centre of each of
     T equal segments). With `start_s` they form a window starting there, `interval_s` apart
-    (default: consecutive frames); times past the end repeat the last frame. Only the frames
+    (default: consecutive frames); times past the end repeat the last frame. `window` =
+    (position in [0, 1], stride) places a window of every stride-th source frame at that
+    position among the starts that keep it inside the video (0: the first frame; a video too
+    short for the window starts at 0 and repeats its last frame). Only the frames
     needed are converted, and long gaps are crossed by seeking to a keyframe. `short_side`
     downscales (never upscales) frames in the decoder's scaler so their shorter side has that
     length, which is much cheaper than converting 720p frames and resizing them afterwards.
@@ -321,7 +325,10 @@ def decode_video(
             duration = _video_duration(container, stream)
             size = _scaled_size(width, height, short_side)
             if duration is None:  # no duration in the headers: decode all, then pick
-                return _pick_from_all(container, stream, frames, start_s, interval_s, fps, size)
+                return _pick_from_all(container, stream, frames, (start_s, interval_s, window),
+                                      fps, size)  # fmt: skip
+            if window is not None:
+                start_s, interval_s = _window_times(frames, duration, fps, *window)
             targets = _target_times(frames, duration, fps, start_s, interval_s)
             images = _decode_at(container, stream, targets, fps, size)
             return VideoClip(np.stack(images), fps, duration)
@@ -367,6 +374,20 @@ def _scaled_size(width: int, height: int, short_side: int | None) -> tuple[int, 
         return width, height
     scale = short_side / min(width, height)
     return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+def _window_times(
+    frames: int, duration: float, fps: float, position: float, stride: int
+) -> tuple[float, float]:
+    """(start, interval) in seconds of `frames` frames `stride` source frames apart, the start
+    at `position` of the way through the starts that keep the window inside the video."""
+    if not 0.0 <= position <= 1.0 or stride < 1:
+        raise ValueError(
+            f"window position must be in [0, 1] and stride >= 1, got {position}, {stride}"
+        )
+    interval = stride / fps
+    span = (frames - 1) * interval + 1.0 / fps  # from the first frame's start to the last's end
+    return position * max(0.0, duration - span), interval
 
 
 def _target_times(
@@ -432,11 +453,14 @@ def _decode_at(container, stream, targets: list[float], fps: float, size) -> lis
     return out
 
 
-def _pick_from_all(container, stream, frames, start_s, interval_s, fps, size) -> VideoClip:
+def _pick_from_all(container, stream, frames, timing, fps, size) -> VideoClip:
     decoded = [(_frame_time(f, stream, i, fps), f) for i, f in enumerate(container.decode(stream))]
     if not decoded:
         raise MediaError("no decodable video frames")
     duration = decoded[-1][0] + 1.0 / fps
+    start_s, interval_s, window = timing
+    if window is not None:
+        start_s, interval_s = _window_times(frames, duration, fps, *window)
     times = np.array([t for t, _ in decoded])
     targets = _target_times(frames, duration, fps, start_s, interval_s)
     picks = [max(0, int(np.searchsorted(times, t + 0.25 / fps, side="right")) - 1) for t in targets]
