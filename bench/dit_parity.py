@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from common import append_results, load_average
 
 from mmtrain import load_model
-from mmtrain.config import config_from_dict
+from mmtrain.config import DiffusionConfig, config_from_dict
 from mmtrain.eval.diffusion import image_features
 from mmtrain.eval.frechet import frechet_distance
 from mmtrain.eval.sampling import sample
@@ -53,6 +53,7 @@ from mmtrain.quickstart.diffusion import DiffusionDemoConfig, dit_spec, train_co
 from mmtrain.quickstart.emoji_classes import CLASSES, write_class_raw
 from mmtrain.quickstart.emoji_data import list_emoji
 from mmtrain.quickstart.stage0 import clip_run_folder
+from mmtrain.spec import ModelSpec
 from mmtrain.train.loop import train
 
 
@@ -152,8 +153,6 @@ def train_mmtrain(config: DiffusionDemoConfig, paths: Paths, objective: str, ste
     spec["objective"] = objective
     spec["denoiser"]["prediction"] = "velocity" if objective == "flow_matching" else "epsilon"
     spec_file = paths.out / f"{objective}.yaml"
-    from mmtrain.spec import ModelSpec
-
     ModelSpec.from_dict(spec).save(spec_file)
     run = train_config(config, paths, steps)
     run["model"] = str(spec_file)
@@ -211,8 +210,6 @@ def main() -> None:
         runs = {}
         for objective in ("flow_matching", "diffusion"):
             model, seconds = train_mmtrain(config, paths, objective, args.steps)
-            from mmtrain.config import DiffusionConfig
-
             images = sample(model, {"class": classes}, classes.shape[0], steps=25, cfg=config.cfg,
                             seed=0, config=DiffusionConfig())  # fmt: skip
             runs[objective] = (args.steps, seconds, fd(images))

@@ -22,6 +22,20 @@ MIN_STEPS = 20  # below this nothing is learned; the budget is then too small fo
 BUDGET_MARGIN = 1.15  # data decoding, metrics and validation on top of the timed steps
 
 
+def _step_seconds(loss: Callable, optimizer) -> float:
+    """The faster of two timed optimizer steps (forward and loss by `loss()`, backward, AdamW)
+    after a warm-up step: the one least disturbed by other processes."""
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        value = loss()
+        optimizer.zero_grad(set_to_none=True)
+        value.backward()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
 def time_steps(
     spec: ModelSpec,
     batch_size: int,
@@ -49,16 +63,11 @@ def time_steps(
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = {n: x for n, x in random_batch(spec, probe, generator).items() if n in towers}
     pairs = [pair for pair in spec.pairs if set(pair) <= set(towers)]
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        features = model(batch)
-        loss, _ = loss_fn(features, pairs, model.logit_scale)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-    return min(times[1:]) * batch_size / probe
+
+    def loss():
+        return loss_fn(model(batch), pairs, model.logit_scale)[0]
+
+    return _step_seconds(loss, optimizer) * batch_size / probe
 
 
 def time_language_model_steps(spec: ModelSpec, batch_size: int, positions: int) -> float:
@@ -78,15 +87,11 @@ def time_language_model_steps(spec: ModelSpec, batch_size: int, positions: int) 
     batch = language_batch(spec, probe, positions, 1, generator)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-4)
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        loss = next_token_loss(model(batch), batch["labels"])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-    return min(times[1:]) * batch_size / probe
+
+    def loss():
+        return next_token_loss(model(batch), batch["labels"])
+
+    return _step_seconds(loss, optimizer) * batch_size / probe
 
 
 def time_denoiser_steps(spec: ModelSpec, batch_size: int) -> float:
@@ -106,15 +111,11 @@ def time_denoiser_steps(spec: ModelSpec, batch_size: int) -> float:
     batch = denoiser_batch(spec, probe, torch.Generator().manual_seed(0))
     objective.prepare(model, [batch], None, step=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        loss = objective.loss(model(objective.inputs(batch, 0)), batch, 0)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-    return min(times[1:]) * batch_size / probe
+
+    def loss():
+        return objective.loss(model(objective.inputs(batch, 0)), batch, 0)
+
+    return _step_seconds(loss, optimizer) * batch_size / probe
 
 
 def fit_steps(

@@ -27,6 +27,7 @@ machine too slow for it, as in the image-text quickstart.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import shutil
@@ -222,8 +223,6 @@ def evaluate(config: DiffusionDemoConfig, paths: Paths, clip_run: Path, step: in
         "diffusion": trained,
     }
     atomic_write_text(paths.run / "eval.json", json.dumps(document, indent=2) + "\n")
-    import io
-
     buffer = io.BytesIO()
     Image.fromarray(np.ascontiguousarray(grid)).save(buffer, format="PNG")
     atomic_write_bytes(paths.run / "samples.png", buffer.getvalue())

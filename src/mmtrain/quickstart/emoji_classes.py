@@ -18,13 +18,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from mmtrain.quickstart.emoji_data import (
-    Emoji,
-    RawSplit,
-    is_validation,
-    on_white,
-    write_attribution,
-)
+from mmtrain.quickstart.emoji_data import Emoji, RawSplit, write_raw
 
 TONES = ("light", "medium-light", "medium", "medium-dark", "dark")
 CLASSES = ("flag", "face", "heart", "clock", "button", *(f"{tone} skin tone" for tone in TONES))
@@ -55,23 +49,14 @@ def emoji_class(name: str) -> str | None:
 
 
 def write_class_raw(items: list[Emoji], out_dir: Path, val_fraction: float) -> RawSplit:
-    """`train/KEY.png + KEY.cls` and `val/...` under `out_dir` for the emoji with a class, plus
-    ATTRIBUTION.txt (the images' licence)."""
-    split = RawSplit(out_dir / "train", out_dir / "val", 0, 0)
-    split.train_dir.mkdir(parents=True, exist_ok=True)
-    split.val_dir.mkdir(parents=True, exist_ok=True)
-    for item in items:
-        label = emoji_class(item.name)
-        if label is None:
-            continue
-        held_out = is_validation(item.key, val_fraction)
-        folder = split.val_dir if held_out else split.train_dir
-        (folder / f"{item.key}.png").write_bytes(on_white(item.png.read_bytes()))
-        (folder / f"{item.key}.cls").write_text(label + "\n", encoding="utf-8")
-        split.val += held_out
-        split.train += not held_out
-    write_attribution(out_dir)
-    return split
+    """`train/KEY.png + KEY.cls` (the class name) and `val/...` under `out_dir` for the emoji
+    with a class, plus ATTRIBUTION.txt (the images' licence)."""
+
+    def label(item: Emoji) -> tuple[str, str] | None:
+        name = emoji_class(item.name)
+        return None if name is None else ("cls", name)
+
+    return write_raw(items, out_dir, val_fraction, label)
 
 
 __all__ = ["CLASSES", "TONES", "emoji_class", "write_class_raw"]

@@ -19,6 +19,7 @@ import importlib.util
 import io
 import re
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,16 +184,26 @@ class RawSplit:
     val: int
 
 
-def write_raw(items: list[Emoji], out_dir: Path, val_fraction: float) -> RawSplit:
-    """Write `train/KEY.png + KEY.txt` and `val/...` under `out_dir`, plus ATTRIBUTION.txt."""
+def write_raw(
+    items: list[Emoji],
+    out_dir: Path,
+    val_fraction: float,
+    annotation: Callable[[Emoji], tuple[str, str] | None] | None = None,
+) -> RawSplit:
+    """Write `train/KEY.png + KEY.txt` (the caption) and `val/...` under `out_dir`, plus
+    ATTRIBUTION.txt. `annotation(item)` -> (extension, text) writes another member in place of
+    the caption (e.g. ("cls", "flag")), or None leaves the emoji out."""
     split = RawSplit(out_dir / "train", out_dir / "val", 0, 0)
     split.train_dir.mkdir(parents=True, exist_ok=True)
     split.val_dir.mkdir(parents=True, exist_ok=True)
     for item in items:
+        member = ("txt", caption(item)) if annotation is None else annotation(item)
+        if member is None:
+            continue
         held_out = is_validation(item.key, val_fraction)
         folder = split.val_dir if held_out else split.train_dir
         (folder / f"{item.key}.png").write_bytes(on_white(item.png.read_bytes()))
-        (folder / f"{item.key}.txt").write_text(caption(item) + "\n", encoding="utf-8")
+        (folder / f"{item.key}.{member[0]}").write_text(member[1] + "\n", encoding="utf-8")
         split.val += held_out
         split.train += not held_out
     write_attribution(out_dir)
