@@ -33,13 +33,16 @@ def peer(seed: int = 0):
     return model
 
 
-def inputs(n: int = 3):
+def inputs(n: int = 3, size: tuple[int, int] = (16, 16)):
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(n, 4, 16, 16, generator=g, dtype=torch.float64)
+    x = torch.randn(n, 4, *size, generator=g, dtype=torch.float64)
     return x, torch.tensor([3.0, 500.0, 999.0]), torch.tensor([0, 7, 10])  # 10: "no class"
 
 
-def test_a_diffusers_dit_reads_and_predicts_as_diffusers(tmp_path):
+# The configured 16 x 16, and two shape buckets: diffusers stretches the positions of a grid
+# other than the configured one to span it, and so does mmtrain.
+@pytest.mark.parametrize("size", [(16, 16), (8, 24), (20, 12)])
+def test_a_diffusers_dit_reads_and_predicts_as_diffusers(tmp_path, size):
     model = peer()
     model.save_pretrained(tmp_path / "dit")
     spec, state = read_diffusers_dit(tmp_path / "dit")
@@ -48,10 +51,12 @@ def test_a_diffusers_dit_reads_and_predicts_as_diffusers(tmp_path):
     copy = sum(p.numel() for p in model.transformer_blocks[0].norm1.emb.parameters())
     assert spec.params() == sum(p.numel() for p in model.parameters()) - (2 - 1) * copy
     ours = mmtrain.models.build.model_with_weights(spec, state)
-    x, t, y = inputs()
+    x, t, y = inputs(size=size)
     with torch.no_grad():
-        want = model(x, timestep=t, class_labels=y).sample
+        want = _patch_tokens(model, x, t, y)
         got = ours.predict({"latent": x, "timestep": t, "class": y})
+    rows, cols = size[0] // 2, size[1] // 2
+    want = ours.denoiser._unpatchify(want, (1, rows, cols))
     assert torch.allclose(got, want, rtol=0, atol=1e-10)
 
 
@@ -194,3 +199,24 @@ def test_latent_shards_train_a_latent_dit_and_generate_decodes_its_samples(tmp_p
                  "--vae", str(tmp_path / "vae"), "--out", str(out)]) == 0  # fmt: skip
     assert np.asarray(Image.open(out / "grid.png")).shape == (32, 64, 3)  # decoded to pixels
     assert main(["generate", str(run), "--class", "2", "--out", str(out)]) == 2  # no --vae
+
+
+class _Tokens(Exception):
+    """Carries the patch tokens out of diffusers' forward, before its unpatchify."""
+
+
+def _patch_tokens(model, x, t, y):
+    """diffusers' DiT output as patch tokens [B, rows * cols, p * p * C], before its unpatchify
+    (which takes the grid to be square: another grid's output is not an image, or no shape)."""
+
+    def stop(_module, _inputs, out):
+        raise _Tokens(out)
+
+    hook = model.proj_out_2.register_forward_hook(stop)
+    try:
+        model(x, timestep=t, class_labels=y)
+    except _Tokens as tokens:
+        return tokens.args[0]
+    finally:
+        hook.remove()
+    raise AssertionError("diffusers' DiT never reached its output projection")

@@ -24,7 +24,7 @@ from mmtrain.cli import main
 from mmtrain.config import DiffusionConfig, config_from_dict
 from mmtrain.data.storage.shard_writer import ShardWriter
 from mmtrain.eval.sampling import sample
-from mmtrain.models.dit import DiffusionModel, sincos_positions
+from mmtrain.models.dit import DiffusionModel, positions_of, sincos_positions
 from mmtrain.models.schedules import ddpm_alphas_cumprod, draw_generator
 from mmtrain.spec import ModelSpec, load_spec
 from mmtrain.structured import FieldError
@@ -82,7 +82,7 @@ def test_blocks_start_as_the_identity_and_the_first_prediction_is_zero():
 
 def test_positions_are_sine_cosine_over_columns_then_rows():
     width, grid = 8, 3
-    pos = sincos_positions(width, grid).double()
+    pos = sincos_positions(width, grid, grid, grid).double()
     omega = 1 / 10_000 ** (torch.arange(2, dtype=torch.float64) / 2)
     row, col = 1, 2  # token row * grid + col
     expected = torch.cat(
@@ -94,11 +94,15 @@ def test_positions_are_sine_cosine_over_columns_then_rows():
 def test_unpatchify_puts_each_patch_back_where_it_came_from():
     spec = tiny(patch_size=4)
     model = DiffusionModel(spec).denoiser
-    image = torch.arange(3 * 32 * 32, dtype=torch.float32).reshape(1, 3, 32, 32)
-    g, p = spec.denoiser.grid(), spec.denoiser.patch_size
-    # token (i, j) holds patch pixels (a, b) of every channel, channel last
-    patches = image.reshape(1, 3, g, p, g, p).permute(0, 2, 4, 3, 5, 1).reshape(1, g * g, -1)
-    assert torch.equal(model._unpatchify(patches), image)
+    p = spec.denoiser.patch_size
+    for rows, cols in ((8, 8), (4, 10)):  # the spec's 32 x 32, and a 16 x 40 bucket
+        image = torch.arange(3 * rows * p * cols * p, dtype=torch.float32)
+        image = image.reshape(1, 3, rows * p, cols * p)
+        # token (i, j), row-major, holds patch pixels (a, b) of every channel, channel last
+        patches = image.reshape(1, 3, rows, p, cols, p).permute(0, 2, 4, 3, 5, 1)
+        assert torch.equal(
+            model._unpatchify(patches.reshape(1, rows * cols, -1), (1, rows, cols)), image
+        )
 
 
 def _objective(spec, config=None, seed=7, rank=0, step=3, k=1):
@@ -440,7 +444,9 @@ def test_a_video_dit_counts_what_it_holds_and_computes_and_puts_tubes_back():
     tg, g, tp, p = d.time_grid(), d.grid(), d.temporal_patch, d.patch_size
     # token (time, row, col) holds its tube's (frame, pixel row, pixel col) values, channel last
     tubes = clip.reshape(1, 3, tg, tp, g, p, g, p).permute(0, 2, 4, 6, 3, 5, 7, 1)
-    assert torch.equal(model.denoiser._unpatchify(tubes.reshape(1, tg * g * g, -1)), clip)
+    assert torch.equal(
+        model.denoiser._unpatchify(tubes.reshape(1, tg * g * g, -1), (tg, g, g)), clip
+    )
 
 
 def video_shards(folder: Path, n: int = 8) -> str:
@@ -504,10 +510,30 @@ def test_factorised_attention_keeps_frames_then_places_apart_and_counts_their_co
             y[:, :, 1] += 1.0  # place 1 in every frame
             rows = slice(0, 1)  # place 0 of frame 0
         with torch.no_grad():
-            a = model.denoiser.blocks[block]._attend(x)
-            b = model.denoiser.blocks[block]._attend(y.reshape(x.shape))
+            a = model.denoiser.blocks[block]._attend(x, time)
+            b = model.denoiser.blocks[block]._attend(y.reshape(x.shape), time)
         assert torch.allclose(a[:, rows], b[:, rows]), (changed, kept)
         assert not torch.allclose(a, b)
+
+
+@pytest.mark.parametrize("attention", ["full", "factorised"])
+def test_a_video_dit_takes_any_clip_size_its_patches_divide_and_counts_it(attention):
+    spec = ModelSpec.from_dict({**video_spec().to_dict(), "denoiser": {
+        **video_spec().denoiser.to_dict(), "attention": attention}})  # fmt: skip
+    model = mmtrain.create_model(spec, seed=0)
+    t = torch.tensor([1.0, 900.0])
+    for size in ((6, 8, 20), (4, 16, 16), (4, 12, 8)):  # frames x height x width buckets
+        clip = torch.randn(2, 3, *size)
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            out = model.predict({"video": clip, "timestep": t})
+        assert out.shape == clip.shape
+        assert counter.get_total_flops() == 2 * spec.denoiser.forward_flops(size)
+    # another grid's positions are that grid's own fixed table
+    grid = spec.denoiser.grid_of((6, 8, 20))
+    assert torch.equal(model.denoiser.positions_for(grid), positions_of(spec.denoiser, grid))
+    for bad, words in (((5, 16, 16), "frames 5"), ((4, 16, 18), "width 18")):
+        with pytest.raises(ValueError, match=words):
+            model.predict({"video": torch.randn(1, 3, *bad), "timestep": t[:1]})
 
 
 def test_the_init_zeroes_the_modulations_and_the_output_layer_only():

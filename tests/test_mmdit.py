@@ -46,10 +46,10 @@ def tiny(**denoiser) -> ModelSpec:
     return ModelSpec.from_dict({"name": "tiny-mmdit", "objective": "flow_matching", "denoiser": d})
 
 
-def batch(n: int = 3, dtype=torch.float32) -> dict[str, torch.Tensor]:
+def batch(n: int = 3, dtype=torch.float32, size=(8, 8)) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return {
-        "latent": torch.randn(n, 4, 8, 8, generator=g, dtype=dtype),
+        "latent": torch.randn(n, 4, *size, generator=g, dtype=dtype),
         "timestep": torch.tensor([3.0, 500.0, 999.0][:n], dtype=dtype),
         "text_hidden": torch.randn(n, TEXT_TOKENS, TEXT_WIDTH, generator=g, dtype=dtype),
         "text_pooled": torch.randn(n, POOLED, generator=g, dtype=dtype),
@@ -133,15 +133,17 @@ def peer_predicts(model, b):
                      pooled_projections=b["text_pooled"], timestep=b["timestep"]).sample  # fmt: skip
 
 
-@pytest.mark.parametrize("qk_norm", [None, "rms_norm"])
-def test_an_sd3_folder_reads_and_predicts_as_diffusers(tmp_path, qk_norm):
+# The configured 8 x 8, and shape buckets: both crop the centre of the same 6 x 6 patch table.
+@pytest.mark.parametrize(("qk_norm", "size"), [(None, (8, 8)), ("rms_norm", (8, 8)),
+                                               (None, (4, 12)), (None, (12, 6))])  # fmt: skip
+def test_an_sd3_folder_reads_and_predicts_as_diffusers(tmp_path, qk_norm, size):
     model = peer(qk_norm=qk_norm)
     model.save_pretrained(tmp_path / "sd3")
     spec, state = read_diffusers_dit(tmp_path / "sd3")
     assert spec.denoiser.is_mmdit() and spec.objective == "flow_matching"
     assert spec.params() == sum(p.numel() for p in model.parameters())
     ours = model_with_weights(spec, state)
-    b = batch(dtype=torch.float64)
+    b = batch(dtype=torch.float64, size=size)
     want = peer_predicts(model, b)
     with torch.no_grad():
         got = ours.predict(b)

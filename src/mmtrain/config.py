@@ -71,6 +71,10 @@ class DataConfig:
     # middle one in evaluation), a window at the clip's own frame rate; null: spread evenly
     # over the whole clip.
     video_stride: int | None = None
+    # A denoiser's shape buckets (data/stream/buckets.py): [height, width] ([frames, height,
+    # width] for a video model) in its input's units; each step trains one bucket's shape,
+    # each sample in the bucket nearest its aspect (and length). null: the spec's one shape.
+    buckets: list[list[int]] | None = None
 
 
 @dataclass
@@ -285,6 +289,10 @@ class RunConfig:
         _at_least("train.batch_size", t.batch_size, 1)
         if self.data.video_stride is not None:
             _at_least("data.video_stride", self.data.video_stride, 1)
+        if self.data.buckets is not None and (t.resolution_schedule or t.frames_schedule):
+            raise FieldError(
+                "data.buckets", "buckets fix the shapes: drop train.resolution/frames_schedule"
+            )
         check_choice("train.precision", t.precision, PRECISIONS)
         check_choice("train.fp8_recipe", t.fp8_recipe, ("tensorwise", "rowwise"))
         check_choice("train.schedule", t.schedule, SCHEDULES)

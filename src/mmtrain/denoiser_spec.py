@@ -36,12 +36,18 @@ the image and text tokens together; the last block's text stream only gives keys
 its positions out of a larger fixed grid (`pos_embed_max_size`), and SD3.5 adds an RMSNorm of
 each head's q and k (`qk_norm: rms_norm`).
 
+`sample_size` (and `frames`) is the size the spec counts and the planner plans; the network
+takes any size its patches divide (`grid_of`: shape buckets, data/stream/buckets.py), and
+`tokens`, `block_flops` and `forward_flops` take that size too.
+
 Counting conventions are spec.py's: FLOPs are 2 x multiply-adds of matmuls and attention (norms,
 softmax, modulation and bias adds left out), attention counted in full.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,8 +169,30 @@ class DenoiserSpec:
     def time_grid(self) -> int:
         return self.frames // self.temporal_patch
 
-    def tokens(self) -> int:
-        return self.time_grid() * self.grid() ** 2
+    def size(self) -> tuple[int, ...]:
+        """The spec's own sample size: (H, W), or (T, H, W) for a video DiT."""
+        s = self.sample_size
+        return (self.frames, s, s) if self.is_video() else (s, s)
+
+    def grid_of(self, size: Sequence[int] | None = None) -> tuple[int, int, int]:
+        """(time, rows, columns) of the patches of a sample of `size` (H, W) or (T, H, W) (the
+        network takes any size the patch divides: shape buckets; default the spec's own).
+        ValueError naming the side the patch does not divide."""
+        size = tuple(self.size() if size is None else size)
+        if len(size) != len(self.size()):
+            kind = "(T, H, W)" if self.is_video() else "(H, W)"
+            raise ValueError(f"the denoiser takes samples of size {kind}, got {list(size)}")
+        frames, height, width = size if self.is_video() else (1, *size)
+        for side, value, step in (("height", height, self.patch_size),
+                                  ("width", width, self.patch_size),
+                                  ("frames", frames, self.temporal_patch)):  # fmt: skip
+            if value <= 0 or value % step:
+                raise ValueError(f"a sample's {side} {value} is not a positive multiple of "
+                                 f"{step} (the denoiser's patch)")  # fmt: skip
+        return frames // self.temporal_patch, height // self.patch_size, width // self.patch_size
+
+    def tokens(self, size: Sequence[int] | None = None) -> int:
+        return math.prod(self.grid_of(size))
 
     def patch_volume(self) -> int:
         """Positions of one patch: temporal_patch x p x p."""
@@ -173,10 +201,9 @@ class DenoiserSpec:
     def patch_dim(self) -> int:
         return self.channels * self.patch_volume()
 
-    def sample_shape(self) -> tuple[int, ...]:
-        """[C, H, W], or [C, T, H, W] for a video DiT: one clean sample."""
-        s = self.sample_size
-        return (self.channels, self.frames, s, s) if self.is_video() else (self.channels, s, s)
+    def sample_shape(self, size: Sequence[int] | None = None) -> tuple[int, ...]:
+        """[C, H, W], or [C, T, H, W] for a video DiT: one clean sample (of `size`)."""
+        return (self.channels, *(self.size() if size is None else size))
 
     def is_mmdit(self) -> bool:
         return self.architecture == "mmdit"
@@ -244,36 +271,39 @@ class DenoiserSpec:
             return "all"
         return "frame" if block % 2 == 0 else "place"
 
-    def block_flops(self, block: int = 0) -> int:
-        """Forward FLOPs of block `block` for one sample."""
-        t, w, h = self.tokens(), self.width, self.mlp_hidden()
+    def block_flops(self, block: int = 0, size: Sequence[int] | None = None) -> int:
+        """Forward FLOPs of block `block` for one sample (of `size`, default the spec's)."""
+        w, h = self.width, self.mlp_hidden()
+        time, rows, cols = self.grid_of(size)
+        t = time * rows * cols
         per_token = 3 * w * w + w * w + 2 * w * h
         if self.is_mmdit():
-            return self._mmdit_block_flops(block, per_token)
-        group = {"all": t, "frame": self.grid() ** 2, "place": self.time_grid()}
+            return self._mmdit_block_flops(block, per_token, t)
+        group = {"all": t, "frame": rows * cols, "place": time}
         attention = 4 * t * group[self.attention_group(block)] * w  # groups of g tokens: t g
         return 2 * t * per_token + attention + 2 * w * 6 * w
 
-    def _mmdit_block_flops(self, block: int, per_token: int) -> int:
+    def _mmdit_block_flops(self, block: int, per_token: int, t: int) -> int:
         """Both streams' projections, one attention over image and text tokens together; the
         last block's text gives keys and values (its q is computed, unused), so only the image
         tokens query and its text stream has nothing after the attention."""
-        t, n, w = self.tokens(), self.text_tokens, self.width
+        n, w = self.text_tokens, self.width
         if not self.is_context_pre_only(block):
             return 2 * (t + n) * per_token + 4 * (t + n) ** 2 * w + 2 * 2 * w * 6 * w
         text = 2 * n * 3 * w * w
         return 2 * t * per_token + text + 4 * t * (t + n) * w + 2 * w * (6 + 2) * w
 
-    def forward_flops(self) -> int:
-        """Forward FLOPs of one sample: embeddings, blocks, final layer."""
-        t, w = self.tokens(), self.width
+    def forward_flops(self, size: Sequence[int] | None = None) -> int:
+        """Forward FLOPs of one sample (of `size`): embeddings, blocks, final layer."""
+        t, w = self.tokens(size), self.width
         embed = 2 * t * self.patch_dim() * w + 2 * (TIMESTEP_FREQUENCIES * w + w * w)
         if self.is_mmdit():  # the pooled text's MLP, the text's projection to the width
             embed += (
                 2 * (self.pooled_width * w + w * w) + 2 * self.text_tokens * self.text_width * w
             )
         final = 2 * w * 2 * w + 2 * t * w * self.out_channels() * self.patch_volume()
-        return embed + sum(self.block_flops(i) for i in range(self.layers)) + final
+        blocks = sum(self.block_flops(i, size) for i in range(self.layers))
+        return embed + blocks + final
 
     # -- (de)serialisation
     def to_dict(self) -> dict[str, Any]:

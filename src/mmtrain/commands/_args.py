@@ -4,6 +4,9 @@
 people write large counts as `4e8`, `1_000_000` or `1,000,000`, and argparse's `int` refuses
 all three. A count must still be a whole, non-negative number: `2.5` or `1e-3` samples is a
 typo, and is refused with the flag's name rather than rounded.
+
+`bucket_shapes` and `sample_size` read a denoiser's sample sizes as `data.buckets` writes them:
+`HxW`, or `TxHxW` for a clip.
 """
 
 from __future__ import annotations
@@ -42,3 +45,22 @@ def _decimal(plain: str) -> Decimal | None:
         return value if abs(value) <= MAX_COUNT else None
     except ArithmeticError:  # decimal.Overflow
         return None
+
+
+def bucket_shapes(text: str) -> list[tuple[int, ...]]:
+    """'16x16,12x20' -> [(16, 16), (12, 20)] (argparse type)."""
+    try:
+        shapes = [tuple(int(n) for n in part.split("x")) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give shapes as HxW[,HxW...]") from None
+    if any(len(s) not in (2, 3) or min(s) < 1 for s in shapes) or len({len(s) for s in shapes}) > 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: all HxW, or all TxHxW, of positive sides")
+    return shapes
+
+
+def sample_size(text: str) -> tuple[int, ...]:
+    """'12x20' -> (12, 20); '8x16x16' -> (8, 16, 16) (argparse type)."""
+    shapes = bucket_shapes(text)
+    if len(shapes) != 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one size, HxW or TxHxW")
+    return shapes[0]

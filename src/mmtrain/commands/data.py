@@ -12,6 +12,7 @@
 - `order DIR|PATTERN --seed S --epoch E [--world-size W --rank R] [--skip N] [--limit N]`: the keys
   rank R reads in epoch E, one per line, after N global samples were consumed — the tool to debug
   reproducibility (`--skip` is what a resumed loader has behind it: steps x global batch).
+  `--buckets 16x16,12x20` orders as a denoiser's bucketed loader does (steps of one shape).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mmtrain.cli import UsageError
-from mmtrain.commands._args import count
+from mmtrain.commands._args import bucket_shapes, count
 from mmtrain.commands._data_args import add_build_arguments, config_from_args
 from mmtrain.data.ingest import pipeline
 from mmtrain.data.ingest.inspect import contact_sheet, inspect_shards, open_shards
@@ -94,6 +95,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     order.add_argument("--shuffle-window", type=count, default=1000)
     order.add_argument("--no-shuffle", action="store_true", help="shard order, no shuffling")
     order.add_argument("--with-shard", action="store_true", help="print 'position shard key'")
+    order.add_argument(
+        "--buckets",
+        type=bucket_shapes,
+        metavar="HxW,...",
+        help="shape buckets, as data.buckets (HxW, or TxHxW for clips): each step one bucket's",
+    )
+    order.add_argument("--bucket-input", choices=("image", "video", "latent"), default="image",
+                       help="what the buckets measure: the samples' images (default), clips or "
+                       ".npy latents")  # fmt: skip
+    order.add_argument("--video-stride", type=count, help="as data.video_stride, for clips")
     order.set_defaults(func=run_order)
 
     latents = commands.add_parser(
@@ -101,15 +112,31 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="image shards -> latent shards for a latent denoiser (a VAE encodes each image once)",
         description="Encode every image of SHARDS with the diffusers AutoencoderKL in --vae into "
         "a float32 .npy latent (scaled as the denoiser sees it), copying the samples' other "
-        "members (.cls, .json, .txt); --flip adds each mirror image as its own sample (key_flip).",
+        "members (.cls, .json, .txt); --flip adds each mirror image as its own sample (key_flip). "
+        "--text-encoder MODEL_DIR also stores each caption's text for an MMDiT "
+        "(.text_hidden.npy, .text_pooled.npy; samples without a .txt caption are skipped).",
     )
     latents.add_argument("shards", help="shard folder, .tar file, glob or brace pattern")
     latents.add_argument("--vae", required=True, metavar="VAE_DIR", help="an AutoencoderKL folder")
-    latents.add_argument("--size", type=count, required=True, help="image side before encoding")
+    shape = latents.add_mutually_exclusive_group(required=True)
+    shape.add_argument("--size", type=count, help="image side before encoding (the square)")
+    shape.add_argument(
+        "--buckets",
+        type=bucket_shapes,
+        metavar="HxW,...",
+        help="encode each image at its aspect-ratio bucket instead (pixel shapes, multiples of "
+        "the VAE's downscale): train with data.buckets of the latent shapes",
+    )
     latents.add_argument("--out", required=True, help="the folder of the latent shards")
     latents.add_argument("--flip", action="store_true", help="also store each mirror image")
     latents.add_argument("--batch-size", type=count, default=16, help="images per encode (16)")
     latents.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when available)")
+    latents.add_argument(
+        "--text-encoder",
+        metavar="MODEL_DIR",
+        help="a model folder with a text tower (a CLIP trained with mmtrain, or converted from "
+        "OpenCLIP): also cache each caption's hidden states and pooled embedding for an MMDiT",
+    )
     latents.set_defaults(func=run_encode_latents)
 
 
@@ -125,19 +152,49 @@ def run_encode_latents(args: argparse.Namespace) -> int:
         vae = read_diffusers_vae(args.vae).to(device).eval()
     except (OSError, FieldError) as err:
         raise UsageError(f"--vae {args.vae}: {err}") from None
-    if args.size % vae.config.downscale():
-        raise UsageError(
-            f"--size {args.size}: not a multiple of the VAE's {vae.config.downscale()}x"
-        )
+    down = vae.config.downscale()
+    sides = [args.size] if args.size is not None else [n for b in args.buckets for n in b]
+    flag = "--size" if args.size is not None else "--buckets"
+    if any(side == 0 or side % down for side in sides):
+        raise UsageError(f"{flag}: sides must be positive multiples of the VAE's {down}x")
+    if args.buckets is not None and any(len(b) != 2 for b in args.buckets):
+        raise UsageError("--buckets: an image's buckets are HxW")
+    encoder = _text_encoder(args.text_encoder, device, args.batch_size)
     try:
-        counts = encode_latent_shards(args.shards, vae, args.out, size=args.size, flip=args.flip,
-                                      batch_size=args.batch_size, vae_name=str(args.vae))  # fmt: skip
+        counts = encode_latent_shards(args.shards, vae, args.out, size=args.size or 0,
+                                      flip=args.flip, batch_size=args.batch_size,
+                                      vae_name=str(args.vae), text_encoder=encoder,
+                                      buckets=args.buckets)  # fmt: skip
     except (FileNotFoundError, ValueError) as err:
         raise UsageError(f"{args.shards}: {err}") from None
-    side = args.size // vae.config.downscale()
-    print(f"wrote {counts['samples']} latents [{vae.config.latent_channels}, {side}, {side}] to "
-          f"{args.out} ({counts['skipped']} samples without a readable image skipped)")  # fmt: skip
+    shapes = [(args.size, args.size)] if args.size is not None else args.buckets
+    latents = [[h // down, w // down] for h, w in shapes]
+    channels = vae.config.latent_channels
+    skipped = f"{counts['skipped']} samples without a readable image"
+    if encoder is not None:
+        skipped += f", {counts['no_caption']} without a readable .txt caption"
+    held = ", ".join(str([channels, *shape]) for shape in latents)
+    print(f"wrote {counts['samples']} latents {held} to {args.out} ({skipped} skipped)")
+    if args.buckets is not None:
+        print(f"train a denoiser on them with data.buckets: {latents}")
+    if encoder is not None:
+        s = encoder.shape
+        print(f"with text [{s.text_tokens}, {s.text_width}] + pooled [{s.pooled_width}] from "
+              f"{args.text_encoder}: an MMDiT on them takes {s}")  # fmt: skip
     return 0
+
+
+def _text_encoder(folder: str | None, device: Any, batch_size: int) -> Any:
+    """The frozen text encoder of --text-encoder (None without the flag)."""
+    if folder is None:
+        return None
+    from mmtrain.data.ingest.text_features import load_text_encoder
+    from mmtrain.structured import FieldError
+
+    try:
+        return load_text_encoder(folder, device=device, batch_size=batch_size)
+    except (OSError, FieldError, ValueError) as err:
+        raise UsageError(f"--text-encoder: {err}") from None
 
 
 def _spec(shards: list[str]) -> str | list[str]:
@@ -206,12 +263,26 @@ def run_order(args: argparse.Namespace) -> int:
         drop_tail=args.drop_tail,
         shuffle=not args.no_shuffle,
         shuffle_window=args.shuffle_window,
+        buckets=_bucket_ids(args, sources),
     )
     for n, (position, shard, key) in enumerate(samples):
         if args.limit is not None and n >= args.limit:
             break
         print(f"{position}\t{Path(shard).name}\t{key}" if args.with_shard else key)
     return 0
+
+
+def _bucket_ids(args: argparse.Namespace, sources: ShardSet) -> Any:
+    if args.buckets is None:
+        return None
+    from mmtrain.data.stream.buckets import NO_BUCKET, Buckets
+    from mmtrain.data.stream.sample_sizes import bucket_ids
+
+    shapes = tuple(args.buckets)
+    ids, counts = bucket_ids([sources], Buckets(shapes, args.bucket_input, args.video_stride))
+    if counts.get(NO_BUCKET, 0) == len(ids):
+        raise UsageError(f"--buckets {args.buckets}: no sample falls in any bucket")
+    return ids
 
 
 def run_inspect(args: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 """`mmtrain generate RUN_DIR --image X.jpg --prompt "..."`: ask a (vision-)language model;
 `mmtrain generate RUN_DIR --class 3 --num 8 --out DIR`: sample images from a trained DiT;
-`mmtrain generate RUN_DIR --text-from SHARDS --num 8 --out DIR`: from a trained MMDiT.
+`mmtrain generate RUN_DIR --prompt "..." [--prompt ...] --out DIR` or
+`--text-from SHARDS --num 8 --out DIR`: from a trained MMDiT.
 
 Loads the model (a model folder, a finished run, or a run's newest checkpoint), the tokenizer
 and chat template the run trained with (its config.yaml: `data.tokenizer`,
@@ -11,10 +12,14 @@ the prompt; a prompt without tags gets one per image in front of it, as LLaVA's 
 A denoiser (a DiT: flow matching or DDPM) is sampled with the run's own `train.diffusion`
 settings (eval/sampling.py): `--num` images per `--class` (or unconditionally), `--steps`,
 `--cfg` (classifier-free guidance scale), `--sampler`, `--seed`; the PNGs and a grid (one row
-per class) go to `--out`. An MMDiT (SD3) is conditioned on its text encoders' outputs, and
-mmtrain runs none of SD3's encoders (CLIP-L, CLIP-G, T5-XXL): it samples one image for each of
-the first `--num` samples of `--text-from` shards, from their cached `.text_hidden.npy` and
-`.text_pooled.npy` (what it trained on), in order, the grid one row of them.
+per class) go to `--out`. An MMDiT (SD3) is conditioned on a text encoder's outputs. With
+`--prompt` they come from a frozen text encoder mmtrain runs (data/ingest/text_features.py: the
+text tower of a model folder), `--text-encoder MODEL_DIR` or the one the run's training data was
+cached with (its manifest's `latent.text_encoder`): `--num` images per prompt, a grid row each.
+mmtrain runs none of SD3's own encoders (CLIP-L, CLIP-G, T5-XXL); for outputs cached by other
+encoders, `--text-from` samples one image for each of the first `--num` samples of shards, from
+their cached `.text_hidden.npy` and `.text_pooled.npy` (what it trained on), in order, the grid
+one row of them.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from mmtrain.cli import UsageError
-from mmtrain.commands._args import count
+from mmtrain.commands._args import count, sample_size
 
 ORDER = 45
 IMAGE_TAG = (
@@ -41,6 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "--image fills one <image> tag of the prompt (a prompt without tags gets one per "
             "image in front). Greedy by default; --temperature > 0 samples (nucleus: --top-p). "
             "A denoiser writes images to --out instead: a DiT's for --class K, an MMDiT's for "
+            "each --prompt (encoded by --text-encoder or the one its training data names) or for "
             "the cached text of --text-from SHARDS. Exit code 2 on bad input."
         ),
     )
@@ -51,8 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--prompt",
-        help="the user's message (language models; an MMDiT takes --text-from instead: "
-        "mmtrain runs no text encoder of SD3's)",
+        action="append",
+        help="the user's message (language models); an MMDiT's text to draw (repeat for "
+        "several), encoded by --text-encoder",
     )
     p.add_argument(
         "--image",
@@ -96,15 +103,28 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="SHARDS",
         help="an MMDiT's condition: shards holding its text encoders' cached outputs "
         "(.text_hidden.npy, .text_pooled.npy), one image for each of the first --num samples, "
-        "in order (mmtrain has no SD3 text encoder to run a --prompt through)",
+        "in order (outputs of encoders mmtrain does not run, such as SD3's)",
+    )
+    images.add_argument(
+        "--text-encoder",
+        metavar="MODEL_DIR",
+        help="an MMDiT's --prompt encoder: a model folder with a text tower (default: the one "
+        "its training data's manifest names, latent.text_encoder)",
     )
     images.add_argument(
         "--num",
         type=count,
         default=4,
-        help="images per class, or texts taken from --text-from (default 4)",
+        help="images per class or prompt, or texts taken from --text-from (default 4)",
     )
     images.add_argument("--steps", type=count, default=50, help="sampling steps (default 50)")
+    images.add_argument(
+        "--size",
+        type=sample_size,
+        metavar="HxW",
+        help="the size to sample in the denoiser's input space (pixels, or latent positions; "
+        "TxHxW for clips), e.g. one of the data.buckets it trained on (default: its spec's)",
+    )
     images.add_argument(
         "--cfg", type=float, default=1.0, help="guidance scale (default 1: no guidance)"
     )
@@ -139,14 +159,18 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_ema and is_model_folder(ema):  # an EMA samples better (DiT's practice)
             model = load_model(ema, device=device)
         return generate_images(args, model, run_dir)
-    if args.prompt is None:
+    if not args.prompt:
         raise UsageError(f"{model.spec.name} is a language model: give --prompt")
+    if len(args.prompt) > 1:
+        raise UsageError(
+            f"--prompt: {model.spec.name} answers one prompt, {len(args.prompt)} given"
+        )
     _check_numbers(args)
     images = [Path(p) for p in args.image]
     for path in images:
         if not path.is_file():
             raise UsageError(f"--image {path}: no such file")
-    prompt = _prompt_with_tags(args.prompt, len(images))
+    prompt = _prompt_with_tags(args.prompt[0], len(images))
     spec = model.spec
     if spec.decoder is None:
         raise UsageError(
@@ -181,9 +205,14 @@ def generate_images(args: argparse.Namespace, model: Any, run_dir: Path) -> int:
     from mmtrain.eval.sampling import image_grid, sample, to_uint8
 
     d = model.spec.denoiser
-    condition, stems, rows = _condition(args, model.spec)
+    condition, stems, rows = _condition(args, model.spec, run_dir, next(model.parameters()).device)
     if args.out is None:
         raise UsageError("a denoiser writes images: give --out DIR")
+    if args.size is not None:
+        try:
+            d.grid_of(args.size)
+        except ValueError as err:
+            raise UsageError(f"--size {'x'.join(map(str, args.size))}: {err}") from None
     vae = _vae(args, d, next(model.parameters()).device)
     config = run_diffusion_config(run_dir)
     import torch
@@ -191,7 +220,8 @@ def generate_images(args: argparse.Namespace, model: Any, run_dir: Path) -> int:
     model.eval()
     try:
         images = sample(model, condition, len(stems), steps=args.steps, cfg=args.cfg,
-                        seed=args.seed, config=config, sampler=args.sampler)  # fmt: skip
+                        seed=args.seed, config=config, sampler=args.sampler,
+                        shape=args.size)  # fmt: skip
     except ValueError as err:
         raise UsageError(str(err)) from None
     if vae is not None:
@@ -223,20 +253,25 @@ def generate_images(args: argparse.Namespace, model: Any, run_dir: Path) -> int:
 
 
 NO_TEXT_ENCODER = (
-    "{name} is an MMDiT, conditioned on its text encoders' outputs, and mmtrain runs none of "
-    "SD3's (CLIP-L, CLIP-G, T5-XXL) to turn a prompt into them: give --text-from SHARDS, "
-    "shards holding the cached .text_hidden.npy and .text_pooled.npy (e.g. the validation "
-    "shards it trained beside)"
+    "--prompt: {name} is an MMDiT, conditioned on a text encoder's outputs, and no text encoder "
+    "is known to turn a prompt into them (no manifest of the run's data.train names one, "
+    "latent.text_encoder): give --text-encoder MODEL_DIR, a model folder with a text tower of "
+    "the widths it trained on, or give --text-from SHARDS, shards holding the cached "
+    ".text_hidden.npy and .text_pooled.npy (e.g. the validation shards it trained beside)"
 )
 
 
-def _condition(args: argparse.Namespace, spec: Any) -> tuple[dict | None, list[str], int]:
+def _condition(
+    args: argparse.Namespace, spec: Any, run_dir: Path, device: Any
+) -> tuple[dict | None, list[str], int]:
     """What to sample: the condition (eval/sampling.py), a file stem per sample, grid rows."""
     d = spec.denoiser
     if d.is_mmdit():
-        return _text_condition(args, spec)
-    if args.prompt is not None or args.text_from is not None:
-        flag = "--prompt" if args.prompt is not None else "--text-from"
+        return _text_condition(args, spec, run_dir, device)
+    text = {"--prompt": args.prompt, "--text-from": args.text_from,
+            "--text-encoder": args.text_encoder}  # fmt: skip
+    flag = next((flag for flag, value in text.items() if value), None)
+    if flag is not None:
         what = f"give --class K (0..{d.num_classes - 1})" if d.num_classes else "it takes none"
         raise UsageError(f"{flag}: {spec.name} is not text-conditioned (an MMDiT is): {what}")
     if d.num_classes and not args.classes:
@@ -255,7 +290,117 @@ def _condition(args: argparse.Namespace, spec: Any) -> tuple[dict | None, list[s
     return {"class": torch.tensor(classes)}, stems, len(args.classes)
 
 
-def _text_condition(args: argparse.Namespace, spec: Any) -> tuple[dict, list[str], int]:
+def _text_condition(
+    args: argparse.Namespace, spec: Any, run_dir: Path, device: Any
+) -> tuple[dict, list[str], int]:
+    """An MMDiT's condition: its --prompt texts encoded, or the cached text of --text-from."""
+    if args.classes:
+        raise UsageError(
+            f"--class: {spec.name} is an MMDiT, conditioned on text: give --prompt or --text-from"
+        )
+    if args.prompt and args.text_from is not None:
+        raise UsageError("--prompt and --text-from: give one (texts to encode, or cached text)")
+    if args.prompt:
+        return _prompt_condition(args, spec, run_dir, device)
+    if args.text_encoder is not None:
+        raise UsageError(
+            "--text-encoder encodes --prompt texts: give --prompt (--text-from shards hold "
+            "their encoded text already)"
+        )
+    if args.text_from is None:
+        raise UsageError(
+            f"{spec.name} is an MMDiT, conditioned on text: give --prompt TEXT (encoded by "
+            "--text-encoder) or --text-from SHARDS (cached text)"
+        )
+    return _cached_condition(args, spec)
+
+
+def _prompt_condition(
+    args: argparse.Namespace, spec: Any, run_dir: Path, device: Any
+) -> tuple[dict, list[str], int]:
+    """--num samples for each --prompt, encoded by the text encoder; a grid row per prompt."""
+    if args.num < 1:
+        raise UsageError("--num must be >= 1 (images per --prompt)")
+    hidden, pooled = _prompt_encoder(args, spec, run_dir, device)(args.prompt)
+    condition = {"text_hidden": hidden.repeat_interleave(args.num, 0),
+                 "text_pooled": pooled.repeat_interleave(args.num, 0)}  # fmt: skip
+    stems = [f"prompt{i}_{j}" for i in range(len(args.prompt)) for j in range(args.num)]
+    return condition, stems, len(args.prompt)
+
+
+def _prompt_encoder(args: argparse.Namespace, spec: Any, run_dir: Path, device: Any) -> Any:
+    """The text encoder of --text-encoder, else the one the run's training data names; refused
+    when its (text_tokens, text_width, pooled_width) are not the MMDiT's."""
+    from mmtrain.data.ingest.text_features import TextShape, load_text_encoder
+    from mmtrain.structured import FieldError
+
+    if args.text_encoder is not None:
+        folder, source, hint = args.text_encoder, "--text-encoder", ""
+    else:
+        named = _data_text_encoder(run_dir)
+        if named is None:
+            raise UsageError(NO_TEXT_ENCODER.format(name=spec.name))
+        folder, source = named
+        hint = "; give --text-encoder MODEL_DIR"
+    try:
+        encoder = load_text_encoder(folder, device=device)
+    except (OSError, FieldError, ValueError) as err:
+        raise UsageError(f"{source}: {err}{hint}") from None
+    d = spec.denoiser
+    takes = TextShape(d.text_tokens, d.text_width, d.pooled_width)
+    if encoder.shape != takes:
+        raise UsageError(
+            f"{source} {folder}: its text tower gives {encoder.shape}, but {spec.name} takes "
+            f"{takes} (its denoiser section): give the text encoder it trained on{hint}"
+        )
+    return encoder
+
+
+def _data_text_encoder(run_dir: Path) -> tuple[str, str] | None:
+    """(folder, where it is named) of the text encoder the run's training data was cached
+    with: the manifests' `latent.text_encoder` of its data.train sources; None when none names
+    one, a UsageError when they name different ones."""
+    from mmtrain.data.storage.manifest import read_manifest
+
+    found: dict[str, str] = {}
+    for path in _train_paths(run_dir):
+        manifest = _manifest_of(Path(_in_run(path, run_dir)))
+        if manifest is None:
+            continue
+        try:
+            latent = read_manifest(manifest).get("latent")
+        except (OSError, ValueError):
+            continue  # an unreadable manifest names nothing; --text-encoder still can
+        record = latent.get("text_encoder") if isinstance(latent, dict) else None
+        if isinstance(record, dict) and isinstance(record.get("path"), str):
+            found.setdefault(record["path"], f"{manifest} latent.text_encoder")
+    if len(found) > 1:
+        raise UsageError(
+            f"--prompt: the run's training data names {len(found)} text encoders "
+            f"({', '.join(found)}): give --text-encoder MODEL_DIR"
+        )
+    return next(iter(found.items()), None)
+
+
+def _train_paths(run_dir: Path) -> list[str]:
+    """The shard paths of the run's config.yaml `data.train` (a path, a list, {path, weight})."""
+    sources = _run_data_config(run_dir).get("train") or []
+    paths: list[str] = []
+    for source in sources if isinstance(sources, list) else [sources]:
+        path = source.get("path") if isinstance(source, dict) else source
+        paths += [str(p) for p in path] if isinstance(path, list) else [str(path)] if path else []
+    return paths
+
+
+def _manifest_of(path: Path) -> Path | None:
+    """The manifest.json of a shard folder, or of the folder of a shard file or pattern."""
+    for folder in (path, path.parent):
+        if (folder / "manifest.json").is_file():
+            return folder / "manifest.json"
+    return None
+
+
+def _cached_condition(args: argparse.Namespace, spec: Any) -> tuple[dict, list[str], int]:
     """The cached text of the first --num samples of --text-from, a stem per sample's key."""
     import re
 
@@ -265,10 +410,6 @@ def _text_condition(args: argparse.Namespace, spec: Any) -> tuple[dict, list[str
     from mmtrain.data.stream.media import MediaError
     from mmtrain.eval.diffusion import cached_text
 
-    if args.prompt is not None or args.text_from is None:
-        raise UsageError(NO_TEXT_ENCODER.format(name=spec.name))
-    if args.classes:
-        raise UsageError(f"--class: {spec.name} is an MMDiT, conditioned on text: give --text-from")
     try:
         shards = ShardSet.open(args.text_from)
     except (FileNotFoundError, ValueError) as err:

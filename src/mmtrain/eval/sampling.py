@@ -65,11 +65,13 @@ def sample(
     seed: int = 0,
     config: DiffusionConfig | None = None,
     sampler: str | None = None,
+    shape: tuple[int, ...] | None = None,
 ) -> Tensor:
     """`n` samples [n, C, H, W] of the model's input space (pixels in [-1, 1] or latents), for
     `condition` (module docstring; None for an unconditional DiT), moved to the model's device.
     `config`: the run's `train.diffusion` (its shift or its DDPM schedule); `sampler`: euler or
-    heun (flow), ddim (DDPM); default euler / ddim."""
+    heun (flow), ddim (DDPM); default euler / ddim. `shape`: (H, W), or (T, H, W) of a clip, for
+    a model trained on buckets (default: the spec's own)."""
     spec, config = unwrap_model(model).spec, config or DiffusionConfig()
     d = spec.denoiser
     flow = spec.objective == "flow_matching"
@@ -81,7 +83,9 @@ def sample(
     param = next(model.parameters())
     condition = _checked(d, condition or {}, n, param)
     g = torch.Generator(device=param.device).manual_seed(seed)
-    x = torch.randn((n, *d.sample_shape()), generator=g, device=param.device, dtype=param.dtype)
+    d.grid_of(shape)  # a ValueError for a size the patches do not divide
+    size = d.sample_shape(shape)
+    x = torch.randn((n, *size), generator=g, device=param.device, dtype=param.dtype)
     predict = _guided(model, condition, cfg)
     with torch.no_grad():
         if flow:

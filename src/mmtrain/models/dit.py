@@ -52,33 +52,43 @@ def timestep_features(t: Tensor, dim: int = TIMESTEP_FREQUENCIES, shift: int = 1
     return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
 
 
-def position_table(width: int, grid: int, max_grid: int = 0) -> Tensor:
-    """Fixed 2-D positions [side * side, width] of a grid of side `max_grid` (or `grid`): half
-    the features encode the column, half the row, each as sines then cosines of the coordinate
-    at frequencies 1 / 10000^(2i / (width / 2)). Coordinates are 0 .. grid - 1, or (SD3, a
-    larger grid) spaced grid / max_grid apart, computed in float32 as diffusers computes them:
-    a checkpoint's positions are those very numbers."""
-    side = max_grid or grid
+def axis_coordinates(n: int, base: int) -> Tensor:
+    """The coordinates of n patches along one axis: 0 .. n - 1 stretched to span `base` (the
+    grid the model was configured for), in float32 as diffusers computes them (a checkpoint's
+    positions are those very numbers). At n = base, 0 .. n - 1."""
+    return (torch.arange(n, dtype=torch.float32) / (n / base)).double()
+
+
+def position_table(width: int, rows: int, cols: int, base: int) -> Tensor:
+    """Fixed 2-D positions [rows * cols, width] of a grid, row-major: half the features encode
+    the column, half the row, each as sines then cosines of the coordinate (axis_coordinates)
+    at frequencies 1 / 10000^(2i / (width / 2))."""
     quarter = width // 4
     omega = 1.0 / MAX_PERIOD ** (torch.arange(quarter, dtype=torch.float64) / quarter)
-    coords = (torch.arange(side, dtype=torch.float32) / (side / grid)).double()
-    rows, cols = torch.meshgrid(coords, coords, indexing="ij")
+    grid_rows, grid_cols = torch.meshgrid(
+        axis_coordinates(rows, base), axis_coordinates(cols, base), indexing="ij"
+    )
 
     def encode(pos: Tensor) -> Tensor:
         angles = pos.reshape(-1, 1) * omega[None, :]
         return torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
 
-    return torch.cat([encode(cols), encode(rows)], dim=1).float()
+    return torch.cat([encode(grid_cols), encode(grid_rows)], dim=1).float()
 
 
-def sincos_positions(width: int, grid: int, max_grid: int = 0) -> Tensor:
-    """The positions [grid * grid, width] of the sample's patches: `position_table`, or (SD3)
-    the centre grid x grid of its larger table."""
-    table = position_table(width, grid, max_grid)
-    side = max_grid or grid
-    start = (side - grid) // 2
-    centre = table.reshape(side, side, width)[start : start + grid, start : start + grid]
-    return centre.reshape(grid * grid, width)
+def sincos_positions(width: int, rows: int, cols: int, base: int, max_grid: int = 0) -> Tensor:
+    """The positions [rows * cols, width] of a sample's patches: DiT's `position_table` of its
+    own grid, or (SD3, `max_grid`) the centre rows x cols of the max_grid-sided table."""
+    if not max_grid:
+        return position_table(width, rows, cols, base)
+    if rows > max_grid or cols > max_grid:
+        raise ValueError(
+            f"a grid of {rows} x {cols} patches is larger than the position table's "
+            f"{max_grid} x {max_grid} (pos_embed_max_size)"
+        )
+    table = position_table(width, max_grid, max_grid, base).reshape(max_grid, max_grid, width)
+    top, left = (max_grid - rows) // 2, (max_grid - cols) // 2
+    return table[top : top + rows, left : left + cols].reshape(rows * cols, width)
 
 
 def temporal_positions(width: int, times: int) -> Tensor:
@@ -90,22 +100,51 @@ def temporal_positions(width: int, times: int) -> Tensor:
     return torch.cat([torch.sin(angles), torch.cos(angles)], dim=1).float()
 
 
-def positions_of(spec: DenoiserSpec) -> Tensor:
-    """Every patch's fixed position [tokens, width]: 2-D over (row, column); a video's tokens,
-    time-major, add the temporal position of their frame."""
-    spatial = sincos_positions(spec.width, spec.grid(), spec.pos_embed_max_size)
+def positions_of(spec: DenoiserSpec, grid: tuple[int, int, int] | None = None) -> Tensor:
+    """Every patch's fixed position [tokens, width] for a (time, rows, columns) grid (default
+    the spec's own): 2-D over (row, column); a video's tokens, time-major, add the temporal
+    position of their frame."""
+    time, rows, cols = grid or spec.grid_of()
+    spatial = sincos_positions(spec.width, rows, cols, spec.grid(), spec.pos_embed_max_size)
     if not spec.is_video():
         return spatial
-    temporal = temporal_positions(spec.width, spec.time_grid())
+    temporal = temporal_positions(spec.width, time)
     return (temporal[:, None, :] + spatial[None, :, :]).reshape(-1, spec.width)
 
 
-def unpatchify_image(patches: Tensor, grid: int, patch: int, channels: int) -> Tensor:
-    """[B, grid * grid, p * p * C] -> [B, C, H, W]: token (i, j) holds pixels (i p + a, j p + b),
-    channel last within a patch."""
+def sample_grid(spec: DenoiserSpec, x: Tensor) -> tuple[int, int, int]:
+    """The (time, rows, columns) patch grid of a batch of noisy samples [B, C, (T,) H, W];
+    ValueError when its channels or a side do not fit the network."""
+    if x.dim() != len(spec.sample_shape()) + 1 or x.shape[1] != spec.channels:
+        layout = "[B, C, T, H, W]" if spec.is_video() else "[B, C, H, W]"
+        raise ValueError(
+            f"the denoiser takes {layout} with C = {spec.channels}, got {list(x.shape)}"
+        )
+    return spec.grid_of(x.shape[2:])
+
+
+class PositionCache:
+    """The fixed positions of each grid a network has seen, on its device (shape buckets
+    change the grid from step to step; the table is computed once per grid, not per step)."""
+
+    def __init__(self, spec: DenoiserSpec):
+        self.spec = spec
+        self.tables: dict[tuple[tuple[int, int, int], torch.device], Tensor] = {}
+
+    @torch.compiler.disable  # a host computation, once per grid: not traced
+    def __call__(self, grid: tuple[int, int, int], device: torch.device) -> Tensor:
+        key = (grid, device)
+        if key not in self.tables:
+            self.tables[key] = positions_of(self.spec, grid).to(device)
+        return self.tables[key]
+
+
+def unpatchify_image(patches: Tensor, rows: int, cols: int, patch: int, channels: int) -> Tensor:
+    """[B, rows * cols, p * p * C] -> [B, C, H, W]: token (i, j) holds pixels
+    (i p + a, j p + b), channel last within a patch."""
     b = patches.shape[0]
-    x = patches.reshape(b, grid, grid, patch, patch, channels).permute(0, 5, 1, 3, 2, 4)
-    return x.reshape(b, channels, grid * patch, grid * patch)
+    x = patches.reshape(b, rows, cols, patch, patch, channels).permute(0, 5, 1, 3, 2, 4)
+    return x.reshape(b, channels, rows * patch, cols * patch)
 
 
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
@@ -121,32 +160,59 @@ class DiTBlock(nn.Module):
         super().__init__()
         w = spec.width
         self.group = spec.attention_group(index)  # all tokens, a frame's, or a place's
-        self.time, self.space = spec.time_grid(), spec.grid() ** 2
         self.norm1 = nn.LayerNorm(w, elementwise_affine=False, eps=spec.norm_eps)
         self.attn = Attention(w, spec.heads)
         self.norm2 = nn.LayerNorm(w, elementwise_affine=False, eps=spec.mlp_norm_eps)
         self.mlp = Mlp(w, spec.mlp_hidden(), "gelu_tanh")
         self.modulation = nn.Linear(w, 6 * w)
 
-    def forward(self, x: Tensor, c: Tensor) -> Tensor:
+    def forward(self, x: Tensor, c: Tensor, time: int = 1) -> Tensor:
+        """Tokens [B, time x space, W] (time-major: `time` patches along a video's frames)."""
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.modulation(F.silu(c)).chunk(6, 1)
-        x = x + gate_a[:, None, :] * self._attend(modulate(self.norm1(x), shift_a, scale_a))
+        h = modulate(self.norm1(x), shift_a, scale_a)
+        x = x + gate_a[:, None, :] * self._attend(h, time)
         return x + gate_m[:, None, :] * self.mlp(modulate(self.norm2(x), shift_m, scale_m))
 
-    def _attend(self, h: Tensor) -> Tensor:
+    def _attend(self, h: Tensor, time: int) -> Tensor:
         """Attention over all tokens, or within each frame / at each place (tokens time-major)."""
         if self.group == "all":
             return self.attn(h)
-        b, _, w = h.shape
-        grid = h.reshape(b, self.time, self.space, w)
+        b, n, w = h.shape
+        space = n // time
+        grid = h.reshape(b, time, space, w)
         if self.group == "frame":
-            return self.attn(grid.reshape(b * self.time, self.space, w)).reshape(h.shape)
-        places = grid.transpose(1, 2).reshape(b * self.space, self.time, w)
-        out = self.attn(places).reshape(b, self.space, self.time, w).transpose(1, 2)
+            return self.attn(grid.reshape(b * time, space, w)).reshape(h.shape)
+        places = grid.transpose(1, 2).reshape(b * space, time, w)
+        out = self.attn(places).reshape(b, space, time, w).transpose(1, 2)
         return out.reshape(h.shape)
 
 
-class DiT(nn.Module):
+class PatchNetwork(nn.Module):
+    """What a DiT and an MMDiT share: fixed positions for the patch grid of any sample size,
+    the spec's own in a buffer (not in checkpoints) and other sizes' in a cache, computed where
+    the weights are: after a meta build, once they have memory."""
+
+    spec: DenoiserSpec
+    patch: nn.Module
+
+    def init_positions(self) -> None:
+        table = torch.empty(self.spec.tokens(), self.spec.width)
+        self.register_buffer("positions", table, persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        device = self.patch.weight.device
+        self.other_positions = PositionCache(self.spec)
+        if device.type != "meta":
+            self.positions = positions_of(self.spec).to(device)
+
+    def positions_for(self, grid: tuple[int, int, int]) -> Tensor:
+        if grid == self.spec.grid_of():
+            return self.positions
+        return self.other_positions(grid, self.positions.device)
+
+
+class DiT(PatchNetwork):
     """Patches in, conditioning vector, blocks, patches out (the network of one DenoiserSpec)."""
 
     # What runs before the first block (train/optim.py: frozen with the first blocks, layer 0
@@ -169,15 +235,7 @@ class DiT(nn.Module):
         self.norm_out = nn.LayerNorm(w, elementwise_affine=False, eps=spec.norm_eps)
         self.modulation_out = nn.Linear(w, 2 * w)
         self.out = nn.Linear(w, spec.patch_volume() * spec.out_channels())
-        self.register_buffer("positions", torch.empty(spec.tokens(), w), persistent=False)
-        self.reset_buffers()
-
-    def reset_buffers(self) -> None:
-        """The fixed positions (a buffer, not in checkpoints), computed where the weights are:
-        after a meta build, once they have memory."""
-        device = self.patch.weight.device
-        if device.type != "meta":
-            self.positions = positions_of(self.spec).to(device)
+        self.init_positions()
 
     def condition(self, t: Tensor, y: Tensor | None) -> Tensor:
         """The conditioning vector [B, W]: the timestep's MLP plus the class embedding."""
@@ -191,32 +249,27 @@ class DiT(nn.Module):
         return c
 
     def forward(self, x: Tensor, t: Tensor, y: Tensor | None = None) -> Tensor:
-        s = self.spec
-        if tuple(x.shape[1:]) != s.sample_shape():
-            raise ValueError(
-                f"the denoiser takes [B, {', '.join(map(str, s.sample_shape()))}], got "
-                f"{list(x.shape)}"
-            )
+        grid = sample_grid(self.spec, x)
         tokens = self.patch(x).flatten(2).transpose(1, 2)
-        tokens = tokens + self.positions.to(tokens.dtype)
+        tokens = tokens + self.positions_for(grid).to(tokens.dtype)
         c = self.condition(t, y)
         for block in self.blocks:
-            tokens = block(tokens, c)
+            tokens = block(tokens, c, grid[0])
         shift, scale = self.modulation_out(F.silu(c)).chunk(2, dim=1)
         patches = self.out(modulate(self.norm_out(tokens), shift, scale))
-        return self._unpatchify(patches)
+        return self._unpatchify(patches, grid)
 
-    def _unpatchify(self, patches: Tensor) -> Tensor:
+    def _unpatchify(self, patches: Tensor, grid: tuple[int, int, int]) -> Tensor:
         """[B, T, patch values] -> the sample: token (i, j) of an image holds pixels
         (i p + a, j p + b), channel last within a patch; a video's tokens are time-major and
         hold temporal_patch frames each."""
         s, b = self.spec, patches.shape[0]
-        g, p, c = s.grid(), s.patch_size, s.out_channels()
+        (tg, rows, cols), p, c = grid, s.patch_size, s.out_channels()
         if not s.is_video():
-            return unpatchify_image(patches, g, p, c)
-        tg, tp = s.time_grid(), s.temporal_patch
-        x = patches.reshape(b, tg, g, g, tp, p, p, c).permute(0, 7, 1, 4, 2, 5, 3, 6)
-        return x.reshape(b, c, tg * tp, g * p, g * p)
+            return unpatchify_image(patches, rows, cols, p, c)
+        tp = s.temporal_patch
+        x = patches.reshape(b, tg, rows, cols, tp, p, p, c).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return x.reshape(b, c, tg * tp, rows * p, cols * p)
 
 
 class DiffusionModel(nn.Module):

@@ -32,7 +32,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mmtrain.denoiser_spec import TIMESTEP_FREQUENCIES, DenoiserSpec
-from mmtrain.models.dit import modulate, positions_of, timestep_features, unpatchify_image
+from mmtrain.models.dit import (
+    PatchNetwork,
+    modulate,
+    sample_grid,
+    timestep_features,
+    unpatchify_image,
+)
 from mmtrain.models.layers import Mlp, merge_heads, split_heads
 
 QK_NORM_EPS = 1e-6  # SD3.5's RMSNorm of q and k
@@ -127,7 +133,7 @@ class MMDiTBlock(nn.Module):
         return x, context + gate_tm[:, None, :] * text_mlp
 
 
-class MMDiT(nn.Module):
+class MMDiT(PatchNetwork):
     """Patches and text in, conditioning vector, joint blocks, patches out."""
 
     # What runs before the first block (train/optim.py: frozen with the first blocks, layer 0
@@ -149,14 +155,7 @@ class MMDiT(nn.Module):
         self.norm_out = nn.LayerNorm(w, elementwise_affine=False, eps=spec.norm_eps)
         self.modulation_out = nn.Linear(w, 2 * w)  # continuous adaLN: (scale, shift)
         self.out = nn.Linear(w, p * p * spec.out_channels())
-        self.register_buffer("positions", torch.empty(spec.tokens(), w), persistent=False)
-        self.reset_buffers()
-
-    def reset_buffers(self) -> None:
-        """The fixed positions (not in checkpoints), computed where the weights are."""
-        device = self.patch.weight.device
-        if device.type != "meta":
-            self.positions = positions_of(self.spec).to(device)
+        self.init_positions()
 
     def condition(self, t: Tensor, pooled: Tensor) -> Tensor:
         """c [B, W]: the timestep's MLP plus the pooled text's."""
@@ -165,21 +164,28 @@ class MMDiT(nn.Module):
         return time + self.pooled_fc2(F.silu(self.pooled_fc1(pooled)))
 
     def forward(self, x: Tensor, t: Tensor, text_hidden: Tensor, text_pooled: Tensor) -> Tensor:
-        s = self._check(x, text_hidden, text_pooled)
+        grid = self._check(x, text_hidden, text_pooled)
         tokens = self.patch(x).flatten(2).transpose(1, 2)
-        tokens = tokens + self.positions.to(tokens.dtype)
+        tokens = tokens + self.positions_for(grid).to(tokens.dtype)
         context = self.context_embed(text_hidden)
         c = self.condition(t, text_pooled)
         for block in self.blocks:
             tokens, context = block(tokens, context, c)
         scale, shift = self.modulation_out(F.silu(c)).chunk(2, dim=1)
         patches = self.out(modulate(self.norm_out(tokens), shift, scale))
-        return unpatchify_image(patches, s.grid(), s.patch_size, s.out_channels())
+        s, (_, rows, cols) = self.spec, grid
+        return unpatchify_image(patches, rows, cols, s.patch_size, s.out_channels())
 
-    def _check(self, x: Tensor, text_hidden: Tensor, text_pooled: Tensor) -> DenoiserSpec:
+    def _check(self, x: Tensor, text_hidden: Tensor, text_pooled: Tensor) -> tuple[int, int, int]:
+        """The sample's patch grid, once the inputs' shapes fit the network."""
         s = self.spec
+        grid = sample_grid(s, x)
+        if s.pos_embed_max_size and max(grid[1:]) > s.pos_embed_max_size:
+            raise ValueError(
+                f"the MMDiT's positions cover {s.pos_embed_max_size} patches a side "
+                f"(pos_embed_max_size), got a grid of {grid[1]} x {grid[2]}"
+            )
         wanted = {
-            "the noisy input": (tuple(x.shape[1:]), s.sample_shape()),
             "text_hidden's width": (text_hidden.shape[-1:], (s.text_width,)),
             "text_pooled": (tuple(text_pooled.shape[1:]), (s.pooled_width,)),
         }
@@ -190,4 +196,4 @@ class MMDiT(nn.Module):
             raise ValueError(
                 f"text_hidden is [B, L, {s.text_width}], got {list(text_hidden.shape)}"
             )
-        return s
+        return grid

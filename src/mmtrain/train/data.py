@@ -26,6 +26,7 @@ normalises them with there (the same float32 arithmetic the workers would have d
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -36,12 +37,14 @@ from mmtrain.config import RunConfig
 from mmtrain.data.storage.remote_cache import ShardCache, cache_stats, open_cache
 from mmtrain.data.storage.s3 import is_remote
 from mmtrain.data.storage.shards import ShardSet
+from mmtrain.data.stream.buckets import NO_BUCKET, Buckets
 from mmtrain.data.stream.conversation_batches import ConversationBatcher, ConversationDecoder
 from mmtrain.data.stream.denoiser_inputs import DenoiserDecoder
 from mmtrain.data.stream.labels import label_value, read_class
 from mmtrain.data.stream.loader import StreamingLoader
 from mmtrain.data.stream.media import MediaError
 from mmtrain.data.stream.order import apportion, mixing_schedule
+from mmtrain.data.stream.sample_sizes import bucket_ids
 from mmtrain.data.stream.tokenizer import Tokenizer, get_tokenizer
 from mmtrain.data.stream.transforms import (
     MODALITY_EXTENSIONS,
@@ -51,6 +54,8 @@ from mmtrain.data.stream.transforms import (
 )
 from mmtrain.spec import FusionSpec, ModelSpec
 from mmtrain.structured import FieldError
+
+logger = logging.getLogger(__name__)
 
 LABEL_KEY = "label"  # batch key of the fusion head's targets (int64 classes or float32 values)
 MIX_BLOCK_STEPS = 1000  # steps over which a step-mixing schedule meets the weights exactly
@@ -114,6 +119,25 @@ class TrainDecoder:
         return out
 
 
+def _buckets(
+    config: RunConfig, spec: ModelSpec, sources: list[ShardSet], rank: int
+) -> tuple[Buckets | None, np.ndarray | None]:
+    """`data.buckets` checked against the denoiser, and the bucket of every sample (read from
+    the size index, sample_sizes.py); rank 0 logs how many samples each bucket holds."""
+    if config.data.buckets is None:
+        return None, None
+    if spec.denoiser is None:
+        raise FieldError("data.buckets", "buckets shape a denoiser's inputs; this model has none")
+    buckets = Buckets.for_denoiser(config.data.buckets, spec.denoiser, config.data.video_stride)
+    ids, counts = bucket_ids(sources, buckets)
+    if rank == 0:
+        held = ", ".join(f"{list(s)}: {counts.get(i, 0)}" for i, s in enumerate(buckets.shapes))
+        logger.info("buckets %s; in none: %d samples", held, counts.get(NO_BUCKET, 0))
+    if counts.get(NO_BUCKET, 0) == len(ids):
+        raise FieldError("data.buckets", "no sample of data.train falls in any bucket")
+    return buckets, ids
+
+
 class TrainData:
     """Micro-batches of `micro_batch` samples for one rank, endlessly (epoch after epoch)."""
 
@@ -149,6 +173,7 @@ class TrainData:
         self.label_field = config.data.label_field
         self.class_names = config.data.class_names
         self.video_stride = config.data.video_stride
+        self.buckets, bucket_ids = _buckets(config, spec, sources, rank)
         self.spec = spec  # the spec whose sizes the current transforms produce
         self.uint8_pixels = uint8_pixels
         options = dict(
@@ -179,8 +204,13 @@ class TrainData:
         elif len(set(towers)) <= 1:  # one source, or several with the same modalities
             self.loaders = [
                 StreamingLoader(
-                    sources, self._decoder(spec), micro_batch, weights=weights, **options
-                )
+                    sources,
+                    self._decoder(spec),
+                    micro_batch,
+                    weights=weights,
+                    buckets=bucket_ids,
+                    **options,
+                )  # fmt: skip
             ]
         else:
             _check_pairs_covered(spec, towers)
@@ -230,7 +260,7 @@ class TrainData:
             return self.conversations.decoder(spec, uint8=self.uint8_pixels)
         if spec.denoiser is not None:
             return DenoiserDecoder(spec, self.label_field, self.class_names, self.uint8_pixels,
-                                   video_stride=self.video_stride)  # fmt: skip
+                                   video_stride=self.video_stride, buckets=self.buckets)  # fmt: skip
         return TrainDecoder(
             spec, self.tokenizer, self.label_field, self.class_names, towers, self.uint8_pixels
         )

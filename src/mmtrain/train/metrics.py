@@ -34,7 +34,7 @@ import torch
 from mmtrain.atomic import atomic_write_text
 from mmtrain.config import RunConfig
 from mmtrain.folders import METRICS_FILE
-from mmtrain.spec import ModelSpec, PartTraining
+from mmtrain.spec import DENOISER_PART, ModelSpec, PartTraining
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,14 @@ def step_model_flops(
 ) -> int:
     """Model FLOPs of one optimizer step over all ranks (what MFU divides by the peak).
     A language model counts the positions and images of this rank's micro-batches and scales
-    by the ranks; other models count `batch_size` (global) samples of the spec's inputs."""
+    by the ranks; a denoiser counts `batch_size` (global) samples of the step's shape (shape
+    buckets: one per step, the same on every rank); other models `batch_size` samples of the
+    spec's inputs."""
+    if step_spec.denoiser is not None and micro_batches:
+        d = step_spec.denoiser
+        size = tuple(micro_batches[0][d.input].shape[2:])
+        per_sample = {DENOISER_PART: d.forward_flops(size)}
+        return model_train_flops(step_spec, per_sample, modes, recompute) * batch_size
     if step_spec.decoder is None:
         per_sample = step_spec.forward_flops_by_part()
         return model_train_flops(step_spec, per_sample, modes, recompute) * batch_size

@@ -8,22 +8,37 @@ its class or caption comes along. `flip` adds each image's mirror image as a sam
 (key + "_flip"): augmentation is stored as data, never baked in behind the user's back. A
 sample whose image does not decode is skipped and counted; the manifest records the VAE, the
 size and the counts.
+
+With a `text_encoder` (data/ingest/text_features.py) each sample also gets an MMDiT's cached
+text from its caption (`.txt`): `.text_hidden.npy` [text_tokens, text_width] and
+`.text_pooled.npy` [pooled_width], float32, its mirror image the same arrays. A sample without
+a readable caption is skipped and counted (`no_caption`), and the manifest's latent section
+records the encoder.
+
+With `buckets` (pixel shapes (H, W), multiples of the VAE's downscale) each image is encoded
+at its aspect-ratio bucket instead of the square: the rule of `data.buckets`
+(data/stream/buckets.py: the nearest aspect ratio, resized to cover it and centre-cropped),
+so a latent denoiser trains on the latents with `data.buckets` of the latent shapes (each
+side / the downscale; a latent's bucket is its own shape). Images are encoded in batches of
+one bucket; the manifest lists the buckets and how many latents each holds.
 """
 
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from mmtrain.data.ingest.text_features import TextEncoder
 from mmtrain.data.storage.manifest import write_manifest
 from mmtrain.data.storage.shard_writer import ShardWriter
 from mmtrain.data.storage.shards import ShardSet
-from mmtrain.data.stream.media import MediaError
+from mmtrain.data.stream.buckets import Buckets, cover_crop
+from mmtrain.data.stream.media import LazyImage, MediaError, decode_text
 from mmtrain.data.stream.transforms import MODALITY_EXTENSIONS, AugmentConfig, ImageTransform
 from mmtrain.models.vae import AutoencoderKL
 
@@ -36,8 +51,21 @@ def _npy(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def _images(source: ShardSet, transform: ImageTransform, counts: dict[str, int]) -> Iterator:
-    """(key, image [3, size, size] in [-1, 1], members to copy) per decodable sample."""
+class BucketCrop:
+    """Image bytes -> float32 [3, H, W] in [-1, 1] at the image's bucket, as a VAE takes it."""
+
+    def __init__(self, shapes: Sequence[Sequence[int]]):
+        self.buckets = Buckets(tuple(tuple(shape) for shape in shapes), "image")
+
+    def decode(self, data: bytes) -> torch.Tensor:
+        image = LazyImage(data)
+        shape = self.buckets.shapes[self.buckets.assign((image.height, image.width))]
+        pixels = np.asarray(cover_crop(image, shape).convert("RGB"), dtype=np.float32)
+        return torch.from_numpy(pixels / 127.5 - 1.0).permute(2, 0, 1).contiguous()
+
+
+def _images(source: ShardSet, transform: Any, counts: dict[str, int]) -> Iterator:
+    """(key, image [3, H, W] in [-1, 1], members to copy) per decodable sample."""
     for i in range(len(source)):
         sample = source.read(i)
         ext = next((e for e in MODALITY_EXTENSIONS["image"] if e in sample), None)
@@ -52,34 +80,61 @@ def _images(source: ShardSet, transform: ImageTransform, counts: dict[str, int])
         yield source.key(i), image, kept
 
 
+def _batches(items: Iterator, batch_size: int) -> Iterator[list]:
+    """Batches of images of one shape, in the order they fill up; the partial ones last."""
+    pending: dict[tuple[int, ...], list] = {}
+    for item in items:
+        shape = tuple(item[1].shape)
+        pending.setdefault(shape, []).append(item)
+        if len(pending[shape]) == batch_size:
+            yield pending.pop(shape)
+    yield from pending.values()
+
+
 @torch.no_grad()
 def encode_latent_shards(
     source: str | Path,
     vae: AutoencoderKL,
     out: str | Path,
     *,
-    size: int,
+    size: int = 0,
     flip: bool = False,
     batch_size: int = 16,
     vae_name: str = "",
+    text_encoder: TextEncoder | None = None,
+    buckets: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, Any]:
-    """Encode the images of the shards at `source` into latent shards in `out`; the counts."""
+    """Encode the images of the shards at `source` into latent shards in `out` (the square at
+    `size`, or each at its pixel bucket of `buckets`; with `text_encoder`, their captions'
+    cached text too); the counts."""
     shards = ShardSet.open(source)
-    half = (0.5, 0.5, 0.5)  # (x / 255 - 0.5) / 0.5: the [-1, 1] a VAE takes
-    transform = ImageTransform(size, train=False, augment=AugmentConfig(mean=half, std=half))
+    if buckets:
+        transform: Any = BucketCrop(buckets)
+    else:
+        half = (0.5, 0.5, 0.5)  # (x / 255 - 0.5) / 0.5: the [-1, 1] a VAE takes
+        transform = ImageTransform(size, train=False, augment=AugmentConfig(mean=half, std=half))
     param = next(vae.parameters())
     counts = {"samples": 0, "skipped": 0}
+    items = _images(shards, transform, counts)
+    if text_encoder is not None:
+        counts["no_caption"] = 0
+        items = _with_text(items, text_encoder, batch_size, counts)
+    per_bucket: dict[str, int] = {}
     with ShardWriter(out) as writer:
-        batch: list[tuple[str, torch.Tensor, dict]] = []
-        for item in _images(shards, transform, counts):
-            batch.append(item)
-            if len(batch) == batch_size:
-                counts["samples"] += _write(writer, vae, batch, flip, param)
-                batch = []
-        if batch:
-            counts["samples"] += _write(writer, vae, batch, flip, param)
+        for batch in _batches(items, batch_size):
+            written = _write(writer, vae, batch, flip, param)
+            counts["samples"] += written
+            shape = "x".join(map(str, batch[0][1].shape[1:]))
+            per_bucket[shape] = per_bucket.get(shape, 0) + written
     latent = {"vae": vae_name, "size": size, "channels": vae.config.latent_channels,
               "scaling_factor": vae.config.scaling_factor, "flip": flip}  # fmt: skip
+    if buckets:
+        down = vae.config.downscale()
+        latent["buckets"] = [{"pixels": list(b), "latent": [n // down for n in b],
+                              "samples": per_bucket.get("x".join(map(str, b)), 0)}
+                             for b in buckets]  # fmt: skip
+    if text_encoder is not None:
+        latent["text_encoder"] = text_encoder.record()
     write_manifest(out, writer.shards, modalities=["latent"], counts=counts, latent=latent)
     return counts
 
@@ -94,3 +149,31 @@ def _write(writer: ShardWriter, vae: AutoencoderKL, batch: list, flip: bool, par
             writer.write({"__key__": key + suffix, "npy": _npy(latent), **kept})
             written += 1
     return written
+
+
+def _with_text(items: Iterator, encoder: TextEncoder, batch_size: int, counts: dict) -> Iterator:
+    """`items` with their caption's cached text members added to the members they copy,
+    captions encoded `batch_size` at a time; a sample without a readable `.txt` is skipped and
+    counted (an MMDiT trains on none of them: refusing it here beats a hole in the data)."""
+    pending: list[tuple[str, torch.Tensor, dict, str]] = []
+
+    def encoded() -> Iterator:
+        hidden, pooled = encoder([caption for *_, caption in pending])
+        for (key, image, kept, _), h, p in zip(pending, hidden, pooled, strict=True):
+            arrays = {"text_hidden.npy": _npy(h.numpy()), "text_pooled.npy": _npy(p.numpy())}
+            yield key, image, {**kept, **arrays}
+
+    for key, image, kept in items:
+        try:
+            caption = decode_text(kept["txt"], what="caption") if "txt" in kept else None
+        except MediaError:
+            caption = None
+        if caption is None:
+            counts["no_caption"] += 1
+            continue
+        pending.append((key, image, kept, caption))
+        if len(pending) == batch_size:
+            yield from encoded()
+            pending = []
+    if pending:
+        yield from encoded()

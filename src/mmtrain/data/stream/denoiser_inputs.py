@@ -7,19 +7,39 @@ encoding made beforehand). A DiT's class comes from `.cls` or the `.json` member
 `label_field` (labels.py). An MMDiT's text is its text encoders' outputs, cached beside the
 latent as they are: `.text_hidden.npy` [text_tokens, text_width] and `.text_pooled.npy`
 [pooled_width] (float .npy arrays; their guidance dropout is the objective's).
+
+With `buckets` (data.buckets, buckets.py) a sample keeps its own shape class: an image is
+resized to cover its bucket and centre-cropped to it (flipped at random in training), a clip's
+frames are its bucket's count, a latent is read at its own (bucket) shape.
 """
 
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
+from mmtrain.data.stream.buckets import (
+    LATENT_MEMBERS,
+    NO_BUCKET,
+    Buckets,
+    cover_crop,
+    probe_size,
+    video_size,
+)
 from mmtrain.data.stream.labels import read_class
-from mmtrain.data.stream.media import DEFAULT_MAX_PIXELS, MediaError, decode_latent, decode_video
+from mmtrain.data.stream.media import (
+    DEFAULT_MAX_PIXELS,
+    LazyImage,
+    MediaError,
+    decode_latent,
+    decode_video,
+)
 from mmtrain.data.stream.transforms import (
     MODALITY_EXTENSIONS,
     AugmentConfig,
@@ -28,7 +48,6 @@ from mmtrain.data.stream.transforms import (
 )
 from mmtrain.spec import ModelSpec
 
-LATENT_MEMBERS = ("latent.npy", "npy")  # named, or the one .npy of a sample
 TEXT_MEMBERS = {"text_hidden": "text_hidden.npy", "text_pooled": "text_pooled.npy"}
 
 
@@ -47,9 +66,10 @@ class DenoiserDecoder:
         uint8_pixels: bool = False,
         train: bool = True,
         video_stride: int | None = None,
+        buckets: Buckets | None = None,
     ):
         assert spec.denoiser is not None
-        self.train, self.video_stride = train, video_stride
+        self.train, self.video_stride, self.buckets = train, video_stride, buckets
         self.denoiser = spec.denoiser
         self.label_field, self.class_names = label_field, list(class_names)
         self.transform = self.video = None
@@ -66,7 +86,9 @@ class DenoiserDecoder:
 
     def __call__(self, sample: dict[str, Any], rng: np.random.Generator) -> dict[str, torch.Tensor]:
         d = self.denoiser
-        if self.transform is not None:
+        if self.buckets is not None:
+            out = {d.input: self._in_bucket(sample, rng)}
+        elif self.transform is not None:
             out = {"image": self.transform.decode(sample[_member(sample, "image")], rng)}
         elif self.video is not None:
             size = self.video.image.min_decode_size()
@@ -90,6 +112,49 @@ class DenoiserDecoder:
             for key, member in TEXT_MEMBERS.items():
                 out[key] = torch.from_numpy(_cached_text(sample, member, shapes[key]))
         return out
+
+    def _in_bucket(self, sample: dict[str, Any], rng: np.random.Generator) -> torch.Tensor:
+        """The clean sample at the shape of its bucket (module docstring)."""
+        d, buckets = self.denoiser, self.buckets
+        assert buckets is not None
+        if d.input == "latent":
+            size = probe_size(sample, "latent")
+            if buckets.assign(size) == NO_BUCKET:
+                raise MediaError(f"latent of size {list(size)} is in none of data.buckets")
+            member = next(m for m in LATENT_MEMBERS if m in sample)
+            return torch.from_numpy(decode_latent(sample[member], (d.channels, *size)))
+        data = sample[_member(sample, d.input)]
+        if d.input == "image":
+            image = LazyImage(data, self.max_pixels)
+            shape = self._bucket_of(buckets, (image.height, image.width))
+            return self._fit(image, shape, self._flip(rng))
+        size = video_size(data, self.max_pixels)
+        frames, height, width = self._bucket_of(buckets, size)
+        scale = max(height / size[1], width / size[2])  # decode no larger than the crop needs
+        clip = decode_video(data, frames, short_side=math.ceil(scale * min(size[1:])),
+                            max_pixels=self.max_pixels, window=self._window(rng))  # fmt: skip
+        flip = self._flip(rng)
+        return torch.stack([self._fit(f, (height, width), flip) for f in clip.frames], dim=1)
+
+    @staticmethod
+    def _bucket_of(buckets: Buckets, size: tuple[int, ...]) -> tuple[int, ...]:
+        bucket = buckets.assign(size)
+        if bucket == NO_BUCKET:
+            raise MediaError(f"a sample of size {list(size)} is in none of data.buckets")
+        return buckets.shapes[bucket]
+
+    def _flip(self, rng: np.random.Generator) -> bool:
+        return self.train and bool(rng.random() < 0.5)
+
+    def _fit(self, image: LazyImage | np.ndarray, shape: Sequence[int], flip: bool) -> torch.Tensor:
+        """An image (or a decoded frame) covering `shape` (`cover_crop`), flipped, normalised as
+        the square transform normalises."""
+        out = cover_crop(image, shape, self.denoiser.channels)
+        if flip:
+            out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        pixels = np.asarray(out)
+        normalise = (self.transform or self.video.image).normalise  # type: ignore[union-attr]
+        return normalise(pixels[:, :, None] if pixels.ndim == 2 else pixels)
 
     def _window(self, rng: np.random.Generator) -> tuple[float, int] | None:
         """Where a clip's frames come from: a window at a random place in training, the middle

@@ -17,6 +17,13 @@ samples among its `batch_size` stream entries: fewer when some were skipped (a n
 is normalised by the target tokens of the step, so a smaller micro-batch is still exact), and
 a task with no valid sample gives no batch. The state still counts entries: resume is exact.
 
+Buckets (`buckets`: each flat sample's bucket, a shape class of a denoiser's inputs): the
+epoch's order is regrouped so that one step's entries on all ranks (batch_size x world_size
+positions) are of one bucket (`order.bucketed_order`), and a batch is one task's valid
+samples, as with `collate`: a corrupt sample makes its batch smaller instead of pulling in a
+sample of another bucket. The epoch's length then depends on the epoch (partial chunks are
+topped up per bucket); the state is the same few integers.
+
 State (`state_dict()`): seed, epoch, the segment of the epoch not yet consumed, world size and
 batch size at save time, and how many entries each rank consumed: a few integers. Loaded on the
 same world size and batch size, every rank continues its stream exactly; on another, the
@@ -27,6 +34,7 @@ sees exactly the samples it had not seen.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import logging
 from collections import Counter
@@ -41,7 +49,13 @@ from mmtrain.data.storage.prefetch import Prefetcher
 from mmtrain.data.storage.remote_cache import STORAGE_ERRORS, cache_stats
 from mmtrain.data.storage.shards import ShardSet
 from mmtrain.data.storage.tar_index import ShardIndex
-from mmtrain.data.stream.order import Segment, epoch_order, sample_rng, steps_in
+from mmtrain.data.stream.order import (
+    Segment,
+    bucketed_order,
+    epoch_order,
+    sample_rng,
+    steps_in,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +78,9 @@ class _Plan:
         epoch_samples: int | None,
         shuffle: bool,
         window: int,
+        buckets: np.ndarray | None = None,
+        chunk: int = 1,
+        drop_partial: bool = False,
     ):
         if not sources:
             raise ValueError("no data sources")
@@ -77,6 +94,9 @@ class _Plan:
         totals = [len(s) for s in self.sources]
         self.source_starts = np.concatenate([[0], np.cumsum(totals)]).astype(np.int64)
         self.length = int(sum(totals) if epoch_samples is None else epoch_samples)
+        self.buckets, self.chunk, self.drop_partial = buckets, chunk, drop_partial
+        if buckets is not None and len(buckets) != int(sum(totals)):
+            raise ValueError(f"{len(buckets)} bucket ids for {int(sum(totals))} samples")
         self._cached: tuple[int, np.ndarray] | None = None
 
     def order(self, epoch: int) -> np.ndarray:
@@ -90,8 +110,15 @@ class _Plan:
                 shuffle=self.shuffle,
                 window=self.window,
             )
+            if self.buckets is not None:
+                order = bucketed_order(order, self.buckets, self.chunk, self.seed, epoch,
+                                       drop_partial=self.drop_partial, shuffle=self.shuffle)  # fmt: skip
             self._cached = (epoch, order)
         return self._cached[1]
+
+    def epoch_length(self, epoch: int) -> int:
+        """Positions in `epoch`: `length`, or with buckets its bucketed order's length."""
+        return self.length if self.buckets is None else len(self.order(epoch))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -100,7 +127,11 @@ class _Plan:
 
     def fingerprint(self) -> str:
         parts = [s.fingerprint() for s in self.sources]
-        return ",".join(parts) + (f";w={self.weights}" if self.weights else "")
+        text = ",".join(parts) + (f";w={self.weights}" if self.weights else "")
+        if self.buckets is not None:  # which samples share a bucket is part of the order
+            digest = hashlib.sha256(np.ascontiguousarray(self.buckets, dtype=np.int64)).hexdigest()
+            text += f";buckets={digest[:16]}"
+        return text
 
     def locate(self, flat: int) -> tuple[ShardSet, int]:
         source = int(np.searchsorted(self.source_starts, flat, side="right")) - 1
@@ -131,17 +162,21 @@ def planned_samples(
     shuffle_window: int = 1000,
     weights: Sequence[float] | None = None,
     epoch_samples: int | None = None,
+    buckets: np.ndarray | None = None,
 ) -> Iterator[tuple[int, str, str]]:
     """(global position, shard path, key) of the samples rank `rank` reads in `epoch`, in order.
 
     `skip` global positions are taken as consumed (what `world_size x entries per rank` a
     resumed loader has behind it). Corrupt samples are listed too: the loader skips them when
-    decoding fails, pulling the next entries of the same stream.
+    decoding fails, pulling the next entries of the same stream (bucketed: leaving their
+    batch smaller).
     """
     sets = [sources] if isinstance(sources, ShardSet) else list(sources)
-    plan = _Plan(sets, seed, weights, epoch_samples, shuffle, shuffle_window)
+    plan = _Plan(sets, seed, weights, epoch_samples, shuffle, shuffle_window,
+                 buckets, batch_size * world_size, drop_tail)  # fmt: skip
     _check_rank(rank, world_size)
-    segment = Segment(plan.length, start=min(max(0, skip), plan.length))
+    length = plan.epoch_length(epoch)
+    segment = Segment(length, start=min(max(0, skip), length))
     if segment.size <= 0:
         return
     entries = steps_in(segment.size, world_size, batch_size, drop_tail) * batch_size
@@ -335,12 +370,14 @@ class StreamingLoader:
         max_consecutive_corrupt: int = 1000,
         multiprocessing_context: Any = None,
         collate: Collate | None = None,
+        buckets: np.ndarray | None = None,
     ):
         _check_rank(rank, world_size)
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         sets = [sources] if isinstance(sources, ShardSet) else list(sources)
-        self.plan = _Plan(sets, seed, weights, epoch_samples, shuffle, shuffle_window)
+        self.plan = _Plan(sets, seed, weights, epoch_samples, shuffle, shuffle_window,
+                          buckets, batch_size * world_size, drop_tail)  # fmt: skip
         self.decode = decode
         self.collate = collate
         self.batch_size = batch_size
@@ -351,9 +388,9 @@ class StreamingLoader:
         # Page-locked batches copy to the GPU asynchronously; meaningless without CUDA.
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self.max_consecutive_corrupt = max_consecutive_corrupt
-        if steps_in(self.plan.length, world_size, batch_size, drop_tail) == 0:
+        if steps_in(self.plan.epoch_length(0), world_size, batch_size, drop_tail) == 0:
             raise ValueError(
-                f"{self.plan.length} samples per epoch give no batch of {world_size} ranks x "
+                f"{self.plan.epoch_length(0)} samples per epoch give no batch of {world_size} ranks x "
                 f"{batch_size}: lower the batch size or keep the tail (drop_tail=False)"
             )
         self.corrupt_counts: Counter[str] = Counter()
@@ -375,13 +412,13 @@ class StreamingLoader:
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` from its beginning."""
         self.epoch = epoch
-        self._segment = Segment(self.plan.length)
+        self._segment = Segment(self.plan.epoch_length(epoch))
         self._entry = 0  # stream entries of this rank consumed in the segment
         self._batches = 0  # batches every rank yielded in the segment
 
     def __len__(self) -> int:
-        """Batches in a full epoch (the same on every rank)."""
-        return steps_in(self.plan.length, self.world_size, self.batch_size, self.drop_tail)
+        """Batches in the current epoch, from its start (the same on every rank)."""
+        return steps_in(self._segment.length, self.world_size, self.batch_size, self.drop_tail)
 
     def remaining(self) -> int:
         """Batches left in the current epoch."""
@@ -396,7 +433,7 @@ class StreamingLoader:
             "seed": self.seed,
             "epoch": self.epoch,
             "fingerprint": self.plan.fingerprint(),
-            "length": self.plan.length,
+            "length": self._segment.length,
             "start": self._segment.start,
             "skip": list(self._segment.skip),
             "batch_size": self.batch_size,
@@ -425,10 +462,11 @@ class StreamingLoader:
             raise ValueError(
                 f"loader state version {state.get('version')!r}, expected {STATE_VERSION}"
             )
+        self._check_buckets(state)
         for name, mine in (
             ("seed", self.seed),
             ("fingerprint", self.plan.fingerprint()),
-            ("length", self.plan.length),
+            ("length", self.plan.epoch_length(int(state["epoch"]))),
         ):
             if state[name] != mine:
                 raise ValueError(
@@ -436,7 +474,7 @@ class StreamingLoader:
                     "the data or its order changed, so the run cannot resume exactly"
                 )
         self.epoch = int(state["epoch"])
-        segment = Segment(self.plan.length, int(state["start"]), tuple(state["skip"]))
+        segment = Segment(int(state["length"]), int(state["start"]), tuple(state["skip"]))
         consumed = [int(c) for c in state["consumed"]]
         if state["world_size"] == self.world_size and state["batch_size"] == self.batch_size:
             self._segment, self._entry = segment, consumed[self.rank]
@@ -446,6 +484,18 @@ class StreamingLoader:
             self._entry = self._batches = 0
         if self.remaining() <= 0:
             self.set_epoch(self.epoch + 1)
+
+    def _check_buckets(self, state: dict[str, Any]) -> None:
+        """Bucketed chunks are one step of all ranks: their size must not change on resume."""
+        saved = int(state["batch_size"]) * int(state["world_size"])
+        if self.plan.buckets is not None and saved != self.plan.chunk:
+            raise ValueError(
+                f"the loader state was saved with {state['batch_size']} samples per rank x "
+                f"{state['world_size']} ranks = {saved} a step, this run takes "
+                f"{self.batch_size} x {self.world_size} = {self.plan.chunk}: bucketed data "
+                "resumes exactly only with the same samples a step (keep the global batch and "
+                "the gradient accumulation)"
+            )
 
     # --------------------------------------------------------------- iteration
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -466,7 +516,8 @@ class StreamingLoader:
         self._sampler.tasks = tasks
         results = iter(self._loader())
         try:
-            assemble = self._assemble if self.collate is None else self._whole_tasks
+            whole = self.collate is not None or self.plan.buckets is not None
+            assemble = self._whole_tasks if whole else self._assemble
             for batch, entries in assemble(results, self._entry):
                 self._entry = entries
                 self._batches += 1

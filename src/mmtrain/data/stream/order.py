@@ -16,6 +16,10 @@ samples as it needs: ranks step in lockstep and DDP never hangs on uneven shards
 
 Randomness of a sample (crop, flip, frame window) comes from `sample_rng(seed, epoch, position)`,
 so it is the same whichever rank or worker decodes the sample, and after a resume.
+
+Buckets (samples of several shapes, batches of one): `bucketed_order` regroups an epoch's order
+into chunks of one bucket each, a chunk being one step's positions on all ranks; still a pure
+function of the same integers plus each sample's bucket.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import numpy as np
 _SHARD_STREAM = 1
 _MIX_STREAM = 2
 _SAMPLE_STREAM = 3
+_BUCKET_STREAM = 4
 
 __all__ = [
     "source_order",
@@ -36,6 +41,7 @@ __all__ = [
     "mixing_schedule",
     "epoch_order",
     "sample_rng",
+    "bucketed_order",
     "Segment",
     "steps_in",
 ]
@@ -163,6 +169,48 @@ def _round_robin(counts: np.ndarray) -> np.ndarray:
     when = np.concatenate([(np.arange(n) + 0.5) / n for n in counts if n > 0] or [np.empty(0)])
     source = np.concatenate([np.full(n, s) for s, n in enumerate(counts) if n > 0] or [np.empty(0)])
     return source[np.argsort(when, kind="stable")].astype(np.int64)
+
+
+def bucketed_order(
+    order: np.ndarray,
+    bucket_of: np.ndarray,
+    chunk: int,
+    seed: int,
+    epoch: int,
+    *,
+    drop_partial: bool = False,
+    shuffle: bool = True,
+) -> np.ndarray:
+    """`order` regrouped into chunks of `chunk` ids of one bucket each (`bucket_of[id]`; -1:
+    in no bucket, left out).
+
+    Each bucket keeps its samples in `order`'s order and is cut into chunks; a bucket's last,
+    partial chunk is topped up from the start of the bucket's own samples this epoch (as the
+    loader pads an epoch's tail), or dropped with `drop_partial`. The chunks are then shuffled
+    (seeded by seed and epoch), or without `shuffle` laid out by when their last sample comes
+    in `order`. With `chunk` = batch per rank x ranks, every step's batches on every rank hold
+    one bucket's shape; the result's length is a multiple of `chunk`.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be positive, got {chunk}")
+    order = np.asarray(order, dtype=np.int64)
+    buckets = np.asarray(bucket_of, dtype=np.int64)[order]
+    chunks: list[tuple[int, np.ndarray]] = []  # (position in `order` of its last id, ids)
+    for bucket in np.unique(buckets[buckets >= 0]):
+        where = np.flatnonzero(buckets == bucket)
+        full = len(where) // chunk * chunk
+        for lo in range(0, full, chunk):
+            chunks.append((int(where[lo + chunk - 1]), order[where[lo : lo + chunk]]))
+        if full < len(where) and not drop_partial:
+            tail = np.resize(order[where], full + chunk)[full:]  # wraps over the bucket's own
+            chunks.append((int(where[-1]), tail))
+    if not chunks:
+        return np.empty(0, dtype=np.int64)
+    chunks.sort(key=lambda c: c[0])
+    if shuffle:
+        picks = _rng(seed, _BUCKET_STREAM, epoch).permutation(len(chunks))
+        chunks = [chunks[i] for i in picks]
+    return np.concatenate([ids for _, ids in chunks])
 
 
 def sample_rng(seed: int, epoch: int, position: int) -> np.random.Generator:

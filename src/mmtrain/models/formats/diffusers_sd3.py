@@ -133,7 +133,8 @@ def positions_shape(d: DenoiserSpec) -> tuple[int, ...] | None:
 
 
 def sd3_positions(d: DenoiserSpec) -> Tensor:
-    return position_table(d.width, d.grid(), d.pos_embed_max_size)[None]
+    side = d.position_grid()
+    return position_table(d.width, side, side, d.grid())[None]
 
 
 # ----------------------------------------------------------------------------- reading
