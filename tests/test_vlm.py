@@ -24,7 +24,7 @@ from mmtrain.data.stream.packing import PAD_DOCUMENT, pack_rows
 from mmtrain.models import LanguageModel, load_model, save_model
 from mmtrain.models.decoder import Decoder
 from mmtrain.models.init_rules import init_rules
-from mmtrain.models.vlm import PAD_DOCUMENT as MODEL_PAD_DOCUMENT
+from mmtrain.models.splice import PAD_DOCUMENT as MODEL_PAD_DOCUMENT
 from mmtrain.spec import ModelSpec, load_spec
 
 RTOL, ATOL = 1e-9, 1e-12
@@ -176,6 +176,30 @@ def test_projector_variants_splice_what_they_compute(changes):
     row = ids(SOT, IMG, 72, 105)
     out = vlm.logits({"text": torch.tensor([row]), "image": images(1)})
     close(out[0], reference_logits(vlm, row, images(1)))
+
+
+def test_images_of_their_own_token_counts_splice_in_reading_order():
+    # A native-resolution tower gives each image the tokens of its own size: 3, 1 and 2 here,
+    # the second row with no image and shorter (right padding after its ids).
+    from mmtrain.models.splice import make_layout, splice
+
+    text = torch.tensor([[5, 9, 6, 9, 7], [9, 8, 8, 0, 0]])
+    is_image = text == 9
+    counts = torch.tensor([3, 1, 2])
+    layout = make_layout(is_image, counts)
+    text_embeds = text[..., None].double().expand(-1, -1, 2) * torch.tensor([1.0, -1.0])
+    images = torch.arange(6, dtype=torch.float64)[:, None].expand(-1, 2) + 100
+    starts = torch.tensor([0, 3, 4])  # where each image's tokens begin
+    embeds = splice(text_embeds, images, is_image, layout, starts)
+    assert layout.owner.shape == (2, 7)  # row 0: 3 text ids + 3 + 1 image tokens
+    assert embeds[0, :, 0].tolist() == [5, 100, 101, 102, 6, 103, 7]
+    assert embeds[1, :, 0].tolist() == [104, 105, 8, 8, 0, 0, 0]  # the last: padding, zero
+    assert layout.ends.tolist() == [[0, 3, 4, 5, 6], [1, 2, 3, 4, 5]]
+    with pytest.raises(ValueError, match="2 image token counts for 3 placeholders"):
+        make_layout(is_image, counts[:2])
+    # one count for all equals the same count per image
+    same = make_layout(is_image, torch.tensor([4, 4, 4]))
+    assert torch.equal(same.owner, make_layout(is_image, 4).owner)
 
 
 def test_language_model_alone_is_the_decoder():

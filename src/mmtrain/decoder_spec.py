@@ -7,7 +7,9 @@ count equals `DecoderSpec.params()`).
 
 The block is the Llama one: RMSNorm, causal self-attention with grouped-query attention and
 rotary positions, RMSNorm, SwiGLU MLP; a final RMSNorm and an LM head (tied to the token
-embedding or not). Qwen2 is the same block with a bias on the q/k/v projections.
+embedding or not). Qwen2 is the same block with a bias on the q/k/v projections; Qwen2-VL's LM
+is Qwen2 with multimodal rotary positions (`mrope_section`: each rotary frequency reads the
+time, height or width position of a token; models/mrope.py computes them).
 
 Counting conventions are spec.py's: FLOPs are 2 x multiply-adds of matmuls and attention
 (norms, softmax, rotary and bias adds left out), attention counted in full also when causal.
@@ -82,6 +84,9 @@ class DecoderSpec:
     max_positions: int = 2048  # context the model was trained for (rotary has no table)
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()  # generation stops at any of them
+    # M-RoPE (Qwen2-VL): how many of the head_dim / 2 rotary frequencies, lowest index first,
+    # take their angle from a token's time, height and width position; None is 1-D RoPE.
+    mrope_section: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # Frozen: fill the defaults that depend on other fields through object.__setattr__.
@@ -90,6 +95,8 @@ class DecoderSpec:
         if self.head_dim is None and self.heads > 0:
             object.__setattr__(self, "head_dim", self.width // self.heads)
         object.__setattr__(self, "eos_ids", tuple(self.eos_ids))
+        if isinstance(self.mrope_section, list):
+            object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
         self.validate()
 
     def validate(self, path: str = "") -> None:
@@ -112,6 +119,8 @@ class DecoderSpec:
             )
         if self.rope_scaling is not None:
             self.rope_scaling.validate(where + "rope_scaling")
+        if self.mrope_section is not None:
+            self._validate_mrope_section(where + "mrope_section")
         ids = ([self.bos_id] if self.bos_id is not None else []) + list(self.eos_ids)
         for token in ids:
             if not 0 <= token < self.vocab_size:
@@ -119,6 +128,23 @@ class DecoderSpec:
                 raise FieldError(
                     where + field, f"{token} is not an id of the {self.vocab_size}-token vocabulary"
                 )
+
+    def _validate_mrope_section(self, path: str) -> None:
+        section = self.mrope_section
+        if (
+            not isinstance(section, tuple)
+            or len(section) != 3
+            or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in section)
+        ):
+            raise FieldError(
+                path, f"needs three positive integers (time, height, width), got {section!r}"
+            )
+        if sum(section) != self.head_dim // 2:
+            raise FieldError(
+                path,
+                f"{list(section)} sums to {sum(section)}; it splits the head_dim / 2 = "
+                f"{self.head_dim // 2} rotary frequencies",
+            )
 
     # -- sizes
     def q_width(self) -> int:

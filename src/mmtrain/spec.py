@@ -25,6 +25,7 @@ import yaml
 
 from mmtrain.decoder_spec import DecoderSpec
 from mmtrain.denoiser_spec import DenoiserSpec
+from mmtrain.native_vision_spec import NativeVisionSpec
 from mmtrain.structured import FieldError, check_choice, closest, from_dict, to_dict
 
 MODALITIES = ("image", "video", "audio", "timeseries", "text")
@@ -37,6 +38,7 @@ PROJECTORS = ("linear", "mlp")
 DECODER_TOWER = "text"  # the decoder LM's name among a model's towers (and its batch key)
 PROJECTOR_PART = "projector"  # a VLM's projector among the parts FLOPs are counted by
 FUSION_PART = "fusion"  # the fusion head among them
+VISION_TOWER = "vision"  # a native-resolution VLM's vision tower (with its merger)
 DENOISER_PART = "denoiser"  # a diffusion transformer (denoiser_spec.py) among them
 TRAIN_MODES = ("train", "frozen", "lora")  # how a part trains (the planner's stack modes)
 FUSION_TASKS = ("classify", "regress")
@@ -411,6 +413,32 @@ class FusionSpec:
                 )
 
 
+# ----------------------------------------------------------------------------- native vision (VLM)
+@dataclass(frozen=True)
+class VisionTokens:
+    """How a native-resolution tower's inputs enter the LM (the Qwen2-VL family): one
+    `image_token_id` per image and one `video_token_id` per clip in the data's ids, each taking
+    the tokens of its own size in the LM (`NativeVisionSpec.tokens`); `tokens_per_second`
+    (Qwen2.5-VL) spaces a clip's time positions by its seconds (None: one per time step)."""
+
+    image_token_id: int
+    video_token_id: int
+    tokens_per_second: float | None = None
+
+    def validate(self, path: str, decoder: DecoderSpec) -> None:
+        for name in ("image_token_id", "video_token_id"):
+            value = getattr(self, name)
+            if not 0 <= value < decoder.vocab_size:
+                raise FieldError(
+                    f"{path}.{name}",
+                    f"{value} is outside the vocabulary (0..{decoder.vocab_size - 1})",
+                )
+        if self.image_token_id == self.video_token_id:
+            raise FieldError(f"{path}.video_token_id", "must differ from image_token_id")
+        if self.tokens_per_second is not None and self.tokens_per_second <= 0:
+            raise FieldError(f"{path}.tokens_per_second", "must be positive")
+
+
 # ----------------------------------------------------------------------------- projector (VLM)
 @dataclass(frozen=True)
 class ProjectorSpec:
@@ -554,6 +582,8 @@ class ModelSpec:
     decoder: DecoderSpec | None = None
     projector: ProjectorSpec | None = None
     denoiser: DenoiserSpec | None = None
+    vision: NativeVisionSpec | None = None  # a native-resolution tower (Qwen2-VL) beside a decoder
+    vision_tokens: VisionTokens | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -602,6 +632,9 @@ class ModelSpec:
                 "pairs" if self.pairs else "fusion",
                 "a language model has no contrastive pairs or fusion head",
             )
+        if self.vision is not None or self.vision_tokens is not None:
+            self._validate_native_vision()
+            return
         if self.projector is None:
             if self.towers:
                 raise FieldError(
@@ -617,6 +650,24 @@ class ModelSpec:
         extra = sorted(set(self.towers) - {self.projector.tower})
         if extra:
             raise FieldError(f"towers.{extra[0]}", "a vision-language model has one image tower")
+
+    def _validate_native_vision(self) -> None:
+        if self.vision is None or self.vision_tokens is None:
+            missing = "vision" if self.vision is None else "vision_tokens"
+            raise FieldError(missing, "a native-resolution VLM needs vision and vision_tokens")
+        if self.towers or self.projector is not None:
+            raise FieldError(
+                "towers" if self.towers else "projector",
+                "a native-resolution VLM's vision is its `vision` tower and merger (no towers "
+                "or projector beside it)",
+            )
+        self.vision.validate("vision")
+        if self.vision.out_width != self.decoder.width:
+            raise FieldError(
+                "vision.out_width",
+                f"{self.vision.out_width} is not the decoder's width {self.decoder.width}",
+            )
+        self.vision_tokens.validate("vision_tokens", self.decoder)
 
     def _validate_generator(self) -> None:
         if self.denoiser is None:
@@ -649,7 +700,8 @@ class ModelSpec:
     def tower_names(self) -> list[str]:
         """The model's towers by the names its module and `train.towers` use: the encoders,
         "text" for a decoder LM (the batch key of its ids), "denoiser" for a DiT."""
-        parts = [*self.towers, *([DECODER_TOWER] if self.decoder is not None else [])]
+        vision = [VISION_TOWER] if self.vision is not None else []
+        parts = [*self.towers, *vision, *([DECODER_TOWER] if self.decoder is not None else [])]
         return parts + ([DENOISER_PART] if self.denoiser is not None else [])
 
     def is_language_model(self) -> bool:
@@ -698,6 +750,8 @@ class ModelSpec:
             n += self.fusion.params(widths)
         if self.denoiser is not None:
             n += self.denoiser.params()
+        if self.vision is not None:
+            n += self.vision.params()
         if self.decoder is not None:
             n += self.decoder.params()
             if self.projector is not None:
@@ -815,6 +869,8 @@ def _model_from_dict(data: Any) -> ModelSpec:
         data["decoder"] = DecoderSpec.from_dict(data["decoder"], "decoder")
     if isinstance(data.get("denoiser"), dict):
         data["denoiser"] = DenoiserSpec.from_dict(data["denoiser"], "denoiser")
+    if isinstance(data.get("vision"), dict):
+        data["vision"] = NativeVisionSpec.from_dict(data["vision"], "vision")
     return from_dict(ModelSpec, data)
 
 

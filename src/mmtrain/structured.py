@@ -67,7 +67,13 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     if missing:
         where = f"{path}." if path else ""
         raise FieldError(path, f"missing required key(s): {', '.join(where + m for m in missing)}")
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except FieldError as err:
+        # __post_init__ validates without knowing where the dataclass sits in a file: add it.
+        if not path or err.path == path or err.path.startswith(f"{path}."):
+            raise
+        raise FieldError(f"{path}.{err.path}", err.message) from None
 
 
 def convert(tp: Any, value: Any, path: str) -> Any:

@@ -13,10 +13,13 @@ HF_DIR the same way (shards past 5 GB), so a model bigger than memory converts. 
 written by `--to` is a bare state dict that OpenCLIP's `CLIP` loads with `strict=True`. HF_DIR is a
 transformers folder (config.json + model.safetensors, or shards with model.safetensors.index.json)
 of CLIPModel, SiglipModel, CLIPVisionModel, CLIPVisionModelWithProjection, SiglipVisionModel,
-LlamaForCausalLM, Qwen2ForCausalLM or LlavaForConditionalGeneration (config.json's
+LlamaForCausalLM, Qwen2ForCausalLM, LlavaForConditionalGeneration,
+Qwen2VLForConditionalGeneration or Qwen2_5_VLForConditionalGeneration (config.json's
 `architectures` decides); its config.json gives the model's shape, so --model is not used with
 hf. A language model's folder holds the decoder under `towers.text.*` (and a LLaVA's image tower
-under `towers.image.*`, its projector under `projector.*`). DIT_DIR is a diffusers
+under `towers.image.*`, its projector under `projector.*`; a Qwen2-VL's vision tower and merger
+under `towers.vision.*`). The tokenizer, processor, chat template and generation files of a HF
+folder (PROCESSOR_FILES) are copied through, both ways. DIT_DIR is a diffusers
 `DiTTransformer2DModel` or SD3 `SD3Transformer2DModel` folder (config.json +
 diffusion_pytorch_model.safetensors, or shards); the denoiser lies under `towers.denoiser.*` (an SD3 folder's is an MMDiT).
 """
@@ -92,10 +95,34 @@ def run(args: argparse.Namespace) -> int:
     return _to_openclip(source, args.model, out)
 
 
+# What a HF folder holds beside the weights that its users need to run it: the tokenizer, the
+# image / video processor, the chat template, generation defaults. Copied through both ways.
+PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "added_tokens.json", "preprocessor_config.json",
+                   "video_preprocessor_config.json", "processor_config.json",
+                   "chat_template.json", "chat_template.jinja", "generation_config.json")  # fmt: skip
+
+
+def copy_processor_files(source: Path, out: Path) -> list[str]:
+    """Copy the PROCESSOR_FILES `source` has into `out` (each atomically); their names."""
+    from mmtrain.atomic import atomic_write_bytes
+
+    copied = []
+    for name in PROCESSOR_FILES:
+        if (source / name).is_file():
+            atomic_write_bytes(out / name, (source / name).read_bytes())
+            copied.append(name)
+    return copied
+
+
 def _from_hf(source: Path, out: Path) -> int:
     from mmtrain.models.formats.hf import read_hf_model
 
-    return _from_folder(source, out, read_hf_model)
+    code = _from_folder(source, out, read_hf_model)
+    copied = copy_processor_files(source, out)
+    if copied:
+        print(f"copied {', '.join(copied)}")
+    return code
 
 
 def _from_diffusers(source: Path, out: Path) -> int:
@@ -133,7 +160,10 @@ def _to_hf(source: Path, out: Path) -> int:
             write_hf_state(spec, weights, out)
         except CheckpointMismatch as err:
             raise UsageError(f"{weights.source}: {err}") from None
+    copied = copy_processor_files(source, out)
     print(f"wrote {out} ({arch} for transformers, from {source})")
+    if copied:
+        print(f"copied {', '.join(copied)}")
     return 0
 
 

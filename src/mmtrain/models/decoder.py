@@ -59,11 +59,28 @@ def rope_frequencies(spec: DecoderSpec, device: torch.device | None = None) -> T
 
 
 def rotary_cos_sin(
-    inv_freq: Tensor, position_ids: Tensor, dtype: torch.dtype
+    inv_freq: Tensor,
+    position_ids: Tensor,
+    dtype: torch.dtype,
+    mrope_section: tuple[int, ...] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """cos and sin [B, T, head_dim] of each position's angles, the halves repeated (the q/k
-    channels are rotated as pairs (i, i + head_dim / 2), HF's layout of Llama weights)."""
-    angles = position_ids.to(ROTARY_DTYPE)[..., None] * inv_freq
+    channels are rotated as pairs (i, i + head_dim / 2), HF's layout of Llama weights).
+
+    `position_ids` [B, T], or [3, B, T] (time, height, width) with `mrope_section`: the first
+    `mrope_section[0]` frequencies turn with the time position, the next ones with the height,
+    the last ones with the width (Qwen2-VL's M-RoPE). Each angle is the same float32 product
+    as in 1-D RoPE, only its position differs, so three equal axes give 1-D RoPE exactly.
+    """
+    positions = position_ids.to(ROTARY_DTYPE)
+    if positions.dim() == 3:
+        if mrope_section is None:
+            raise ValueError("[3, B, T] position_ids need an mrope_section")
+        # slices, not a gathered index: no host data travels to the device per forward
+        per_axis = zip(positions, inv_freq.split(list(mrope_section)), strict=True)
+        angles = torch.cat([axis[..., None] * freqs for axis, freqs in per_axis], dim=-1)
+    else:
+        angles = positions[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -99,6 +116,39 @@ def document_positions(document_ids: Tensor) -> Tensor:
     changed = F.pad(document_ids[:, 1:] != document_ids[:, :-1], (1, 0), value=True)
     starts = torch.where(changed, index, 0).cummax(dim=1).values
     return index - starts
+
+
+def next_positions(position_ids: Tensor) -> Tensor:
+    """[B, 1] position of each row's next token after `position_ids` [B, T] or [3, B, T]: one
+    past the largest position of the row, on every axis (a text token after an image continues
+    after the image's furthest time, row or column; padding holds 0, below every real one)."""
+    if position_ids.dim() == 3:
+        position_ids = position_ids.amax(dim=0)
+    return position_ids.amax(dim=-1, keepdim=True) + 1
+
+
+def rotary_positions(position_ids: Tensor, batch: int, tokens: int, mrope: bool) -> Tensor:
+    """`position_ids` broadcast to [B, T], or to [3, B, T] for M-RoPE; ValueError for a shape
+    the decoder cannot rotate by. [T] and [B, T] positions are text positions for M-RoPE too
+    (the three axes equal)."""
+    shape = tuple(position_ids.shape)
+    if position_ids.dim() == 3:
+        if not mrope:
+            raise ValueError(
+                f"position_ids of shape {shape} are M-RoPE positions [3, B, T]; this decoder has "
+                "1-D rotary positions (decoder.mrope_section is unset): give [B, T] or [T]"
+            )
+        if shape[0] != 3 or shape[1] not in (1, batch) or shape[2] != tokens:
+            raise ValueError(
+                f"M-RoPE position_ids must be [3, B, T] = [3, {batch}, {tokens}], got {shape}"
+            )
+        return position_ids.expand(3, batch, tokens)
+    if position_ids.dim() not in (1, 2) or shape[-1] != tokens:
+        expected = "[T], [B, T] or [3, B, T]" if mrope else "[T] or [B, T]"
+        raise ValueError(
+            f"position_ids must be {expected} for {batch} rows of {tokens} tokens, got {shape}"
+        )
+    return position_ids.expand(batch, tokens)
 
 
 # ----------------------------------------------------------------------------- KV cache
@@ -250,7 +300,9 @@ class Decoder(nn.Module):
         that splices in other tokens (image features), of `inputs_embeds` [B, T, width].
 
         - `position_ids` [B, T] or [T]: rotary positions; default the next positions after the
-          cache, or, with `document_ids`, positions restarting at every packed document.
+          cache, or, with `document_ids`, positions restarting at every packed document. With
+          `spec.mrope_section` also [3, B, T]: (time, height, width) positions of
+          `models.mrope.rope_index_batch` ([B, T] ones are then text positions on all axes).
         - `attention_mask` bool: False marks padding keys (see `models/attention.py: build_attention_mask` for shapes;
           with a cache it covers the cached tokens too).
         - `document_ids` [B, T]: packed documents see only themselves (no cache).
@@ -271,8 +323,10 @@ class Decoder(nn.Module):
                 position_ids = document_positions(document_ids)
             else:
                 position_ids = torch.arange(past, past + t, device=x.device)
-        position_ids = position_ids.expand(b, t)
-        cos, sin = rotary_cos_sin(rope_frequencies(self.spec, x.device), position_ids, x.dtype)
+        mrope = self.spec.mrope_section
+        position_ids = rotary_positions(position_ids, b, t, mrope is not None)
+        inv_freq = rope_frequencies(self.spec, x.device)
+        cos, sin = rotary_cos_sin(inv_freq, position_ids, x.dtype, mrope)
         mask, is_causal = attention_inputs(
             t, past, x.device, x.dtype, attention_mask, document_ids, right_padded
         )
@@ -321,6 +375,7 @@ class Decoder(nn.Module):
         generator: torch.Generator | None = None,
         eos_ids: tuple[int, ...] | None = None,
         pad_id: int | None = None,
+        position_ids: Tensor | None = None,
     ) -> Tensor:
         """Prompt plus up to `max_new_tokens` sampled tokens [B, T + n], with a KV cache.
 
@@ -329,15 +384,21 @@ class Decoder(nn.Module):
         A row ends at any of `eos_ids` (default the spec's), keeps it, and is filled with
         `pad_id` (default the first eos id) afterwards; generation stops when every row ended.
         `attention_mask` bool [B, T] marks left padding of a batch of prompts (False).
+        `position_ids` are the prompt's, when not counted from its real tokens: M-RoPE's
+        [3, B, T] (`models.mrope.rope_index_batch`) or [B, T]; new tokens are text and continue
+        one past each row's largest prompt position (`next_positions`), all axes equal.
         """
         eos = tuple(self.spec.eos_ids if eos_ids is None else eos_ids)
         pad = pad_id if pad_id is not None else (eos[0] if eos else 0)
         b, t = input_ids.shape
         cache = KVCache(self.spec, b, t + max_new_tokens, input_ids.device, self.embed.weight.dtype)
-        if attention_mask is None:  # no padding: SDPA's causal fast path for the prompt
+        if attention_mask is not None:
+            attention_mask = attention_mask.bool()
+        if position_ids is not None:
+            positions = position_ids
+        elif attention_mask is None:  # no padding: SDPA's causal fast path for the prompt
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
         else:  # left padding: each row's positions count its real tokens only
-            attention_mask = attention_mask.bool()
             positions = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
         eos_tensor = torch.tensor(eos, dtype=input_ids.dtype, device=input_ids.device)
         done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
@@ -354,7 +415,7 @@ class Decoder(nn.Module):
             if bool(done.all()):
                 break
             step_ids = new[:, None]
-            positions = positions[:, -1:] + 1
+            positions = next_positions(positions)
             if attention_mask is not None:
                 attention_mask = F.pad(attention_mask, (0, 1), value=True)
         return tokens

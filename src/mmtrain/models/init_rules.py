@@ -17,14 +17,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mmtrain.models.decoder import Decoder
+from mmtrain.models.decoder import Decoder, RMSNorm
 from mmtrain.models.heads import FusionHead
 from mmtrain.models.materialize import copy_full_, is_sharded
 from mmtrain.models.towers import Tower
+from mmtrain.spec import VISION_TOWER
 
 log = logging.getLogger(__name__)
 
-NORMS = (nn.LayerNorm, nn.RMSNorm)
+NORMS = (nn.LayerNorm, nn.RMSNorm, RMSNorm)  # RMSNorm: the decoder's (and a native tower's)
 
 
 def apply_init_rules(
@@ -184,6 +185,20 @@ def _decoder_rules(prefix: str, decoder: Decoder) -> dict[str, InitRule]:
     return rules
 
 
+def _native_vision_rules(prefix: str, tower: nn.Module) -> dict[str, InitRule]:
+    """A native-resolution tower (models/native_vision.py): its patch embedding fan-in, its
+    blocks as every tower's (`_block_rules`), the merger's two layers fan-in (its input is
+    normalised; its output enters the LM like the projector's)."""
+    spec = tower.spec
+    rules = {prefix + "patch_embed.weight": InitRule(spec.patch_dim() ** -0.5)}
+    for i in range(spec.depth):
+        rules.update(_block_rules(f"{prefix}blocks.{i}.", spec.width, spec.depth))
+    for name in ("fc1", "fc2"):
+        weight = getattr(tower.merger, name).weight
+        rules[f"{prefix}merger.{name}.weight"] = InitRule(_fan_in(weight) ** -0.5)
+    return rules
+
+
 def _language_model_rules(model: nn.Module) -> dict[str, InitRule]:
     """The image tower as in a MultimodalModel, the decoder as `Decoder.init_weights` draws it,
     the projector fan-in (each output near unit variance for unit-variance inputs; the vision
@@ -192,6 +207,8 @@ def _language_model_rules(model: nn.Module) -> dict[str, InitRule]:
     for name, tower in model.towers.items():
         if isinstance(tower, Tower):
             rules.update(_tower_rules(f"towers.{name}.", tower))
+        elif name == VISION_TOWER:
+            rules.update(_native_vision_rules(f"towers.{name}.", tower))
         else:
             rules.update(_decoder_rules(f"towers.{name}.", tower))
     if model.projector is not None:

@@ -18,21 +18,30 @@ of "text" (at a placeholder: the row of the image's last token, which predicts t
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mmtrain.models.decoder import Decoder, KVCache, document_positions, sample
+from mmtrain.models.decoder import Decoder, KVCache, document_positions, next_positions, sample
 from mmtrain.models.init_rules import apply_init_rules, init_rules
 from mmtrain.models.materialize import initialised_parameters
+from mmtrain.models.native_vision import NativeVisionTower
+from mmtrain.models.splice import (
+    PAD_DOCUMENT,
+    Layout,
+    expand_per_id,
+    image_placeholders,
+    make_layout,
+    splice,
+    valid_ids,
+)
 from mmtrain.models.token_loss import chunked_nll_sum
 from mmtrain.models.towers import Tower
-from mmtrain.spec import ModelSpec, ProjectorSpec
+from mmtrain.models.visual_inputs import splice_visual_inputs
+from mmtrain.spec import VISION_TOWER, ModelSpec, ProjectorSpec
 
 TEXT = "text"  # the decoder's name among the towers and the batch key of the token ids
-PAD_DOCUMENT = -1  # data/stream/packing.py's document id of padding (models do not import data/)
 LABELS = "labels"  # the next-token targets, aligned with "text" (train/objectives.py's key)
 # (length, right_padded, images) of the splice as host ints (`splice_sizes`), set by whoever
 # laid out the rows (the loader's workers): the forward then reads nothing from the device.
@@ -52,127 +61,6 @@ class Projector(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x = self.fc1(x)
         return x if self.fc2 is None else self.fc2(F.gelu(x))
-
-
-# ----------------------------------------------------------------------------- the splice
-@dataclass(frozen=True)
-class Layout:
-    """Where the ids of a batch [R, T] land among the LM's positions [R, L].
-
-    Id t of row r owns positions `ends[r, t] - span + 1 .. ends[r, t]`. Position e of row r
-    belongs to id `owner[r, e]` at `offset[r, e]` within its span; `valid` is False for the
-    padding that makes every row L long (after a row's ids, or before them when the rows are
-    right-aligned for generation, so that they all end at position L - 1).
-    """
-
-    ends: Tensor  # [R, T] last position of each id
-    owner: Tensor  # [R, L] the id a position belongs to (clamped into 0..T-1 for padding)
-    offset: Tensor  # [R, L] index of a position within its id's span (0 for a text id)
-    valid: Tensor  # [R, L] False for padding
-    # The ids' own key mask ("attention_mask") is False only after each row's real ids (right
-    # padding; True without a mask) and the rows are left-aligned: see `_position_inputs`.
-    right_padded: bool = False
-    images: int = 0  # placeholders that take an image
-
-    @property
-    def length(self) -> int:
-        return self.owner.shape[1]
-
-
-def image_placeholders(
-    text: Tensor,
-    image_token_id: int | None,
-    attention_mask: Tensor | None = None,
-    document_ids: Tensor | None = None,
-) -> Tensor:
-    """Bool [R, T]: the ids of `text` that take an image (the placeholders not in padding)."""
-    if image_token_id is None:
-        return torch.zeros_like(text, dtype=torch.bool)
-    is_image = text == image_token_id
-    if attention_mask is not None:
-        is_image &= attention_mask.bool()
-    if document_ids is not None:
-        is_image &= document_ids != PAD_DOCUMENT
-    return is_image
-
-
-def splice_sizes(
-    is_image: Tensor, image_tokens: int, key_mask: Tensor | None = None
-) -> tuple[int, int, int]:
-    """(length of the expanded rows, 1 if the padding is on the right, images): the shapes a
-    layout needs, in one read of `is_image`'s device (none when it is the host's)."""
-    totals = torch.where(is_image, image_tokens, 1).sum(dim=1)
-    trailing = totals.new_ones(())  # no real id after a padding one
-    if key_mask is not None:
-        key_mask = key_mask.bool()
-        trailing = (key_mask[:, 1:] & ~key_mask[:, :-1]).any().logical_not().long()
-    length, right_padded, images = torch.stack([totals.max(), trailing, is_image.sum()]).tolist()
-    return length, right_padded, images
-
-
-def make_layout(
-    is_image: Tensor,
-    image_tokens: int,
-    right_align: bool = False,
-    key_mask: Tensor | None = None,
-    sizes: tuple[int, int, int] | None = None,
-) -> Layout:
-    """The layout of rows whose ids are images where `is_image` [R, T] (bool) is True;
-    `key_mask` [R, T] (False: padding ids) only sets `Layout.right_padded`. `sizes`: what
-    `splice_sizes` returns, when the host knows it already; else it is read from the device
-    (the expanded length is a shape)."""
-    spans = torch.where(is_image, image_tokens, 1)
-    ends = spans.cumsum(dim=1) - 1
-    totals = ends[:, -1] + 1
-    length, right_padded, images = sizes or splice_sizes(is_image, image_tokens, key_mask)
-    shift = length - totals if right_align else torch.zeros_like(totals)
-    e = torch.arange(length, device=is_image.device)[None, :] - shift[:, None]
-    valid = (e >= 0) & (e < totals[:, None])
-    e = e.clamp(min=0)
-    # ends is strictly increasing along a row: the owner of position e is the first id whose
-    # span ends at or after e.
-    owner = torch.searchsorted(ends, e).clamp(max=is_image.shape[1] - 1)
-    starts = (ends - spans + 1).gather(1, owner)
-    return Layout(
-        ends=ends + shift[:, None],
-        owner=owner,
-        offset=e - starts,
-        valid=valid,
-        right_padded=bool(right_padded) and not right_align,
-        images=images,
-    )
-
-
-def splice(text_embeds: Tensor, image_embeds: Tensor, is_image: Tensor, layout: Layout) -> Tensor:
-    """The LM's input embeddings [R, L, W]: each text id's embedding at its position, the P
-    tokens of the k-th image (reading order) at the k-th placeholder's span, zeros for padding.
-
-    One gather from the stacked sources, so autograd scatters the gradient back to the text
-    embeddings and to the image tokens, even when there are none (the distributed rule in
-    `LanguageModel._image_embeds`).
-    """
-    r, t, w = text_embeds.shape
-    n, p = image_embeds.shape[:2]
-    # The k-th placeholder in reading order (row-major) takes image k.
-    slot = is_image.flatten().long().cumsum(0).view(r, t) - 1
-    rows = torch.arange(r, device=is_image.device)[:, None]
-    text_index = rows * t + layout.owner
-    image_index = r * t + slot.gather(1, layout.owner) * p + layout.offset
-    index = torch.where(is_image.gather(1, layout.owner), image_index, text_index)
-    index = torch.where(layout.valid, index, r * t + n * p)  # the zero row
-    sources = torch.cat(
-        [
-            text_embeds.reshape(r * t, w),
-            image_embeds.reshape(n * p, w).to(text_embeds.dtype),
-            text_embeds.new_zeros(1, w),
-        ]
-    )
-    return sources[index]
-
-
-def expand_per_id(values: Tensor, layout: Layout, fill: int | bool) -> Tensor:
-    """A per-id tensor [R, T] repeated over each id's span [R, L]; `fill` at padding."""
-    return torch.where(layout.valid, values.gather(1, layout.owner), fill)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -204,6 +92,8 @@ class LanguageModel(nn.Module):
             towers[name] = tower
             self.feature_blocks = spec.projector.blocks_used(spec.towers[name])
             self._freeze_unused(tower)
+        if spec.vision is not None:  # a native-resolution tower (Qwen2-VL), merger included
+            towers[VISION_TOWER] = NativeVisionTower(spec.vision)
         towers[TEXT] = Decoder(spec.decoder)  # after the image tower: named_parameters order
         self.towers = nn.ModuleDict(towers)
         if spec.projector is not None:
@@ -308,6 +198,8 @@ class LanguageModel(nn.Module):
     ) -> tuple[Tensor, Layout, dict[str, Tensor | bool]]:
         """The LM's input embeddings [R, L, W], the layout, and the keyword arguments of
         `Decoder.hidden` (positions, masks) in position space."""
+        if self.spec.vision is not None:
+            return self._native_decoder_inputs(batch, right_align)
         text = self._check_text(batch)
         is_image = self._is_image(batch)
         p = self.spec.image_tokens()
@@ -320,6 +212,27 @@ class LanguageModel(nn.Module):
             images = text_embeds.new_zeros(0, max(p, 1), text_embeds.shape[-1])
         embeds = splice(text_embeds, images, is_image, layout)
         return embeds, layout, self._position_inputs(batch, layout, right_align)
+
+    def _native_decoder_inputs(
+        self, batch: Mapping[str, Tensor], right_align: bool
+    ) -> tuple[Tensor, Layout, dict[str, Tensor | bool]]:
+        """A native-resolution VLM's: each image and clip at its own size, 3-D (M-RoPE)
+        positions from the layout (models/visual_inputs.py)."""
+        text = self._check_text(batch)
+        if "position_ids" in batch:
+            raise ValueError(
+                "a native-resolution VLM computes its M-RoPE positions from the layout "
+                "(restarting at each of 'document_ids'); the batch must not give 'position_ids'"
+            )
+        valid = valid_ids(text, batch.get("attention_mask"), batch.get("document_ids"))
+        visual = splice_visual_inputs(
+            self.towers[VISION_TOWER], self.spec.vision_tokens, self.decoder.embed(text), batch,
+            valid, right_align=right_align, key_mask=batch.get("attention_mask"),
+            sizes=batch.get(SPLICE_SIZES), document_ids=batch.get("document_ids"),
+        )  # fmt: skip
+        kwargs = self._position_inputs(batch, visual.layout, right_align)
+        kwargs["position_ids"] = visual.positions
+        return visual.embeds, visual.layout, kwargs
 
     def _position_inputs(
         self, batch: Mapping[str, Tensor], layout: Layout, right_align: bool
@@ -434,7 +347,7 @@ class LanguageModel(nn.Module):
             done = done | torch.isin(new, eos_tensor)
             if bool(done.all()) or step == max_new_tokens - 1:
                 break
-            positions = positions[:, -1:] + 1
+            positions = next_positions(positions)  # M-RoPE: past the prompt's furthest
             if mask is not None:
                 mask = F.pad(mask, (0, 1), value=True)
             hidden = decoder.hidden(

@@ -326,6 +326,14 @@ def from_spec(spec: ModelSpec, rows: Rows | None = None) -> PlanModel:
     (spec.decoder) plans `rows` (default: one row of `decoder.max_positions` positions holding
     one image per image tower, as spec.forward_flops counts it); a denoiser (spec.denoiser)
     is one diffusion stack (`denoiser_model`)."""
+    if spec.vision is not None:
+        # Its images' FLOPs, tokens and activations depend on each image's size: planning the
+        # LM alone would leave the tower out of every figure.
+        raise FieldError(
+            "vision",
+            f"{spec.name}: the planner does not plan a native-resolution vision tower yet "
+            "(its compute and activations per page size); `mmtrain spec` counts its parameters",
+        )
     if spec.decoder is not None:
         return language_model(spec, rows or default_rows(spec))
     if spec.denoiser is not None:

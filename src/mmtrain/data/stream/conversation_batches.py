@@ -77,7 +77,8 @@ from mmtrain.data.stream.packing import (
 )
 from mmtrain.data.stream.tokenizer import get_tokenizer
 from mmtrain.data.stream.transforms import AugmentConfig, ImageTransform, make_transform
-from mmtrain.models.vlm import SPLICE_SIZES, image_placeholders, splice_sizes
+from mmtrain.models.splice import image_placeholders, splice_sizes
+from mmtrain.models.vlm import SPLICE_SIZES
 from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
 

@@ -2,7 +2,8 @@
 
 `read_hf_model(folder)` picks the reader by config.json's `architectures` (or `model_type`):
 CLIP / SigLIP (`hf_clip`: towers `image`, `text`), Llama / Qwen2 (`hf_llama`: a language model,
-its decoder under the tower name `text`), LLaVA (`hf_llava`: image tower, projector, decoder).
+its decoder under the tower name `text`), LLaVA (`hf_llava`: image tower, projector, decoder),
+Qwen2-VL / Qwen2.5-VL (`hf_qwen2_vl`: a native-resolution vision tower and an M-RoPE decoder).
 It returns a `ModelSpec` and a state dict in the names of the model `create_model(spec)` builds.
 `write_hf_model(model, folder)` is the reverse, the class chosen by the spec; `write_hf_state`
 does it from a state dict or a lazy reader of a model folder, one tensor at a time, so a model
@@ -15,10 +16,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from mmtrain.decoder_spec import DecoderSpec
-from mmtrain.models.formats import hf_clip, hf_llama, hf_llava
+from mmtrain.models.formats import hf_clip, hf_llama, hf_llava, hf_qwen2_vl
 from mmtrain.models.formats.hf_common import (
     CONFIG_FILE,
     HFFolderError,
@@ -45,11 +47,14 @@ __all__ = [
 
 
 def family_of(config: dict[str, Any], file: Path) -> str:
-    """ "clip" (CLIP / SigLIP), "llama" (Llama / Qwen2) or "llava" for a config.json; raises
+    """ "clip" (CLIP / SigLIP), "llama" (Llama / Qwen2), "llava" or "qwen2_vl" (Qwen2-VL and
+    Qwen2.5-VL) for a config.json; raises
     HFFolderError listing what mmtrain reads otherwise."""
     names, model_type = config.get("architectures"), config.get("model_type")
     if hf_llava.is_llava_config(config):
         return "llava"
+    if hf_qwen2_vl.is_qwen2_vl_config(config):
+        return "qwen2_vl"
     if isinstance(names, list) and len(names) == 1:
         if names[0] in hf_llama.ARCHITECTURES:
             return "llama"
@@ -59,7 +64,8 @@ def family_of(config: dict[str, Any], file: Path) -> str:
         return "llama"
     if names is None and model_type in hf_clip.BY_MODEL_TYPE:
         return "clip"
-    supported = [*hf_clip.ARCHITECTURES, *hf_llama.ARCHITECTURES, hf_llava.ARCHITECTURE]
+    supported = [*hf_clip.ARCHITECTURES, *hf_llama.ARCHITECTURES, hf_llava.ARCHITECTURE,
+                 *hf_qwen2_vl.ARCHITECTURES]  # fmt: skip
     raise HFFolderError(
         file, f"{names!r} is not supported; mmtrain reads {', '.join(supported)}", "architectures"
     )
@@ -84,6 +90,8 @@ def read_hf_model(path: str | Path) -> tuple[ModelSpec, dict[str, Tensor]]:
         return hf_clip.read_hf_folder(folder)
     if family == "llava":
         return hf_llava.read_hf_llava(folder)
+    if family == "qwen2_vl":
+        return hf_qwen2_vl.read_hf_qwen2_vl(folder)
     decoder, state = hf_llama.read_hf_decoder(folder)
     spec = language_model_spec(decoder, folder.resolve().name)
     return spec, {f"towers.{TEXT_TOWER}.{k}": t for k, t in state.items()}
@@ -94,6 +102,8 @@ def hf_counterpart(spec: ModelSpec) -> str:
     listing why there is none."""
     if spec.decoder is None:
         return hf_clip.hf_layout(spec).arch.name
+    if spec.vision is not None:
+        return hf_qwen2_vl.hf_config(spec, torch.float32)["architectures"][0]
     if spec.projector is not None:
         hf_llava.llava_layout(spec)  # raises where LLaVA cannot express the spec
         return hf_llava.ARCHITECTURE
@@ -123,6 +133,8 @@ def write_hf_state(
     arch = hf_counterpart(spec)
     if spec.decoder is None:
         hf_clip.write_hf_encoder(spec, state, out_dir, max_shard_bytes=max_shard_bytes)
+    elif spec.vision is not None:
+        hf_qwen2_vl.write_hf_qwen2_vl(spec, state, out_dir, max_shard_bytes=max_shard_bytes)
     elif spec.projector is not None:
         hf_llava.write_hf_llava(spec, state, out_dir, max_shard_bytes=max_shard_bytes)
     else:

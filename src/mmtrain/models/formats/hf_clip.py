@@ -37,6 +37,7 @@ from mmtrain.models.formats.hf_common import (
     Section,
     open_hf_folder,
     read_hf_weights,
+    regroup,
     sub_config,
     write_hf_groups,
 )
@@ -305,21 +306,6 @@ def key_map(spec: ModelSpec, layout: HFLayout) -> list[KeyGroup]:
     return groups
 
 
-def _regroup(state: Mapping[str, Tensor], groups: list[KeyGroup], src: str, dst: str) -> dict:
-    """Tensors named on side `dst` ("ours"/"theirs") from a state dict named on side `src`."""
-    out: dict[str, Tensor] = {}
-    for group in groups:
-        sources, targets = getattr(group, src), getattr(group, dst)
-        if len(sources) == 1 and len(targets) == 1:
-            out[targets[0][0]] = state[sources[0][0]].reshape(targets[0][1])
-            continue
-        flat = torch.cat([state[name].reshape(-1) for name, _ in sources])
-        parts = flat.split([math.prod(shape) for _, shape in targets])
-        for (name, shape), part in zip(targets, parts, strict=True):
-            out[name] = part.reshape(shape).clone()  # own storage: safetensors refuses shared
-    return out
-
-
 def hf_to_mmtrain(
     state: Mapping[str, Tensor], spec: ModelSpec, layout: HFLayout
 ) -> dict[str, Tensor]:
@@ -333,7 +319,7 @@ def hf_to_mmtrain(
         what=f"the {layout.arch.name} weights do not match the model config.json describes",
         hint="Were config.json and the safetensors files saved from the same model?",
     )
-    return _regroup(state, groups, "theirs", "ours")
+    return regroup(state, groups, "theirs", "ours")
 
 
 def mmtrain_to_hf(
@@ -347,7 +333,7 @@ def mmtrain_to_hf(
         what=f"the mmtrain state dict does not match model {spec.name!r}",
         hint="Export with the spec the model was built from (the spec.yaml next to its weights).",
     )
-    return _regroup(state, groups, "ours", "theirs")
+    return regroup(state, groups, "ours", "theirs")
 
 
 # ----------------------------------------------------------------------------- config.json -> spec

@@ -176,6 +176,21 @@ def hf_entries(meta: Mapping[str, Tensor], groups: Sequence[KeyGroup]) -> list[T
     ]
 
 
+def regroup(state: Mapping[str, Tensor], groups: list[KeyGroup], src: str, dst: str) -> dict:
+    """Tensors named on side `dst` ("ours"/"theirs") from a state dict named on side `src`."""
+    out: dict[str, Tensor] = {}
+    for group in groups:
+        sources, targets = getattr(group, src), getattr(group, dst)
+        if len(sources) == 1 and len(targets) == 1:
+            out[targets[0][0]] = state[sources[0][0]].reshape(targets[0][1])
+            continue
+        flat = torch.cat([state[name].reshape(-1) for name, _ in sources])
+        parts = flat.split([math.prod(shape) for _, shape in targets])
+        for (name, shape), part in zip(targets, parts, strict=True):
+            out[name] = part.reshape(shape).clone()  # own storage: safetensors refuses shared
+    return out
+
+
 def stream_groups(
     source: Mapping[str, Tensor], groups: Sequence[KeyGroup]
 ) -> Iterator[tuple[str, Tensor]]:
