@@ -84,6 +84,12 @@ CASES = {
         "llama",
         dict(vision_feature_layer=-1, vision_feature_select_strategy="full"),
     ),
+    # LLaVA-OneVision's layout: a SigLIP tower without its head, the block before the last
+    "siglip-headless-qwen2": (
+        {**SIGLIP_VISION, "vision_use_head": False},
+        "qwen2",
+        dict(vision_feature_layer=-2, vision_feature_select_strategy="full"),
+    ),
 }
 
 

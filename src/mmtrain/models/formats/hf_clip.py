@@ -382,12 +382,20 @@ def _stack(section: Section) -> dict[str, Any]:
     }
 
 
-def image_tower(vision: Section, arch: Architecture) -> TowerSpec:
+def image_tower(vision: Section, arch: Architecture, headless_ok: bool = False) -> TowerSpec:
     """The image TowerSpec of a vision (sub-)config of `arch`'s family (CLIP: class token and
-    pre-norm; SigLIP: MAP head, patch bias). Used by hf_llava for LLaVA's vision tower."""
+    pre-norm; SigLIP: MAP head, patch bias). Used by hf_llava for LLaVA's vision tower, where
+    a SigLIP tower without its head (`vision_use_head: false`, LLaVA-OneVision's layout: the
+    features of a layer, no pooled output) is read with `headless_ok` as mean pooling, a
+    pooling without weights that a LLaVA never runs."""
     siglip = arch.family == "siglip"
-    if siglip and not vision.get("vision_use_head", bool):
-        raise vision.error("vision_use_head", "false (no pooled output) is not supported")
+    use_head = not siglip or vision.get("vision_use_head", bool)
+    if not use_head and not headless_ok:
+        raise vision.error(
+            "vision_use_head",
+            "false (no pooled output) is read inside a LLaVA folder only: a SigLIP encoder "
+            "alone needs its MAP head",
+        )
     stem = ImageStem(
         image_size=vision.square("image_size"),
         patch_size=vision.square("patch_size"),
@@ -398,7 +406,7 @@ def image_tower(vision: Section, arch: Architecture) -> TowerSpec:
         modality="image",
         stem=stem,
         **_stack(vision),
-        pooling="map" if siglip else "cls",  # SigLIP: MAP head, no class token
+        pooling=("map" if use_head else "mean") if siglip else "cls",  # SigLIP: no class token
         output_proj=arch.projection,
         pre_norm=False if siglip else None,  # SigLIP has no norm before the blocks
     )
@@ -572,8 +580,16 @@ def _text_problems(path: str, tower: TowerSpec, family: str) -> list[str]:
     return problems
 
 
-def hf_layout(spec: ModelSpec) -> HFLayout:
-    """The HF class and tower names for `spec`: SigLIP for a MAP-pooled image tower, else CLIP.
+def image_family(tower: TowerSpec) -> str:
+    """ "siglip" for a MAP-pooled image tower, or a head-less one with SigLIP's patch bias
+    (LLaVA-OneVision's), else "clip"."""
+    headless_siglip = tower.pooling == "mean" and tower.stem.patch_bias
+    return "siglip" if tower.pooling == "map" or headless_siglip else "clip"
+
+
+def hf_layout(spec: ModelSpec, headless_ok: bool = False) -> HFLayout:
+    """The HF class and tower names for `spec`: SigLIP for a MAP-pooled image tower (with
+    `headless_ok`, hf_llava's: or a head-less SigLIP one), else CLIP.
 
     Raises NoHFCounterpart listing every field the HF class cannot express.
     """
@@ -586,10 +602,12 @@ def hf_layout(spec: ModelSpec) -> HFLayout:
             f"tower, got {towers}"
         )
     image, text = images[0], (texts[0] if texts else None)
-    family = "siglip" if spec.towers[image].pooling == "map" else "clip"
-    problems = _problems(
-        f"towers.{image}", spec.towers[image], _image_needs(family, text is not None)
-    )
+    tower = spec.towers[image]
+    family = image_family(tower)
+    needs = _image_needs(family, text is not None)
+    if family == "siglip" and headless_ok and tower.pooling == "mean":
+        needs["pooling"] = "mean"
+    problems = _problems(f"towers.{image}", tower, needs)
     if text is not None:
         problems += _text_problems(f"towers.{text}", spec.towers[text], family)
         if family == "siglip" and spec.logit_bias_init is None:
@@ -638,7 +656,7 @@ def vision_config(spec: ModelSpec, layout: HFLayout) -> dict[str, Any]:
         "patch_size": stem.patch_size,
     }
     if layout.arch.family == "siglip":
-        return {**config, "vision_use_head": True}
+        return {**config, "vision_use_head": tower.pooling == "map"}
     return {**config, "projection_dim": spec.embed_dim}
 
 

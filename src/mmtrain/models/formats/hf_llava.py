@@ -140,7 +140,7 @@ def _vision_tower(config: dict[str, Any], file: Path) -> TowerSpec:
     arch = hf_clip.ARCHITECTURES[VISION_ARCHITECTURES[model_type]]
     defaults = hf_clip.VISION_DEFAULTS[arch.family]
     section = sub_config({"vision_config": vision}, "vision_config", defaults, file)
-    return hf_clip.image_tower(section, arch)
+    return hf_clip.image_tower(section, arch, headless_ok=True)
 
 
 def _decoder(config: dict[str, Any], file: Path) -> DecoderSpec:
@@ -251,7 +251,7 @@ def spec_from_config(config: dict[str, Any], file: Path, name: str) -> ModelSpec
 # ----------------------------------------------------------------------------- the key map
 def _vision_layout(spec: ModelSpec, prefix: str) -> hf_clip.HFLayout:
     """hf_clip's layout of the image tower alone, its keys under `prefix`."""
-    family = "siglip" if spec.towers[IMAGE_TOWER].pooling == "map" else "clip"
+    family = hf_clip.image_family(spec.towers[IMAGE_TOWER])
     arch = hf_clip.ARCHITECTURES["SiglipVisionModel" if family == "siglip" else "CLIPVisionModel"]
     return hf_clip.HFLayout(arch, image=IMAGE_TOWER, text=None, vision_prefix=prefix)
 
@@ -399,7 +399,7 @@ def llava_layout(spec: ModelSpec) -> str:
     if spec.projector.kind != "mlp":
         problems.append(f"projector.kind: LLaVA needs mlp, got {spec.projector.kind!r}")
     try:
-        layout = hf_clip.hf_layout(vision_encoder_spec(spec))
+        layout = hf_clip.hf_layout(vision_encoder_spec(spec), headless_ok=True)
     except NoHFCounterpart as err:
         problems.append(str(err))
         layout = None
@@ -420,7 +420,7 @@ def vision_encoder_spec(spec: ModelSpec) -> ModelSpec:
 def hf_config(spec: ModelSpec, dtype: torch.dtype) -> dict[str, Any]:
     """config.json for `spec` as transformers' LlavaForConditionalGeneration reads it."""
     vision_spec = vision_encoder_spec(spec)
-    vision = hf_clip.vision_config(vision_spec, hf_clip.hf_layout(vision_spec))
+    vision = hf_clip.vision_config(vision_spec, hf_clip.hf_layout(vision_spec, headless_ok=True))
     text = {
         k: v
         for k, v in hf_llama.hf_config(spec.decoder, dtype).items()
