@@ -31,7 +31,15 @@ from mmtrain.data.stream.chat_templates import IGNORE_INDEX, encode_conversation
 from mmtrain.data.stream.conversations import Conversation, Turn
 from mmtrain.data.stream.tokenizer import HFTokenizer, train_bpe
 from mmtrain.data.stream.transforms import ImageTransform
-from mmtrain.eval.answers import exact_match, normalize_answer, token_f1
+from mmtrain.eval.answers import (
+    anls,
+    character_edits,
+    choice_accuracy,
+    exact_match,
+    normalize_answer,
+    relaxed_accuracy,
+    token_f1,
+)
 from mmtrain.eval.generation import VLMEvaluator, derangement, perplexity, target_nll
 from mmtrain.report import build_report
 from mmtrain.spec import ModelSpec
@@ -67,6 +75,49 @@ def test_token_f1_and_exact_match_on_known_strings(prediction, reference, f1, em
     assert token_f1(prediction, reference) == pytest.approx(f1, rel=1e-12)
     assert token_f1(reference, prediction) == pytest.approx(f1, rel=1e-12)  # symmetric
     assert exact_match(prediction, reference) == em
+
+
+# Hand-computed: "hello wrld" is 1 edit from "hello world" (11 characters): 1 - 1/11.
+@pytest.mark.parametrize(
+    "prediction, references, score",
+    [
+        ("hello wrld", "hello world", 1 - 1 / 11),
+        ("  Total:   42 ", ["TOTAL: 42", "forty-two"], 1.0),  # case and spaces; best reference
+        ("abcd", "abxy", 0.0),  # 2 edits of 4: at the 0.5 threshold, no credit
+        ("abcde", "abxye", 0.6),  # 2 of 5
+        ("", "", 1.0),
+        ("x", "", 0.0),
+    ],
+)
+def test_anls_is_docvqas_thresholded_similarity(prediction, references, score):
+    assert anls(prediction, references) == pytest.approx(score, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "prediction, reference, right",
+    [
+        ("10.4", "10", 1.0),  # 4 % off
+        ("10.6", "10", 0.0),  # 6 % off
+        ("47%", "45%", 1.0),  # 4.4 % off, the % sign ignored
+        ("0.0", "0", 1.0),
+        ("0.01", "0", 0.0),  # a zero reference needs zero
+        ("1,200", "1200", 1.0),
+        (" Yes", "yes", 1.0),  # not numbers: exact, lower-cased
+        ("Yes.", "yes", 0.0),
+    ],
+)
+def test_relaxed_accuracy_is_chartqas(prediction, reference, right):
+    assert relaxed_accuracy(prediction, reference) == right
+
+
+def test_character_edits_and_choices():
+    assert character_edits("kitten", "sitting") == (3, 7)  # k->s, e->i, +g
+    assert character_edits(" page one ", "page one") == (0, 8)
+    assert choice_accuracy("The best answer is B.", "B") == 1.0
+    assert choice_accuracy("(C) a red car", "B") == 0.0
+    assert choice_accuracy("answer: D", "(D)") == 1.0
+    assert choice_accuracy("B", "a red car") is None  # not a multiple-choice reference
+    assert choice_accuracy("I cannot tell", "A") == 0.0
 
 
 def test_normalize_answer():
@@ -281,6 +332,9 @@ def test_trained_model_answers_better_with_its_own_images(spec, trained, tokeniz
     assert generation["token_f1_shuffled_images"] <= 0.25
     assert generation["token_f1"] > generation["token_f1_shuffled_images"]
     assert report["perplexity"] < 2.0  # it learned the answers
+    # the document scores of the same answers: a model that names the colours reads them too
+    assert generation["anls"] >= 0.75 and generation["relaxed_accuracy"] >= 0.75
+    assert 0 <= generation["cer"] <= 0.25 and generation["n_choice"] == 0  # no option letters
     by_key = {e["key"]: e for e in report["examples"]}
     assert sorted(by_key) == ["c0", "c1", "c2", "c3"]
     for example in by_key.values():

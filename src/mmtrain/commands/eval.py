@@ -541,6 +541,17 @@ def _language_model_lines(report: dict[str, Any]) -> list[str]:
             f"{score(generation['exact_match'])}; with shuffled images ({generation['n_shuffled']}): "
             f"token F1 {score(generation['token_f1_shuffled_images'])}"
         )
+        choice = (
+            f", multiple choice {score(generation.get('choice_accuracy'))} of "
+            f"{generation.get('n_choice', 0)}"
+            if generation.get("n_choice")
+            else ""
+        )
+        lines.append(
+            f"documents: ANLS {score(generation.get('anls'))}, relaxed accuracy "
+            f"{score(generation.get('relaxed_accuracy'))}, CER {score(generation.get('cer'))}"
+            f"{choice}"
+        )
     for example in report.get("examples", [])[:3]:
         lines.append(
             f"  {example['key']}: {example['generated']!r} (reference {example['reference']!r})"

@@ -58,7 +58,14 @@ from mmtrain.data.stream.conversations import Conversation
 from mmtrain.data.stream.media import MediaError
 from mmtrain.data.stream.tokenizer import Tokenizer, get_tokenizer
 from mmtrain.data.stream.transforms import ImageTransform
-from mmtrain.eval.answers import exact_match, token_f1
+from mmtrain.eval.answers import (
+    anls,
+    character_edits,
+    choice_accuracy,
+    exact_match,
+    relaxed_accuracy,
+    token_f1,
+)
 from mmtrain.eval.run import flatten_metrics, spec_of
 from mmtrain.models.build import unwrap_model
 from mmtrain.spec import ModelSpec
@@ -440,11 +447,17 @@ class VLMEvaluator:
         stop = next((i for i, token in enumerate(row) if token in self.stops), len(row))
         answer = self.tokenizer.decode(row[:stop]).strip()
         sample = self.samples[position]
+        edits, chars = character_edits(answer, sample.reference)
         return {
             "key": sample.key,
             "generated": answer,
             "token_f1": token_f1(answer, sample.reference),
             "exact_match": exact_match(answer, sample.reference),
+            "anls": anls(answer, sample.reference),
+            "relaxed_accuracy": relaxed_accuracy(answer, sample.reference),
+            "char_edits": edits,
+            "reference_chars": chars,
+            "choice_accuracy": choice_accuracy(answer, sample.reference),
         }
 
     # -- the report
@@ -482,13 +495,22 @@ class VLMEvaluator:
         self, own: dict[str, dict[str, Any]], moved: dict[str, dict[str, Any]]
     ) -> dict[str, Any]:
         def mean(results: dict[str, dict[str, Any]], name: str) -> float | None:
-            return float(np.mean([r[name] for r in results.values()])) if results else None
+            values = [r[name] for r in results.values() if r[name] is not None]
+            return float(np.mean(values)) if values else None
 
+        chars = sum(r["reference_chars"] for r in own.values())
+        choices = sum(r["choice_accuracy"] is not None for r in own.values())
         return {
             "token_f1": mean(own, "token_f1"),
             "token_f1_shuffled_images": mean(moved, "token_f1"),
             "exact_match": mean(own, "exact_match"),
             "exact_match_shuffled_images": mean(moved, "exact_match"),
+            # document and video benchmarks' own scores (eval/answers.py)
+            "anls": mean(own, "anls"),
+            "relaxed_accuracy": mean(own, "relaxed_accuracy"),
+            "cer": sum(r["char_edits"] for r in own.values()) / chars if chars else None,
+            "choice_accuracy": mean(own, "choice_accuracy"),
+            "n_choice": choices,
             "n": len(own),
             "n_shuffled": len(moved),
             "max_new_tokens": self.max_new_tokens,
