@@ -32,7 +32,7 @@ from mmtrain.data.stream.media import (
     LazyImage,
     MediaError,
     draft_reduction,
-    first_video_stream,
+    video_header,
 )
 from mmtrain.data.stream.transforms import MODALITY_EXTENSIONS
 from mmtrain.denoiser_spec import DenoiserSpec
@@ -157,24 +157,9 @@ def probe_size(sample: dict[str, Any], input: str) -> tuple[int, ...]:
 
 
 def video_size(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[int, int, int]:
-    """(frames, height, width) of a clip's first video stream: the frame count of its headers,
-    or its duration x frame rate, or (neither known) the frames counted by demuxing."""
-    import av
-
-    try:
-        with av.open(io.BytesIO(data), mode="r") as container:
-            stream = first_video_stream(container, max_pixels)
-            size = (stream.codec_context.height, stream.codec_context.width)
-            frames = int(stream.frames or 0)
-            if not frames and stream.duration and stream.time_base and stream.average_rate:
-                frames = round(float(stream.duration * stream.time_base * stream.average_rate))
-            if not frames:
-                frames = sum(1 for packet in container.demux(stream) if packet.size)
-            return (frames, *size)
-    except MediaError:
-        raise
-    except Exception as err:  # av.error.FFmpegError and its subclasses, mostly
-        raise MediaError(f"video does not open: {err}") from None
+    """(frames, height, width) of a clip's first video stream, from its headers
+    (`media.video_header`)."""
+    return video_header(data, max_pixels)[:3]
 
 
 def _npy_shape(data: bytes) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ import io
 import math
 import struct
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -298,6 +298,7 @@ def decode_video(
     short_side: int | None = None,
     max_pixels: int = DEFAULT_MAX_PIXELS,
     window: tuple[float, int] | None = None,
+    times_s: Sequence[float] | None = None,
 ) -> VideoClip:
     """Decode exactly `frames` frames of the first video stream as uint8 [T, H, W, 3].
 
@@ -310,6 +311,8 @@ def decode_video(
     needed are converted, and long gaps are crossed by seeking to a keyframe. `short_side`
     downscales (never upscales) frames in the decoder's scaler so their shorter side has that
     length, which is much cheaper than converting 720p frames and resizing them afterwards.
+    `times_s` (non-decreasing, `frames` of them) names the times to show instead: the frames
+    a sampler chose by index (data/stream/video_frames.py).
     """
     import av
 
@@ -317,6 +320,9 @@ def decode_video(
     _refuse_other_modality(data, "video", also=("ogg",))  # Ogg can carry Theora video
     if frames < 1:
         raise ValueError(f"frames must be >= 1, got {frames}")
+    if times_s is not None and len(times_s) != frames:
+        raise ValueError(f"times_s holds {len(times_s)} times for {frames} frames")
+    timing = (start_s, interval_s, window, times_s)
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             stream = first_video_stream(container, max_pixels)
@@ -325,11 +331,8 @@ def decode_video(
             duration = _video_duration(container, stream)
             size = _scaled_size(width, height, short_side)
             if duration is None:  # no duration in the headers: decode all, then pick
-                return _pick_from_all(container, stream, frames, (start_s, interval_s, window),
-                                      fps, size)  # fmt: skip
-            if window is not None:
-                start_s, interval_s = _window_times(frames, duration, fps, *window)
-            targets = _target_times(frames, duration, fps, start_s, interval_s)
+                return _pick_from_all(container, stream, frames, timing, fps, size)
+            targets = _targets(frames, duration, fps, timing)
             images = _decode_at(container, stream, targets, fps, size)
             return VideoClip(np.stack(images), fps, duration)
     except MediaError:
@@ -338,6 +341,29 @@ def decode_video(
         raise
     except Exception as err:  # av.error.FFmpegError and its subclasses, mostly
         raise _library_error("video", err) from None
+
+
+def video_header(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[int, int, int, float]:
+    """(frames, height, width, frames per second) of a clip's first video stream without
+    decoding it: the frame count of its headers, or its duration x frame rate, or (neither
+    known) the frames counted by demuxing."""
+    import av
+
+    _require_bytes(data, "video")
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            stream = first_video_stream(container, max_pixels)
+            size = (stream.codec_context.height, stream.codec_context.width)
+            frames = int(stream.frames or 0)
+            if not frames and stream.duration and stream.time_base and stream.average_rate:
+                frames = round(float(stream.duration * stream.time_base * stream.average_rate))
+            if not frames:
+                frames = sum(1 for packet in container.demux(stream) if packet.size)
+            return (frames, *size, _video_fps(stream))
+    except MediaError:
+        raise
+    except Exception as err:  # av.error.FFmpegError and its subclasses, mostly
+        raise MediaError(f"video does not open: {err}") from None
 
 
 def first_video_stream(container, max_pixels: int):
@@ -388,6 +414,16 @@ def _window_times(
     interval = stride / fps
     span = (frames - 1) * interval + 1.0 / fps  # from the first frame's start to the last's end
     return position * max(0.0, duration - span), interval
+
+
+def _targets(frames: int, duration: float, fps: float, timing: tuple) -> list[float]:
+    """The times to show: given (`times_s`), or those of a window or of even spreading."""
+    start_s, interval_s, window, times_s = timing
+    if times_s is not None:
+        return list(times_s)
+    if window is not None:
+        start_s, interval_s = _window_times(frames, duration, fps, *window)
+    return _target_times(frames, duration, fps, start_s, interval_s)
 
 
 def _target_times(
@@ -458,11 +494,8 @@ def _pick_from_all(container, stream, frames, timing, fps, size) -> VideoClip:
     if not decoded:
         raise MediaError("no decodable video frames")
     duration = decoded[-1][0] + 1.0 / fps
-    start_s, interval_s, window = timing
-    if window is not None:
-        start_s, interval_s = _window_times(frames, duration, fps, *window)
     times = np.array([t for t, _ in decoded])
-    targets = _target_times(frames, duration, fps, start_s, interval_s)
+    targets = _targets(frames, duration, fps, timing)
     picks = [max(0, int(np.searchsorted(times, t + 0.25 / fps, side="right")) - 1) for t in targets]
     cache: dict[int, np.ndarray] = {}
     images = [cache.setdefault(i, _to_rgb(decoded[i][1], size)) for i in picks]
