@@ -391,7 +391,9 @@ def test_conversation_batch_packs_first_fit_and_pads_to_the_longest(tok_dir, raw
     images = torch.arange(3 * 3 * 2 * 2, dtype=torch.float32).reshape(3, 3, 2, 2)
 
     def sample(ids: list[int], n_images: int, first: int = 0) -> ConversationSample:
-        return ConversationSample(ids, [IGNORE_INDEX] + ids[1:], images[first : first + n_images])
+        return ConversationSample(
+            ids, [IGNORE_INDEX] + ids[1:], images=images[first : first + n_images]
+        )
 
     samples = [
         sample([image_id, 5, 6, 7], 1, 0),  # 7 positions
@@ -650,3 +652,120 @@ def test_data_inspect_counts_tokens_per_conversation(shards, tok_dir, capsys):
     assert main([*argv, *tools]) == 0
     assert "positions" in capsys.readouterr().out
     assert main([*argv, "--tokenizer", str(tok_dir)]) == 2  # a tokenizer needs its template
+
+
+# ----------------------------------------------------------------------------- videos
+def video_bytes(seed: int, frames: int, size: tuple[int, int]) -> bytes:
+    """A real MP4 (PyAV) of `frames` random frames of `size` (width, height) at 8 fps."""
+    from mmtrain.data.stream.media import encode_video
+
+    shape = (frames, size[1], size[0], 3)
+    return encode_video(np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8), fps=8)
+
+
+def video_folder(root: Path) -> dict[str, bytes]:
+    files = {
+        "clips/a.mp4": video_bytes(1, 6, (22, 18)),
+        "clips/b.mp4": video_bytes(2, 4, (16, 12)),
+        "clips/fake.mp4": image_bytes(9),  # a JPEG under a video's name
+    }
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return files
+
+
+def video_chat(videos: list[str], images: list[str], question: str, answer: str) -> dict:
+    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    return {"messages": messages, "images": images, "videos": videos}
+
+
+def test_chat_with_videos_stores_them_as_they_are_and_rejects_bad_ones(tmp_path):
+    from mmtrain.data.ingest.inspect import inspect_shards
+    from mmtrain.data.storage.manifest import read_manifest
+    from mmtrain.data.stream.conversation_batches import read_conversation
+    from mmtrain.data.stream.media import video_header
+
+    images, videos = image_folder(tmp_path), video_folder(tmp_path)
+    records = [
+        # a video and an image interleaved: the video's tag comes first
+        video_chat(["clips/a.mp4"], ["coco/a.jpg"], "<video>\nWhat happens? <image>", "A cat."),
+        video_chat([], [], "Hi", "No."),
+        video_chat(["clips/nowhere.mp4"], [], "<video>What?", "No."),
+        video_chat(["clips/fake.mp4"], [], "<video>What?", "No."),
+    ]
+    src = tmp_path / "chat.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out"
+    assert build(src, "--out", out, "--workers", 1, "--max-reject-rate", 0.6) == 0
+    first, text = built_samples(out)
+    assert set(first) == {"__key__", "json", "0.jpg", "v0.mp4"}
+    assert first["v0.mp4"] == videos["clips/a.mp4"]  # never re-encoded
+    assert first["0.jpg"] == images["coco/a.jpg"]
+    meta = json.loads(first["json"])
+    assert meta["messages"][0]["content"] == "<video>\nWhat happens? <image>"
+    assert meta["images"] == ["0.jpg"] and meta["image_sizes"] == [[24, 20]]
+    frames, height, width, fps = video_header(videos["clips/a.mp4"])
+    assert (frames, width, height, fps) == (6, 22, 18, 8.0)
+    assert meta["videos"] == ["v0.mp4"] and meta["video_sizes"] == [[6, 22, 18, 8.0]]
+    text_meta = json.loads(text["json"])
+    assert text_meta["videos"] == text_meta["images"] == []
+    assert text_meta["video_sizes"] == text_meta["image_sizes"] == []
+    # What the loader reads back: the conversation and the video's bytes, in tag order.
+    conv, image_data, video_data = read_conversation(first)
+    assert conv.videos == ["v0.mp4"] and video_data == [videos["clips/a.mp4"]]
+    assert image_data == [images["coco/a.jpg"]]
+    rejected = build_rejects(out)
+    assert [(r["kind"], r["index"]) for r in rejected] == [("missing_video", 2), ("mislabelled", 3)]
+    missing, mislabelled = rejected
+    assert missing["path"].endswith("clips/nowhere.mp4")
+    assert "video 1 of 1" in missing["reason"] and "--image-root" in missing["reason"]
+    assert mislabelled["path"].endswith("clips/fake.mp4")
+    assert "video 1 of 1" in mislabelled["reason"] and "jpg data" in mislabelled["reason"]
+    assert read_manifest(out)["modalities"] == ["image", "video", "text"]
+    summary = inspect_shards(str(out))["conversations"]
+    assert summary["videos"]["count"] == 2 and summary["videos"]["max"] == 1
+    assert summary["images"]["max"] == 1
+
+
+def test_llava_video_records_build_and_dedup_counts_the_video_bytes(tmp_path):
+    from mmtrain.data.storage.manifest import read_manifest
+
+    videos = video_folder(tmp_path / "media")
+    image_folder(tmp_path / "media")
+
+    def record(key: str, video: str | list[str], question: str = "<video>What happens?") -> dict:
+        turns = [{"from": "human", "value": question}, {"from": "gpt", "value": "It moves."}]
+        return {"id": key, "video": video, "conversations": turns}
+
+    records = [
+        record("b", "clips/b.mp4"),
+        record("a", "clips/a.mp4"),  # same text, another video: no duplicate
+        record("b-again", "clips/b.mp4"),  # same text and video under another id: a duplicate
+        dict(record("two", ["clips/b.mp4", "clips/a.mp4"], "<video> then <video>?"), image=[]),
+        record("empty", "clips/empty.mp4"),
+        record("undecodable", "clips/cut.mp4"),
+    ]
+    (tmp_path / "media/clips/empty.mp4").write_bytes(b"")
+    (tmp_path / "media/clips/cut.mp4").write_bytes(videos["clips/a.mp4"][:40])  # ftyp, no more
+    src = tmp_path / "llava.json"
+    src.write_text(json.dumps(records))
+    out = tmp_path / "out"
+    flags = ("--workers", 1, "--max-reject-rate", 0.6, "--dedup")
+    assert build(src, "--out", out, "--image-root", tmp_path / "media", *flags) == 0
+    samples = built_samples(out)
+    metas = [json.loads(s["json"]) for s in samples]
+    assert [m["id"] for m in metas] == ["b", "a", "two"]
+    assert [m["videos"] for m in metas] == [["v0.mp4"], ["v0.mp4"], ["v0.mp4", "v1.mp4"]]
+    assert metas[2]["video_sizes"] == [[4, 16, 12, 8.0], [6, 22, 18, 8.0]]
+    assert samples[2]["v0.mp4"] == videos["clips/b.mp4"]
+    assert samples[2]["v1.mp4"] == videos["clips/a.mp4"]
+    assert all(m["images"] == [] for m in metas)
+    counts = read_manifest(out)["counts"]
+    assert counts["filtered"] == 1 and counts["rejected"] == 2
+    rejected = {r["kind"]: r for r in build_rejects(out)}
+    assert set(rejected) == {"empty", "undecodable"}
+    assert rejected["empty"]["path"].endswith("clips/empty.mp4")
+    assert rejected["undecodable"]["path"].endswith("clips/cut.mp4")
+    assert "video 1 of 1" in rejected["undecodable"]["reason"]
+    assert read_manifest(out)["modalities"] == ["video", "text"]

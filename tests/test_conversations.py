@@ -185,6 +185,22 @@ def test_both_formats_parse_to_the_same_conversation(tmp_path):
     assert (conv.key, conv.images) == ("7", [])  # no id: the record's position
 
 
+def test_images_and_videos_interleave_in_any_order():
+    record = {
+        "id": "v1",
+        "messages": [
+            {"role": "user", "content": "<video>\nThen <image>, then <video>?"},
+            {"role": "assistant", "content": "Both."},
+        ],
+        "images": ["page.png"],
+        "videos": ["a.mp4", "b.mp4"],
+    }
+    conv = parse_conversation(record)
+    assert (conv.images, conv.videos) == (["page.png"], ["a.mp4", "b.mp4"])
+    llava = with_turns(("human", "<image><video>"), ("gpt", "Yes."), image="p.png")
+    assert parse_conversation({**llava, "video": "c.mp4"}).videos == ["c.mp4"]
+
+
 def reject(record, **kwargs) -> ConversationError:
     with pytest.raises(ConversationError) as info:
         parse_conversation(record, file="data/llava.json", index=3, **kwargs)
@@ -259,6 +275,21 @@ def with_turns(*turns: tuple[str, str], image: object = None) -> dict:
             "both 'image' and 'images'",
         ),
         ({**SHAREGPT, "images": [""]}, "format", "'images'[0]"),
+        (
+            {**with_turns(("human", "<video> and <video>"), ("gpt", "b")), "video": "a.mp4"},
+            "video_count",
+            "2 <video> tag(s) in the text but 1 video",
+        ),
+        (
+            {**with_turns(("human", "a"), ("gpt", "<video>")), "video": "a.mp4"},
+            "video_tag",
+            "<video> in an assistant",
+        ),
+        (
+            {**SHAREGPT, "videos": ["a.mp4"], "video": "a.mp4"},
+            "format",
+            "both 'video' and 'videos'",
+        ),
     ],
 )
 def test_invalid_records_are_refused_with_a_reason(record, kind, words):

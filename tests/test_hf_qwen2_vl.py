@@ -204,3 +204,27 @@ def test_the_preset_is_what_transformers_builds_from_its_config():
         model = cls(transformers.Qwen2_5_VLConfig(**{k: v for k, v in config.items()
                                                        if k not in ("architectures",)}))  # fmt: skip
     assert sum(p.numel() for p in model.parameters()) == spec.params() == 8_292_166_656
+
+
+def test_init_from_a_folder_fills_the_tower_and_the_lm_by_name(tmp_path):
+    """`init: HF_FOLDER` (the fine-tuning start): every tensor of the native tower, merger
+    included, and of the LM comes from the folder; `init: {vision: ...}` takes the tower
+    alone and leaves the LM at its random init."""
+    from mmtrain.models.build import create_model
+    from mmtrain.train.init_start import load_init
+
+    hf = peer("qwen2_5_vl", seed=7)
+    hf.save_pretrained(tmp_path / "hf")
+    spec, state = read_hf_qwen2_vl(tmp_path / "hf")
+    model = create_model(spec).double()
+    report = load_init(model, str(tmp_path / "hf"))
+    assert not report.random and not report.ignored and report.loaded == len(state)
+    got = model.state_dict()
+    assert all(torch.equal(got[k], state[k].double()) for k in state)
+    fresh = create_model(spec).double()
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    load_init(fresh, {"vision": str(tmp_path / "hf")})
+    after = fresh.state_dict()
+    for key in state:
+        tower = key.startswith("towers.vision.")
+        assert torch.equal(after[key], state[key].double() if tower else before[key]), key

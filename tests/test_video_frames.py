@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mmtrain.data.stream.media import MediaError, encode_video, video_header
+from mmtrain.data.stream.media import encode_video, video_header
 from mmtrain.data.stream.video_frames import (
     FrameRule,
     frame_count,
@@ -38,7 +38,7 @@ def test_frame_counts_follow_fps_within_the_bounds(total, fps, rule, frames):
 def test_indices_spread_as_transformers_computes_them():
     assert frame_indices(250, 20) == [int(i * 12.5) for i in range(20)]  # every 12.5th
     assert frame_indices(10, 4) == [0, 2, 5, 7]  # 0, 2.5, 5, 7.5 truncated
-    with pytest.raises(MediaError, match="shorter than a temporal patch"):
+    with pytest.raises(ValueError, match="shorter than a temporal patch"):
         frame_count(1, 25.0, FrameRule(), temporal_patch=2)
 
 

@@ -40,6 +40,51 @@ class DataSource:
 
 
 @dataclass
+class VisionDataConfig:
+    """How many LM tokens a native-resolution VLM's images and clips may take (`data.vision`,
+    visual_budget.py): one token is merge_unit_pixels^2 pixels (28 x 28 for Qwen2-VL). Images
+    are resized within [image_min_tokens, image_max_tokens] (null: the spec's min_pixels /
+    max_pixels); clips sample `video_fps` frames a second within [video_min_frames,
+    video_max_frames], each frame within [frame_min_tokens, frame_max_tokens], the clip within
+    `video_max_tokens`; `sample_max_tokens` caps a sample's images and clips together (each
+    shrunk by the same factor; a sample that cannot fit at the minimum sizes is refused)."""
+
+    image_min_tokens: int | None = None
+    image_max_tokens: int | None = None
+    sample_max_tokens: int | None = None
+    video_fps: float = 2.0
+    video_min_frames: int = 4
+    video_max_frames: int = 768
+    frame_min_tokens: int = 128  # the Qwen2-VL video processor's 128 x 28 x 28 pixels
+    frame_max_tokens: int = 768
+    video_max_tokens: int | None = None
+
+    def validate(self, path: str = "data.vision") -> None:
+        counts = {
+            "image_min_tokens": self.image_min_tokens,
+            "image_max_tokens": self.image_max_tokens,
+            "sample_max_tokens": self.sample_max_tokens,
+            "video_min_frames": self.video_min_frames,
+            "video_max_frames": self.video_max_frames,
+            "frame_min_tokens": self.frame_min_tokens,
+            "frame_max_tokens": self.frame_max_tokens,
+            "video_max_tokens": self.video_max_tokens,
+        }
+        for name, value in counts.items():
+            if value is not None and value < 1:
+                raise FieldError(f"{path}.{name}", f"must be at least 1, got {value}")
+        if not self.video_fps > 0:
+            raise FieldError(f"{path}.video_fps", f"must be positive, got {self.video_fps}")
+        for low, high in (("image_min_tokens", "image_max_tokens"),
+                          ("video_min_frames", "video_max_frames"),
+                          ("frame_min_tokens", "frame_max_tokens")):  # fmt: skip
+            if counts[low] is not None and counts[high] is not None and counts[low] > counts[high]:
+                raise FieldError(
+                    f"{path}.{low}", f"{counts[low]} is more than {high} {counts[high]}"
+                )
+
+
+@dataclass
 class DataConfig:
     train: list[DataSource]
     val: list[DataSource] = field(default_factory=list)
@@ -75,6 +120,8 @@ class DataConfig:
     # width] for a video model) in its input's units; each step trains one bucket's shape,
     # each sample in the bucket nearest its aspect (and length). null: the spec's one shape.
     buckets: list[list[int]] | None = None
+    # A native-resolution VLM's pixel budget (visual_budget.py); null: the spec's own.
+    vision: VisionDataConfig | None = None
 
 
 @dataclass
@@ -289,6 +336,8 @@ class RunConfig:
         _at_least("train.batch_size", t.batch_size, 1)
         if self.data.video_stride is not None:
             _at_least("data.video_stride", self.data.video_stride, 1)
+        if self.data.vision is not None:
+            self.data.vision.validate()
         if self.data.buckets is not None and (t.resolution_schedule or t.frames_schedule):
             raise FieldError(
                 "data.buckets", "buckets fix the shapes: drop train.resolution/frames_schedule"

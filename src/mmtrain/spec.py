@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -419,15 +419,23 @@ class VisionTokens:
     """How a native-resolution tower's inputs enter the LM (the Qwen2-VL family): one
     `image_token_id` per image and one `video_token_id` per clip in the data's ids, each taking
     the tokens of its own size in the LM (`NativeVisionSpec.tokens`); `tokens_per_second`
-    (Qwen2.5-VL) spaces a clip's time positions by its seconds (None: one per time step)."""
+    (Qwen2.5-VL) spaces a clip's time positions by its seconds (None: one per time step).
+    `start_id` / `end_id`: the ids the chat format puts around each placeholder
+    (`<|vision_start|>`, `<|vision_end|>`), which the data encoder adds; None: none."""
 
     image_token_id: int
     video_token_id: int
     tokens_per_second: float | None = None
+    start_id: int | None = None
+    end_id: int | None = None
 
     def validate(self, path: str, decoder: DecoderSpec) -> None:
-        for name in ("image_token_id", "video_token_id"):
+        if (self.start_id is None) != (self.end_id is None):
+            raise FieldError(f"{path}.end_id", "start_id and end_id go together (both or none)")
+        for name in ("image_token_id", "video_token_id", "start_id", "end_id"):
             value = getattr(self, name)
+            if value is None:
+                continue
             if not 0 <= value < decoder.vocab_size:
                 raise FieldError(
                     f"{path}.{name}",
@@ -792,11 +800,20 @@ class ModelSpec:
             )
         return parts
 
-    def sequence_flops_by_part(self, positions: list[int], images: int) -> dict[str, int]:
+    def sequence_flops_by_part(
+        self,
+        positions: list[int],
+        images: int,
+        visual: Sequence[tuple[int, int, int]] = (),
+    ) -> dict[str, int]:
         """Forward FLOPs of a language model's rows of `positions` positions each (image tokens
-        included) holding `images` images in all, by part (see forward_flops_by_part)."""
+        included) holding `images` images in all, by part (see forward_flops_by_part); a
+        native-resolution VLM's images and clips are `visual`, (frames, height, width) each at
+        the tower's size."""
         assert self.decoder is not None
         parts = {}
+        if self.vision is not None:
+            parts[VISION_TOWER] = sum(self.vision.forward_flops(h, w, t) for t, h, w in visual)
         if self.projector is not None:
             tower = self.towers[self.projector.tower]
             parts[self.projector.tower] = images * self.projector.vision_flops(tower)

@@ -78,6 +78,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=1,
         help="LM positions one image takes (the model's; e.g. 576 for LLaVA-1.5), default 1",
     )
+    inspect.add_argument(
+        "--model",
+        help="a native-resolution VLM (e.g. Qwen2.5-VL-7B): each page's and clip's tokens from "
+        "its size under the model's pixel budget, instead of --image-tokens",
+    )
+    inspect.add_argument(
+        "--budget",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --model: a data.vision setting (image_max_tokens=1280, sample_max_tokens=8192, "
+        "frame_max_tokens=..., video_fps=...), as the run sets it",
+    )
     inspect.set_defaults(func=run_inspect)
 
     order = commands.add_parser("order", help="the keys a rank reads, in order")
@@ -303,6 +316,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         tokenizer=tokenizer,
         template=template,
         image_tokens=args.image_tokens,
+        **_visual_budget(args),
     )
     if sheet is not None:
         sources = open_shards(spec)[2]
@@ -315,6 +329,38 @@ def run_inspect(args: argparse.Namespace) -> int:
     else:
         _print_report(report)
     return 1 if report["problems"] else 0
+
+
+def _visual_budget(args: argparse.Namespace) -> dict[str, Any]:
+    """`--model` (a native-resolution VLM) with its `--budget KEY=VALUE` settings: the budget
+    the loader would apply (data.vision) and whether it wraps each input in start / end ids,
+    as `inspect_shards` keywords ({} without --model)."""
+    if args.model is None:
+        if args.budget:
+            raise UsageError("--budget needs --model (a native-resolution VLM)")
+        return {}
+    import yaml
+
+    from mmtrain.config import VisionDataConfig
+    from mmtrain.spec import load_spec
+    from mmtrain.structured import from_dict
+    from mmtrain.visual_budget import budget_of
+
+    spec = load_spec(args.model)
+    if spec.vision is None:
+        raise UsageError(
+            f"--model {args.model}: not a native-resolution VLM (no vision); use --image-tokens"
+        )
+    values = {}
+    for item in args.budget:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"--budget {item!r}: expected KEY=VALUE, e.g. image_max_tokens=1280")
+        values[key.strip()] = yaml.safe_load(value)
+    settings = from_dict(VisionDataConfig, values, "--budget")
+    settings.validate("--budget")
+    wrap = spec.vision_tokens is not None and spec.vision_tokens.start_id is not None
+    return {"budget": budget_of(spec.vision, settings), "wrap": wrap}
 
 
 def _conversation_tools(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -339,6 +385,7 @@ def _print_conversations(summary: dict[str, Any]) -> None:
         + (f" ({why})" if why else "")
     )
     names = ("positions", "text_ids", "images") if "positions" in summary else ("images",)
+    names = (*names, "videos", *(n for n in ("visual_tokens", "page_tokens") if n in summary))
     for name in (*names, *(() if "positions" in summary else ("text_bytes",))):
         stats = summary[name]
         figures = ", ".join(f"{k} {stats[k]:,.0f}" for k in ("mean", "p50", "p90", "p99", "max"))

@@ -247,6 +247,7 @@ def _language_model_report(model: Any, run_dir: Path, args: argparse.Namespace) 
             max_length=_run_data_field(run_dir, "sequence_length"),
             max_new_tokens=args.max_new_tokens,
             examples=args.examples,
+            budget=_run_budget(model.spec, run_dir),
         )
     except FieldError as err:
         flags = {
@@ -322,6 +323,20 @@ def run_diffusion_config(run_dir: Path) -> Any:
         return from_dict(DiffusionConfig, train.get("diffusion") or {}, "train.diffusion")
     except (FieldError, AttributeError) as err:
         raise UsageError(f"{run_dir / 'config.yaml'}: {err}") from None
+
+
+def _run_budget(spec: Any, run_dir: Path) -> Any:
+    """A native-resolution VLM's pixel budget as the run trained with it (data.vision), so
+    validation pages get the sizes and tokens training gave them; None otherwise."""
+    if spec.vision is None:
+        return None
+    from mmtrain.config import VisionDataConfig
+    from mmtrain.structured import from_dict
+    from mmtrain.visual_budget import budget_of
+
+    values = _run_data_field(run_dir, "vision")
+    settings = None if values is None else from_dict(VisionDataConfig, values, "data.vision")
+    return budget_of(spec.vision, settings)
 
 
 def _run_data_field(run_dir: Path, name: str) -> Any:

@@ -16,9 +16,12 @@ from mmtrain.commands._args import count
 from mmtrain.hardware import GIB, PRICE_SOURCE, load_catalog
 from mmtrain.plan.config import AC_MODES, ATTENTION, OPTIMIZERS, PRECISIONS, PlanConfig
 from mmtrain.plan.estimate import Plan, make_plan
+from mmtrain.plan.model import Rows, from_spec, native_rows
+from mmtrain.plan.native_vision import parse_visual
 from mmtrain.plan.recommend import DEFAULT_DEADLINE_H
-from mmtrain.plan.workloads import load_model, load_workloads
-from mmtrain.spec import load_spec
+from mmtrain.plan.workloads import load_model, load_workloads, workload_names
+from mmtrain.spec import ModelSpec, load_spec
+from mmtrain.structured import FieldError
 
 ORDER = 20
 
@@ -126,7 +129,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--images",
         type=count,
         default=None,
-        help="language models: images per row (default 1 for a vision-language model)",
+        help="language models: images per row (default 1 for a vision-language model; for a "
+        "native-resolution one, pages at the spec's max_pixels: see --visual)",
+    )
+    p.add_argument(
+        "--visual",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="native-resolution VLMs (Qwen2-VL family): an input of the row, HxW (an image of "
+        "that original size) or FxHxW (a clip of F frames), resized by the processor's rule "
+        "(repeatable: one row holds them all; default one page at the spec's max_pixels)",
     )
     p.add_argument(
         "--packed",
@@ -239,7 +252,15 @@ def _config(args: argparse.Namespace) -> PlanConfig:
     )
 
 
-def _model(args: argparse.Namespace):
+def _model(args: argparse.Namespace, visual: tuple | None = None):
+    """The plan model of `args.model`; a native-resolution VLM's rows hold `visual`
+    (`_visual_inputs`)."""
+    if visual is not None:
+        spec = load_spec(args.model)
+        positions = None if args.inference else args.context
+        rows = Rows(positions or spec.decoder.max_positions, visual_inputs=visual,
+                    packed=args.packed)  # fmt: skip
+        return _adapted(from_spec(spec, rows), args)
     model = load_model(
         args.model,
         image_size=args.image_size,
@@ -249,6 +270,59 @@ def _model(args: argparse.Namespace):
         packed=args.packed,
     )
     return _adapted(model, args)
+
+
+def _native_spec(args: argparse.Namespace) -> ModelSpec | None:
+    """The spec of `args.model` when it has a native-resolution tower (spec.vision), else
+    None (other specs, workload presets, names load_model reports as unknown)."""
+    if args.model.lower() in {n.lower() for n in workload_names()}:
+        return None
+    try:
+        spec = load_spec(args.model)
+    except FieldError:
+        return None
+    return spec if spec.vision is not None else None
+
+
+def _visual_inputs(args: argparse.Namespace) -> tuple | None:
+    """A native VLM's row inputs at the tower's size: each --visual resized, else --images
+    default pages (one by default); None for other models, which take no --visual."""
+    spec = _native_spec(args)
+    if spec is None:
+        if args.visual:
+            raise FieldError(
+                "--visual",
+                f"{args.model} has no native-resolution vision tower (spec.vision): --visual "
+                "sizes a Qwen2-VL-style model's images and clips (a LLaVA-style VLM's images "
+                "have one size: --images, --image-size)",
+            )
+        return None
+    if args.visual and args.images is not None:
+        raise UsageError("give the row's inputs as --visual or as --images default pages, not both")
+    if args.visual:
+        return tuple(parse_visual(spec.vision, text) for text in args.visual)
+    images = 1 if args.images is None else args.images
+    return native_rows(spec, Rows(spec.decoder.max_positions, images=images)).visual_inputs
+
+
+def _visual_summary(args: argparse.Namespace, visual: tuple, model) -> dict:
+    """What a native VLM's row holds, for --json: each input at the tower's size, its
+    patches and LM tokens, and the row's visual tokens and text ids."""
+    v = load_spec(args.model).vision
+    tokens = sum(v.tokens(h, w, f) for f, h, w in visual)
+    positions = model.stack("text").tokens
+    return {
+        "inputs": [
+            {"kind": "image" if f == 1 else "clip", "frames": f, "height": h, "width": w}
+            | {"patches": v.patches(h, w, f), "tokens": v.tokens(h, w, f)}
+            for f, h, w in visual
+        ],
+        "tokens_per_row": tokens,
+        "patches_per_row": sum(v.patches(h, w, f) for f, h, w in visual),
+        "positions_per_row": positions,
+        "text_ids_per_row": positions - tokens + len(visual),
+        "vision_forward_flops_per_row": model.stack("vision").forward_flops,
+    }
 
 
 def _adapted(model, args: argparse.Namespace):
@@ -295,7 +369,8 @@ def run(args: argparse.Namespace) -> int:
         return _workloads(args, catalog)
     if args.data:
         return _data(replace_gpu(args, args.gpu or "h100"), catalog)
-    model = _model(args)
+    visual = _visual_inputs(args)
+    model = _model(args, visual)
     if args.recommend:
         return _recommend(args, model, _config(replace_gpu(args, "h100")), catalog)
     args = replace_gpu(args, args.gpu or "h100")
@@ -327,12 +402,15 @@ def run(args: argparse.Namespace) -> int:
             lora_targets=_lora_targets(args),
             freeze_blocks=_tower_counts(args)[0],
             unlocked_blocks=_tower_counts(args)[1],
+            visual_inputs=visual,
         )
         result["measured"] = measured.to_dict()
+    if visual is not None:
+        result["visual"] = _visual_summary(args, visual, model)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    _print_plan(plan, result.get("measured"))
+    _print_plan(plan, result.get("measured"), result.get("visual"))
     return 0
 
 
@@ -353,7 +431,12 @@ def _price(t) -> str:
     return f"${t.price_per_gpu_hour:,.2f} per GPU-hour ({t.price_source})"
 
 
-def _print_plan(plan: Plan, measured: dict | None) -> None:
+def _input_label(item: dict) -> str:
+    size = f"{item['height']}x{item['width']}"
+    return f"image {size}" if item["frames"] == 1 else f"clip {item['frames']}x{size}"
+
+
+def _print_plan(plan: Plan, measured: dict | None, visual: dict | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -362,6 +445,13 @@ def _print_plan(plan: Plan, measured: dict | None) -> None:
     console.print(
         f"[bold]{m.name}[/]: {m.params() / 1e6:,.1f}M params ({m.trainable_params() / 1e6:,.1f}M trainable), {m.forward_flops() / 1e9:,.2f} forward GFLOPs/sample, tokens {m.tokens_per_sample()}"
     )
+    if visual:
+        inputs = ", ".join(f"{_input_label(i)} ({i['tokens']:,} tokens)" for i in visual["inputs"])
+        console.print(
+            f"row: {inputs or 'no image'}: {visual['tokens_per_row']:,} visual tokens "
+            f"({visual['patches_per_row']:,} patches) + {visual['text_ids_per_row']:,} text ids "
+            f"= {visual['positions_per_row']:,} positions"
+        )
     console.print(
         f"{c.gpus} x {plan.gpu.name} ({plan.gpu.memory_usable_gib} GiB usable of {plan.gpu.memory_nominal_gb:g} GB nominal); {c.precision}, {c.optimizer}, ZeRO-{c.zero}, TP {c.tp}{' + SP' if c.sp else ''}, PP {c.pp}, AC {c.ac}, {c.attention} attention; micro-batch {c.micro_batch} x DP {c.dp} x accumulation {c.accumulation} = global {c.effective_global_batch}"
     )
@@ -440,6 +530,11 @@ def _data(args: argparse.Namespace, catalog) -> int:
     spec = with_input_sizes(load_spec(args.model), args.image_size, None, None)
     if not spec.is_language_model():
         raise UsageError(f"--data plans a language model; {spec.name!r} has no decoder")
+    if spec.vision is not None:
+        raise UsageError(
+            f"--data does not plan a native-resolution VLM yet ({spec.name!r}: its pages' "
+            "tokens depend on each page's size); plan its rows with --visual HxW / FxHxW"
+        )
     if args.tokenizer is None or args.chat_template is None:
         raise UsageError(
             "--data needs --tokenizer (a tokenizer.json or its folder) and --chat-template "

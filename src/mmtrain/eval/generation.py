@@ -9,7 +9,8 @@
 
 `token_f1_shuffled_images` is the check that the model looks at the image: the prompts stay,
 the images move between samples by a fixed derangement (seeded; among samples with the same
-number of images, so every prompt still gets as many images as it has tags). A model that
+number of images and clips, so every prompt still gets as many inputs as it has tags; a
+native VLM's pages keep their own sizes and tokens, eval/visual_batches.py). A model that
 ignores its images scores the same with both; one that uses them scores lower shuffled.
 
 Distributed: every rank reads the list of conversations (the same on all ranks), takes every
@@ -31,7 +32,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ from mmtrain.data.stream.chat_templates import (
     ChatTemplate,
     JinjaTemplate,
     NamedTemplate,
+    Placeholders,
     RefusedSample,
     Segment,
     encode_conversation,
@@ -56,6 +58,7 @@ from mmtrain.data.stream.chat_templates import (
 from mmtrain.data.stream.conversation_batches import NO_IMAGE_ID, SkippedSample, read_conversation
 from mmtrain.data.stream.conversations import Conversation
 from mmtrain.data.stream.media import MediaError
+from mmtrain.data.stream.native_inputs import NativeInputs
 from mmtrain.data.stream.tokenizer import Tokenizer, get_tokenizer
 from mmtrain.data.stream.transforms import ImageTransform
 from mmtrain.eval.answers import (
@@ -67,9 +70,11 @@ from mmtrain.eval.answers import (
     token_f1,
 )
 from mmtrain.eval.run import flatten_metrics, spec_of
+from mmtrain.eval.visual_batches import FixedImages, NativeVisuals
 from mmtrain.models.build import unwrap_model
 from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
+from mmtrain.visual_budget import BudgetExceeded, VisualBudget, budget_of
 
 log = logging.getLogger(__name__)
 
@@ -178,31 +183,59 @@ class EvalSample:
     reference: str
     question: str  # the last user turn's text, for eyes (examples, the report's gallery)
     id: str = ""  # the conversation's own "id" (the source record's), for readers
+    videos: list[str] = field(default_factory=list)  # member names of its clips, in order
 
 
 class _Encoder:
-    """Conversation -> `EvalSample` with the run's template and tokenizer."""
+    """Conversation -> `EvalSample` with the run's template and tokenizer (a native VLM's
+    inputs each with the tokens of their budgeted size, `native`)."""
 
-    def __init__(self, spec: ModelSpec, tokenizer: Any, template: ChatTemplate, max_length: int):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        tokenizer: Any,
+        template: ChatTemplate,
+        max_length: int,
+        native: NativeInputs | None = None,
+    ):
         self.spec, self.tokenizer, self.template = spec, tokenizer, template
-        self.max_length = max_length
-        projector = spec.projector
+        self.max_length, self.native = max_length, native
+        projector, tokens = spec.projector, spec.vision_tokens
         self.image_token_id = projector.image_token_id if projector is not None else NO_IMAGE_ID
+        self.video_token_id, self.wrap = None, None
+        if native is not None and tokens is not None:
+            self.image_token_id, self.video_token_id = tokens.image_token_id, tokens.video_token_id
+            self.wrap = None if tokens.start_id is None else (tokens.start_id, tokens.end_id)
         self.image_length = max(1, spec.image_tokens())
 
-    def __call__(self, index: int, conv: Conversation) -> EvalSample:
-        if conv.images and self.spec.projector is None:
-            raise RefusedSample("image_count", f"{conv.key}: images, but the model takes none")
+    def _placeholders(
+        self, conv: Conversation, sample: dict[str, Any], images: list[bytes], videos: list[bytes]
+    ) -> Placeholders:
+        if self.native is None:
+            if conv.images and self.spec.projector is None:
+                raise RefusedSample("image_count", f"{conv.key}: images, but the model takes none")
+            return Placeholders(self.image_token_id, self.image_length)
+        try:
+            measured = self.native.measure(conv.key, images, videos)
+        except BudgetExceeded as err:
+            raise RefusedSample("visual_budget", f"{conv.key}: {err}") from None
+        image_tokens, video_tokens = measured.tokens(self.native.budget)
+        return Placeholders(self.image_token_id, video_token_id=self.video_token_id,
+                            image_lengths=image_tokens, video_lengths=video_tokens,
+                            wrap=self.wrap)  # fmt: skip
+
+    def __call__(self, index: int, sample: dict[str, Any]) -> EvalSample:
+        conv, images, videos = read_conversation(sample)
+        marks = self._placeholders(conv, sample, images, videos)
+        conv.key = sample["__key__"]  # the shard key: unique, and what reports name
         encoded = encode_conversation(
-            conv,
-            self.template,
-            self.tokenizer,
-            self.max_length,
-            self.image_token_id,
-            image_length=self.image_length,
-        )
+            conv, self.template, self.tokenizer, self.max_length, self.image_token_id,
+            placeholders=marks,
+        )  # fmt: skip
         segments, reference = prompt_and_reference(conv, self.template)
-        prompt = encode_segments(segments, self.tokenizer, self.image_token_id)
+        prompt = encode_segments(
+            segments, self.tokenizer, self.image_token_id, self.video_token_id, self.wrap
+        )
         return EvalSample(
             index,
             conv.key,
@@ -213,6 +246,7 @@ class _Encoder:
             prompt.input_ids,
             reference,
             _last_user_text(conv),
+            videos=list(conv.videos),
         )
 
 
@@ -226,10 +260,8 @@ def _read_samples(shards: ShardSet, encoder: _Encoder) -> tuple[list[EvalSample]
     for index in range(len(shards)):
         sample = shards.read(index)
         try:
-            conv, _ = read_conversation(sample)
-            record_id = conv.key
-            conv.key = sample["__key__"]  # the shard key: unique, and what reports name
-            samples.append(replace(encoder(index, conv), id=record_id))
+            record_id = read_conversation(sample)[0].key
+            samples.append(replace(encoder(index, sample), id=record_id))
         except (MediaError, RefusedSample, SkippedSample) as err:
             refused += 1
             log.warning("validation sample %s skipped: %s", sample["__key__"], err)
@@ -310,6 +342,7 @@ class VLMEvaluator:
         seed: int = 0,
         rank: int | None = None,
         world_size: int | None = None,
+        budget: VisualBudget | None = None,
     ):
         if spec.decoder is None:
             raise FieldError("model", f"{spec.name} has no decoder: use eval.run.Evaluator")
@@ -329,8 +362,11 @@ class VLMEvaluator:
         self.template = (
             get_template(chat_template) if isinstance(chat_template, (str, Path)) else chat_template
         )
+        native = None
+        if spec.vision is not None:
+            native = NativeInputs(budget or budget_of(spec.vision, None))
         encoder = _Encoder(
-            spec, self.tokenizer, self.template, max_length or spec.decoder.max_positions
+            spec, self.tokenizer, self.template, max_length or spec.decoder.max_positions, native
         )
         try:
             self.shards = ShardSet.open(data)
@@ -344,14 +380,19 @@ class VLMEvaluator:
                 "(see the warnings above)",
             )
         self.stops = stop_ids(self.template, self.tokenizer, spec.decoder.eos_ids)
-        # Never the placeholder's id: padding would be counted as images.
-        self.pad_id = 0 if encoder.image_token_id != 0 else 1
-        self.partners = derangement([len(s.images) or None for s in self.samples], seed)
-        for i, sample in enumerate(self.samples):
-            if not sample.images:
+        # Never a placeholder's id: padding would be counted as images.
+        self.pad_id = min({0, 1, 2} - {encoder.image_token_id, encoder.video_token_id})
+        groups = [(len(s.images), len(s.videos)) for s in self.samples]
+        self.partners = derangement([g if any(g) else None for g in groups], seed)
+        for i, group in enumerate(groups):
+            if not any(group):
                 self.partners[i] = None  # text only: nothing to shuffle
         tower = spec.towers.get(spec.projector.tower) if spec.projector is not None else None
-        self.transform = ImageTransform.from_stem(tower.stem, False) if tower is not None else None
+        self.visuals: FixedImages | NativeVisuals | None = None
+        if native is not None:
+            self.visuals = NativeVisuals(native)
+        elif tower is not None:
+            self.visuals = FixedImages(ImageTransform.from_stem(tower.stem, False))
 
     # -- the work of one rank
     def _share(self) -> list[int]:
@@ -361,35 +402,18 @@ class VLMEvaluator:
         per_rank = math.ceil(len(self.samples) / self.world)
         return math.ceil(per_rank / self.batch_size)
 
-    def _images(
-        self, positions: Sequence[int], dtype: torch.dtype
-    ) -> tuple[torch.Tensor | None, set[int]]:
-        """The images of the samples at `positions` (of `self.samples`), in reading order, and
-        the positions whose image did not decode (shown as zeros; left out of the metrics)."""
-        if self.transform is None:
-            return None, set()
-        pixels, broken = [], set()
+    def _inputs(self, positions: Sequence[int], dtype: torch.dtype) -> tuple[dict, set[int]]:
+        """The pixels of the samples at `positions` (of `self.samples`) as batch entries, in
+        reading order, and the positions whose inputs did not decode (eval/visual_batches)."""
+        if self.visuals is None:
+            return {}, set()
+        items = []
         for position in positions:
             sample = self.samples[position]
-            if not sample.images:
-                continue
-            members = self.shards.read(sample.index)
-            for name in sample.images:
-                try:
-                    pixels.append(self.transform.decode(members[name]))
-                except (MediaError, KeyError, OSError, ValueError) as err:
-                    log.warning(
-                        "validation sample %s: image %s unreadable: %s", sample.key, name, err
-                    )
-                    size, channels = self.transform.size, self.transform.channels
-                    pixels.append(torch.zeros(channels, size, size))
-                    broken.add(position)
-        if not pixels:
-            # A VLM always gets "image", also empty: under FSDP / DDP every rank must run the
-            # image tower in every forward (models/vlm.py, `_image_embeds`).
-            size, channels = self.transform.size, self.transform.channels
-            return torch.zeros(0, channels, size, size, dtype=dtype), broken
-        return torch.stack(pixels).to(dtype), broken
+            if sample.images or sample.videos:
+                members = self.shards.read(sample.index)
+                items.append((position, sample.key, sample.images, sample.videos, members))
+        return self.visuals.inputs(items, dtype)
 
     @torch.no_grad()
     def _nll(self, model: nn.Module, device: Any) -> tuple[float, int, set[int]]:
@@ -399,7 +423,7 @@ class VLMEvaluator:
             positions = share[step * self.batch_size : (step + 1) * self.batch_size]
             weight = 1.0 if positions else 0.0
             positions = positions or [0]  # keeps this rank in step with the others
-            images, bad = self._images(positions, dtype)
+            inputs, bad = self._inputs(positions, dtype)
             rows = [self.samples[p] for p in positions]
             text, mask = _padded([s.input_ids for s in rows], self.pad_id, left=False)
             labels, _ = _padded([s.labels for s in rows], IGNORE_INDEX, left=False)
@@ -407,8 +431,7 @@ class VLMEvaluator:
                 if position in bad:
                     labels[r] = IGNORE_INDEX  # an undecodable image: not measured
             batch = {"text": text.to(device), "attention_mask": mask.to(device)}
-            if images is not None:
-                batch["image"] = images.to(device)
+            batch |= _on_device(inputs, device)
             logits = model(batch)["logits"]
             nll, count = target_nll(logits, labels.to(logits.device))
             total, tokens = total + weight * nll, tokens + int(weight) * count
@@ -426,11 +449,10 @@ class VLMEvaluator:
         for start in range(0, len(share), self.batch_size):
             positions = share[start : start + self.batch_size]
             sources = [self.partners[p] if shuffled else p for p in positions]
-            images, bad = self._images(sources, dtype)
+            inputs, bad = self._inputs(sources, dtype)
             ids, mask = _padded([self.samples[p].prompt_ids for p in positions], self.pad_id, True)
             batch = {"text": ids.to(device), "attention_mask": mask.to(device)}
-            if images is not None:
-                batch["image"] = images.to(device)
+            batch |= _on_device(inputs, device)
             new = generator.generate(
                 batch,
                 self.max_new_tokens,
@@ -530,6 +552,7 @@ class VLMEvaluator:
                 "key": sample.key,
                 "id": sample.id,
                 "images": sample.images,
+                "videos": sample.videos,
                 "question": sample.question,
                 "prompt": sample.prompt,
                 "reference": sample.reference,
@@ -550,6 +573,17 @@ class VLMEvaluator:
     def close(self) -> None:
         """Close the shard files."""
         self.shards.close()
+
+
+def _on_device(inputs: dict[str, Any], device: Any) -> dict[str, Any]:
+    """Batch entries on `device`: tensors, and lists of them (a native VLM's inputs)."""
+
+    def move(value: Any) -> Any:
+        if isinstance(value, list):
+            return [v.to(device) if isinstance(v, torch.Tensor) else v for v in value]
+        return value.to(device)
+
+    return {name: move(value) for name, value in inputs.items()}
 
 
 def _gather_by_key(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -268,6 +268,10 @@ class PatchMerger(nn.Module):
 class NativeVisionTower(nn.Module):
     """Images and clips at their own sizes in, one LM-width vector per merged token out."""
 
+    # What freezing "the stem and the first N blocks" freezes (train/optim.py): the patches'
+    # embedding (the tower's `embed` is a method, not a module).
+    INPUT_MODULES = ("patch_embed",)
+
     def __init__(self, spec: NativeVisionSpec):
         super().__init__()
         self.spec = spec

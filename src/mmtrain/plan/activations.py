@@ -31,6 +31,12 @@ An MMDiT's joint block (models/mmdit.py) keeps these over its image and text tok
 the attention's merged heads; its last block less (`_pre_only_saving`). Measured exact on the
 CPU in fp32 (tests/test_plan_dit.py); its q/k norms' tensors (`qk_norm`) are not counted.
 
+A native-resolution vision tower (plan/native_vision.py; `Stack.gathered_attention`) attends
+over gathered windows and frames: q, k and v are gathered copies (3h, what a fused projection
+keeps) and the output is gathered back into patch order, a copy the output projection reads
+(h more); quick_gelu keeps its sigmoid's output (f more); the gathers' int64 indices are kept
+once for all blocks, without checkpointing only. Measured exact on the CPU in fp32.
+
 Tensor parallel t divides everything except the norm inputs, qkv input and fc1 input (which
 stay replicated: Korthikanti's "10" at 16-bit with dropout) unless sequence parallelism is on.
 Checkpointing: "selective" recomputes the attention sub-block (drops q/k/v, attention output,
@@ -84,7 +90,7 @@ def layer_terms(stack: Stack, micro_batch: int, o: ActivationOptions) -> dict[st
     t = o.tp
     rep = t if o.sp else 1  # replicated terms are divided only under sequence parallelism
     inner = stack.heads * stack.head_dim  # the query heads' width (h unless head_dim is set)
-    mlp = (2 * f + f + f) if stack.gated else (f + f)
+    mlp = (2 * f + f + f) if stack.gated else (f + f + (f if stack.quick_gelu else 0))
     stats = (2 if stack.norm == "layernorm" else 1) * 2 * sb * FP32 / rep
     terms = {
         "norm_inputs": 2 * sb * h * o.residual_bytes / rep,
@@ -95,6 +101,8 @@ def layer_terms(stack: Stack, micro_batch: int, o: ActivationOptions) -> dict[st
         "mlp_input": sb * h * o.act_bytes / rep,
         "mlp_hidden": sb * mlp * o.act_bytes / t,
     }
+    if stack.gathered_attention:  # the output gathered back into token order: a copy
+        terms["attention_gathered"] = sb * inner * o.act_bytes / t
     if stack.norm_copy:
         terms["norm_copies"] = 2 * sb * h * o.residual_bytes / rep
     if stack.adaln:
@@ -113,7 +121,8 @@ def layer_terms(stack: Stack, micro_batch: int, o: ActivationOptions) -> dict[st
     if o.attention == "flash":
         terms["attention_lse"] = a * sb * FP32 / t
     else:
-        terms["attention_softmax"] = a * s * sb * o.act_bytes / t
+        keys = stack.attention_span or s  # windows: the keys of each query's group
+        terms["attention_softmax"] = a * keys * sb * o.act_bytes / t
         if o.dropout:
             terms["attention_softmax"] *= 2.5  # mask (1 byte) and dropout output (2 bytes)
     if stack.key_mask:
@@ -157,7 +166,8 @@ def _lora_first_layer_unsaved(stack: Stack, micro_batch: int, o: ActivationOptio
     if o.ac == "selective":
         rep = o.tp if o.sp else 1
         return 2 * one_norm + stack.tokens * micro_batch * stack.width * o.act_bytes / rep
-    attention = ("qkv", "attention_output", "attention_lse", "attention_softmax", "attention_mask")
+    attention = ("qkv", "attention_output", "attention_gathered", "attention_lse",
+                 "attention_softmax", "attention_mask")  # fmt: skip
     return 2 * one_norm + sum(terms.get(k, 0.0) for k in attention)
 
 
@@ -170,6 +180,7 @@ def _lora_terms(terms: dict[str, float], stack: Stack, sb: int, o: ActivationOpt
     adapted = 0
     if "attn" not in stack.lora_targets:
         terms["qkv_input"] = 0.0
+        terms.pop("attention_gathered", None)  # the frozen output projection's input
     else:
         adapted += 2
     terms.pop("norm_copies", None)  # a frozen norm weight's backward needs no normalised copy
@@ -187,6 +198,7 @@ def _lora_terms(terms: dict[str, float], stack: Stack, sb: int, o: ActivationOpt
 _SELECTIVE_DROPS = (
     "qkv",
     "attention_output",
+    "attention_gathered",
     "attention_merged",
     "attention_lse",
     "attention_softmax",
@@ -274,8 +286,9 @@ def _frozen_layer_with_input_grad(stack: Stack, micro_batch: float, o: Activatio
     the inputs of its frozen linears or the normalised copies its frozen norm weights scale."""
     terms = layer_terms(stack, micro_batch, o)
     f = micro_batch * stack.tokens * stack.mlp_hidden * o.act_bytes / o.tp
-    terms["mlp_hidden"] = 3 * f if stack.gated else f
-    for name in ("qkv_input", "mlp_input", "norm_copies", "lora_intermediate"):
+    terms["mlp_hidden"] = 3 * f if stack.gated else (2 * f if stack.quick_gelu else f)
+    for name in ("qkv_input", "mlp_input", "norm_copies", "lora_intermediate",
+                 "attention_gathered"):  # fmt: skip
         terms.pop(name, None)
     return sum(terms.values())
 
@@ -317,7 +330,9 @@ def stack_activations(
             floats += stack.width  # the conditioning vector: every checkpointed block's input
         if input_grad and stack.kind == "decoder":
             ints += stack.tokens  # the splice index: the image tokens' gradient reads it
-    stem = micro_batch * (floats * o.act_bytes + ints * 8)
+    if stack.group_index_int64 and o.ac == "none" and (trained or stack.mode == "lora"):
+        ints += stack.group_index_int64  # the gathers' indices, kept once for all blocks
+    stem = micro_batch * (floats * o.act_bytes + ints * 8 + stack.stem_fp32 * FP32)
     if stack.document_mask and o.dense_packed_mask and o.ac != "none":
         # the boolean [b, 1, s, s] mask is an input of every checkpointed block (kept once)
         stem += micro_batch * stack.tokens**2

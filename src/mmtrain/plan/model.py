@@ -2,7 +2,7 @@
 
 A `ModelSpec` (encoder towers) becomes one `Stack` per tower, taking parameters, tokens and
 forward FLOPs from spec.py's counts; a language model its decoder (and vision tower and
-projector); a denoiser (spec.denoiser) one "diffusion" stack. Workload presets without a spec
+projector, or a native-resolution tower with its merger: native_vision.py); a denoiser (spec.denoiser) one "diffusion" stack. Workload presets without a spec
 (some diffusion transformers, a document model; see workloads.py) build stacks directly from
 their published shapes. Everything downstream (memory, time, inference) reads stacks only, so
 every kind of model is planned alike.
@@ -14,9 +14,11 @@ import math
 from dataclasses import dataclass, field, replace
 
 from mmtrain.denoiser_spec import TIMESTEP_FREQUENCIES
+from mmtrain.plan import native_vision as nv
 from mmtrain.spec import (
     DENOISER_PART,
     PROJECTOR_PART,
+    VISION_TOWER,
     FusionSpec,
     ImageStem,
     ModelSpec,
@@ -85,6 +87,16 @@ class Stack:
     # last block's text stream, of `pre_only_tokens` tokens, ends at the attention.
     adaln_streams: int = 1
     pre_only_tokens: int = 0
+    # A native-resolution vision tower (native_vision.py): attention over gathered groups
+    # (windows, frames) whose output is gathered back (a copy the output projection reads),
+    # keys per query of those groups (0: all tokens), quick_gelu's kept sigmoid, and what it
+    # keeps outside its blocks in float32 (rotary tables) and as int64 gather indices shared
+    # by its blocks (kept without checkpointing only).
+    gathered_attention: bool = False
+    attention_span: float = 0.0
+    quick_gelu: bool = False
+    stem_fp32: int = 0
+    group_index_int64: int = 0
 
     def block_params(self) -> int:
         """Parameters of one block (what ZeRO-3 gathers at a time)."""
@@ -324,16 +336,9 @@ def _fusion_head(spec: ModelSpec) -> FusionHead | None:
 def from_spec(spec: ModelSpec, rows: Rows | None = None) -> PlanModel:
     """One stack per tower, with spec.py's parameter, token and FLOP counts; a language model
     (spec.decoder) plans `rows` (default: one row of `decoder.max_positions` positions holding
-    one image per image tower, as spec.forward_flops counts it); a denoiser (spec.denoiser)
-    is one diffusion stack (`denoiser_model`)."""
-    if spec.vision is not None:
-        # Its images' FLOPs, tokens and activations depend on each image's size: planning the
-        # LM alone would leave the tower out of every figure.
-        raise FieldError(
-            "vision",
-            f"{spec.name}: the planner does not plan a native-resolution vision tower yet "
-            "(its compute and activations per page size); `mmtrain spec` counts its parameters",
-        )
+    one image per image tower, as spec.forward_flops counts it, or, for a native-resolution
+    tower, one page at its largest size: `default_rows`); a denoiser (spec.denoiser) is one
+    diffusion stack (`denoiser_model`)."""
     if spec.decoder is not None:
         return language_model(spec, rows or default_rows(spec))
     if spec.denoiser is not None:
@@ -358,7 +363,12 @@ class Rows:
     `positions` LM positions (images spliced in; memory is planned for this length), `images`
     images per row, `text_ids` ids per row (a placeholder counts one: the logits rows),
     `packed` rows of several documents (a block-diagonal mask per layer), and optionally the
-    mean forward FLOPs of a row (`forward_flops`, from a length distribution: rows differ)."""
+    mean forward FLOPs of a row (`forward_flops`, from a length distribution: rows differ).
+
+    A native-resolution tower (spec.vision) reads each input at its own size: `visual_inputs`
+    are the (frames, height, width) in pixels of the row's images (frames 1) and clips, at
+    the tower's size (plan/native_vision.py), their tokens counted in `positions`. Without
+    them, `images` stands for that many default pages (`native_vision.default_page`)."""
 
     positions: int
     images: float = 0.0
@@ -367,10 +377,14 @@ class Rows:
     forward_flops: float | None = None
     vision_flops: float | None = None  # of forward_flops: the image tower and projector
     mean_images: float | None = None  # images per row for FLOPs (None: `images`)
+    visual_inputs: tuple[tuple[int, int, int], ...] = ()
 
 
 def check_rows(spec: ModelSpec, rows: Rows) -> None:
     """A row must hold its images whole and at least two ids (a target needs a next id)."""
+    if spec.vision is not None:
+        _check_native_rows(spec, rows)
+        return
     needed = int(math.ceil(rows.images)) * spec.image_tokens() + 2
     if rows.positions < needed:
         raise FieldError(
@@ -380,16 +394,44 @@ def check_rows(spec: ModelSpec, rows: Rows) -> None:
         )
 
 
+def _check_native_rows(spec: ModelSpec, rows: Rows) -> None:
+    nv.check_inputs(spec.vision, rows.visual_inputs, "visual_inputs")
+    tokens = nv.visual_tokens(spec.vision, rows.visual_inputs)
+    if rows.positions < tokens + 2:
+        raise FieldError(
+            "--context",
+            f"{rows.positions} positions cannot hold the row's visual inputs "
+            f"({nv.describe(rows.visual_inputs)}: {tokens} tokens) and a target; give at "
+            f"least {tokens + 2}, or fewer or smaller --visual inputs",
+        )
+
+
 def default_rows(spec: ModelSpec) -> Rows:
-    """One row of the decoder's `max_positions` with one image when the model has images."""
+    """One row of the decoder's `max_positions` with one image when the model has images: for
+    a native-resolution tower, a square page at the spec's max_pixels (the default budget's
+    worst case)."""
     assert spec.decoder is not None
+    if spec.vision is not None:
+        return native_rows(spec, Rows(positions=spec.decoder.max_positions, images=1))
     images = 1 if spec.projector is not None else 0
     return Rows(positions=spec.decoder.max_positions, images=images)
+
+
+def native_rows(spec: ModelSpec, rows: Rows) -> Rows:
+    """`rows` of a native-resolution VLM with its inputs spelled out: `images` default pages
+    when it names none (whole pages: a fraction rounds up), `images` their count."""
+    inputs = rows.visual_inputs
+    if not inputs:
+        inputs = (nv.default_page(spec.vision),) * int(math.ceil(rows.images))
+    return replace(rows, visual_inputs=tuple(inputs), images=float(len(inputs)))
 
 
 def _text_ids(spec: ModelSpec, rows: Rows) -> int:
     if rows.text_ids is not None:
         return rows.text_ids
+    if spec.vision is not None:  # each input's placeholder becomes its own tokens
+        extra = nv.visual_tokens(spec.vision, rows.visual_inputs) - len(rows.visual_inputs)
+        return max(1, rows.positions - extra)
     extra = max(spec.image_tokens() - 1, 0)
     return max(1, int(round(rows.positions - rows.images * extra)))
 
@@ -490,6 +532,42 @@ def _vision_stacks(spec: ModelSpec, rows: Rows) -> tuple[Stack, Stack]:
     return vision, projector
 
 
+def native_vision_stack(spec: ModelSpec, rows: Rows) -> Stack:
+    """A native-resolution tower and its merger (models/native_vision.py) over the patches of
+    one row's `visual_inputs`: `spec.vision`'s parameters and FLOPs, what it keeps as
+    plan/native_vision.py counts it (its blocks as encoder blocks with gathered attention)."""
+    v, inputs = spec.vision, rows.visual_inputs
+    outside = nv.saved_outside_blocks(v, inputs)
+    flops = nv.visual_flops(v, inputs) if rows.vision_flops is None else rows.vision_flops
+    return Stack(
+        name=VISION_TOWER,
+        kind="encoder",
+        layers=v.depth,
+        width=v.width,
+        heads=v.heads,
+        kv_heads=v.heads,
+        head_dim=v.head_dim(),
+        mlp_hidden=v.mlp_hidden,
+        params=v.params(),
+        forward_flops=int(round(flops)),
+        tokens=nv.visual_patches(v, inputs),
+        gated=v.mlp == "swiglu",
+        norm="rmsnorm" if v.norm == "rms_norm" else "layernorm",
+        norm_copy=v.norm == "rms_norm",  # the unfused RMSNorm keeps its normalised input
+        stem_elements=outside.floats,
+        stem_fp32=outside.fp32,
+        group_index_int64=outside.index_int64,
+        stem_params=v.patch_params(),
+        layer_params=v.block_params(),
+        stem_input_elements=outside.input_floats,
+        proj_input_elements=outside.merger_inputs,
+        gathered_attention=True,
+        attention_span=nv.attention_span(v, inputs),
+        quick_gelu=v.mlp == "gelu" and v.activation == "quick_gelu",
+        source=f"native-resolution vision tower of {spec.name} ({nv.describe(inputs)})",
+    )
+
+
 def from_spec_tower(spec: ModelSpec, name: str) -> Stack:
     """The stack of one encoder tower, as `from_spec` builds it."""
     tower = spec.towers[name]
@@ -528,10 +606,14 @@ def from_spec_tower(spec: ModelSpec, name: str) -> Stack:
 def language_model(spec: ModelSpec, rows: Rows) -> PlanModel:
     """A decoder LM (and, for a VLM, its image tower and projector) planning `rows`: one
     sample of the plan is one row."""
+    if spec.vision is not None:
+        rows = native_rows(spec, rows)
     check_rows(spec, rows)
     stacks: list[Stack] = []
     if spec.projector is not None:
         stacks += _vision_stacks(spec, rows)
+    if spec.vision is not None:
+        stacks.append(native_vision_stack(spec, rows))
     stacks.append(decoder_stack(spec, rows))
     return PlanModel(
         name=spec.name,

@@ -346,11 +346,14 @@ def _text_to_image(samples: Candidates, results: Sequence[Retrieved]) -> bytes:
 
 
 def _short(text: str, width: int = 80) -> str:
-    return textwrap.shorten(" ".join(text.split()), width, placeholder="\u2026") or "(empty)"
+    # A barely trained model's answer may hold control characters no font draws.
+    text = "".join(c if c.isprintable() else "\ufffd" for c in " ".join(text.split()))
+    return textwrap.shorten(text, width, placeholder="\u2026") or "(empty)"
 
 
 # ----------------------------------------------------------------------------- generation
 MAX_IMAGES_SHOWN = 3  # per example; a note says when there are more
+FRAMES_SHOWN = 3  # of a clip, spread over it
 LINE = 17  # pixels per line of text
 
 
@@ -385,10 +388,11 @@ def _eval_examples(report: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 
 def _example_images(run: RunData, examples: Sequence[Mapping[str, Any]]) -> list[list[np.ndarray]]:
-    """Thumbnails of each example's images, read by key from the data eval.json names (else
+    """Thumbnails of each example's images (pages at their own aspect) and of a few frames of
+    each of its clips, read by key from the data eval.json names (else
     the run's validation shards); an image that cannot be read is left out."""
     from mmtrain.data.storage.shards import ShardSet
-    from mmtrain.data.stream.media import MediaError, decode_image
+    from mmtrain.data.stream.media import MediaError, decode_image, decode_video
 
     data = run.eval_report.get("data")
     paths = ([str(p) for p in data] if isinstance(data, list) else [str(data)]) if data else []
@@ -404,14 +408,21 @@ def _example_images(run: RunData, examples: Sequence[Mapping[str, Any]]) -> list
         out = []
         for example in examples:
             thumbs = []
-            if example["key"] in index and example["images"]:
+            videos = list(example.get("videos") or [])
+            if example["key"] in index and (example["images"] or videos):
                 sample = shards.read(index[example["key"]])
                 for name in list(example["images"])[:MAX_IMAGES_SHOWN]:
                     try:
                         thumbs.append(_thumbnail(decode_image(sample[name])))
                     except (MediaError, KeyError):
                         continue
-            out.append(thumbs)
+                for name in videos:  # a clip shows as a few of its frames, in order
+                    try:
+                        frames = decode_video(sample[name], FRAMES_SHOWN).frames
+                    except (MediaError, KeyError):
+                        continue
+                    thumbs += [_thumbnail(frame) for frame in frames]
+            out.append(thumbs[:MAX_IMAGES_SHOWN])
     finally:
         shards.close()
     return out
@@ -429,10 +440,12 @@ def _draw_examples(
         y = PAD + row * row_height
         for k, thumb in enumerate(thumbs):
             _thumb(fig, thumb, PAD + k * (THUMB_PIXELS + 8), y, hit=False)
-        more = len(example["images"]) - len(thumbs)
-        caption = str(example["key"]) + (f"  (+{more} image(s))" if more > 0 else "")
+        clips = len(example.get("videos") or [])
+        more = len(example["images"]) + clips * FRAMES_SHOWN - len(thumbs)
+        caption = str(example["key"]) + (f"  (+{more} more)" if more > 0 else "")
         _text(fig, PAD, y + THUMB_PIXELS + 3, caption, fontsize=8, color="#57606a")
-        question = " ".join(str(example["question"]).replace("<image>", " ").split())
+        question = str(example["question"]).replace("<image>", " ").replace("<video>", " ")
+        question = " ".join(question.split())
         hit = bool(example.get("exact_match"))
         f1 = example.get("token_f1")
         score = f"   token F1 {f1:.2f}" if isinstance(f1, (int, float)) else ""

@@ -271,6 +271,9 @@ class TrainData:
         if not self.uint8_pixels:
             return {}
         decoder = self.loaders[0].decode
+        if isinstance(decoder, ConversationDecoder) and decoder.native is not None:
+            values = decoder.native.scale_and_shift()
+            return {"image": values, "video": values}
         if isinstance(decoder, ConversationDecoder):
             t = decoder.image_transform
             return {} if t is None else {"image": t.scale_and_shift()}

@@ -11,6 +11,10 @@ source with an image tower (an OpenCLIP file, a HF CLIP / SigLIP / LLaVA folder,
 folder), found and fitted as in `init.py` (positions interpolated to a new grid). A VLM reads
 the tower's hidden states, so an encoder's output projection (`proj.*`) is not used (logged).
 
+A native-resolution VLM's tower (the Qwen2-VL family's `vision`, merger included; not in
+spec.towers either) is matched by name too, from any source that has one (an mmtrain folder,
+a converted Qwen2-VL / Qwen2.5-VL folder).
+
 The projector joins the two: it comes only with a whole-model source (`init: PATH`); when the
 towers come from separate baselines it starts at its random init, which is logged.
 
@@ -28,7 +32,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from mmtrain.spec import ModelSpec
+from mmtrain.spec import VISION_TOWER, ModelSpec
 from mmtrain.train.init import (
     InitError,
     InitMismatch,
@@ -49,8 +53,10 @@ VOCAB_ROWS = (f"towers.{DECODER}.embed.weight", f"towers.{DECODER}.lm_head.weigh
 
 
 def lm_towers(spec: ModelSpec) -> list[str]:
-    """The towers `init` may name: the image tower of a VLM, and the decoder."""
-    return [*spec.towers, DECODER]
+    """The towers `init` may name: the image tower of a VLM (or its native-resolution
+    tower), and the decoder."""
+    native = [VISION_TOWER] if spec.vision is not None else []
+    return [*spec.towers, *native, DECODER]
 
 
 def _plan(spec: ModelSpec, init: str | Mapping[str, str]) -> dict[str, list[str]]:
@@ -76,13 +82,34 @@ def _field(init: str | Mapping[str, str], towers: list[str]) -> str:
 
 def match_decoder(state: Mapping[str, Tensor], spec: ModelSpec, match: Match) -> None:
     """Fill the decoder (`towers.text.*`) from `match.source`'s decoder, key by key."""
-    source, prefix = match.source, f"towers.{DECODER}."
-    mine = [key for key in state if key.startswith(prefix)]
-    if source.spec.decoder is None:
-        match.reasons.append(f"{source.path} has no language model for tower {DECODER!r}")
-        match.missing += [f"{key} {list(state[key].shape)}" for key in mine]
+    if match.source.spec.decoder is None:
+        _none_for(state, match, DECODER, "language model")
         return
     _check_vocab(spec, match)
+    _match_by_name(state, match, f"towers.{DECODER}.")
+    match.notes += _decoder_differences(spec, match.source)
+
+
+def match_native_vision(state: Mapping[str, Tensor], match: Match) -> None:
+    """Fill a native-resolution tower (`towers.vision.*`, the Qwen2-VL family's: not in
+    spec.towers) from the source's, key by key (an mmtrain or converted HF folder)."""
+    if match.source.spec.vision is None:
+        _none_for(state, match, VISION_TOWER, "native-resolution vision tower")
+        return
+    _match_by_name(state, match, f"towers.{VISION_TOWER}.")
+
+
+def _none_for(state: Mapping[str, Tensor], match: Match, tower: str, what: str) -> None:
+    match.reasons.append(f"{match.source.path} has no {what} for tower {tower!r}")
+    prefix = f"towers.{tower}."
+    match.missing += [f"{k} {list(v.shape)}" for k, v in state.items() if k.startswith(prefix)]
+
+
+def _match_by_name(state: Mapping[str, Tensor], match: Match, prefix: str) -> None:
+    """Every model tensor under `prefix` from the source's tensor of the same name (the token
+    embedding and head may grow to a larger vocabulary)."""
+    source = match.source
+    mine = [key for key in state if key.startswith(prefix)]
     for key in mine:
         value = state[key]
         given = source.state.get(key)
@@ -103,7 +130,6 @@ def match_decoder(state: Mapping[str, Tensor], spec: ModelSpec, match: Match) ->
         for k, t in source.state.items()
         if k.startswith(prefix) and k not in state
     ]
-    match.notes += _decoder_differences(spec, source)
 
 
 def _grows(given: Tensor, value: Tensor) -> bool:
@@ -216,6 +242,10 @@ def load_init_lm(
             if tower == DECODER:
                 match_decoder(state, spec, match)
                 taken.append(f"towers.{DECODER}.")
+                continue
+            if tower == VISION_TOWER and spec.vision is not None:
+                match_native_vision(state, match)
+                taken.append(f"towers.{VISION_TOWER}.")
                 continue
             try:
                 taken.append(f"towers.{match_image(state, spec, match, tower)}.")

@@ -8,6 +8,9 @@ micro-batch and checkpointing mode, and count what it holds, to set beside the p
 - Language models (spec.decoder): rows of the planned length (`context`, default
   `decoder.max_positions`), `images` placeholders per row, `packed` rows of two documents,
   scored by the next-token cross-entropy the model's forward sums in chunks (`next_token_loss`).
+  A native-resolution VLM (spec.vision) gets in every row the planned `visual_inputs` (images
+  and clips at the tower's size, random pixels, listed under "image" and "video") and one
+  placeholder id for each (`native_language_batch`).
 - Denoisers (spec.denoiser): random clean samples under the spec's input key (and classes, or
   an MMDiT's text encoders' outputs at the planned text length),
   made noisy by the trainer's own objective (train/diffusion.py: timesteps, noise, guidance
@@ -25,7 +28,7 @@ with --measure, so the planner itself stays torch-free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -165,6 +168,48 @@ def language_batch(
     return batch
 
 
+def native_language_batch(
+    spec: ModelSpec,
+    rows: int,
+    positions: int,
+    inputs: tuple[tuple[int, int, int], ...],
+    generator: torch.Generator,
+    packed: bool = False,
+) -> dict:
+    """A native-resolution VLM's batch (models/visual_inputs.py): `rows` rows of `positions`
+    LM positions, each holding `inputs` ((frames, height, width) at the tower's size, frames 1
+    an image) in that order at random places: one `image_token_id` per image and one
+    `video_token_id` per clip among the ids, "image" [3, H, W] and "video" [T, 3, H, W] lists
+    in reading order, labels -100 at placeholders and, when `packed`, two documents a row."""
+    v, tokens = spec.vision, spec.vision_tokens
+    ids_per_row = positions - sum(v.tokens(h, w, f) - 1 for f, h, w in inputs)
+    if ids_per_row < len(inputs) + 2:
+        raise ValueError(
+            f"{positions} positions cannot hold {len(inputs)} visual input(s) and a target"
+        )
+    high = min(spec.decoder.vocab_size, 256)
+    placeholder = {tokens.image_token_id, tokens.video_token_id}
+    text = torch.randint(1, high, (rows, ids_per_row), generator=generator)
+    text = torch.where(torch.isin(text, torch.tensor(sorted(placeholder))), 1, text)
+    images, videos = [], []
+    for r in range(rows):
+        slots = torch.randperm(ids_per_row - 1, generator=generator)[: len(inputs)]
+        for slot, (frames, height, width) in zip(slots.sort().values.tolist(), inputs, strict=True):
+            clip = frames > 1
+            text[r, slot] = tokens.video_token_id if clip else tokens.image_token_id
+            shape = (v.in_channels, height, width)
+            pixels = torch.randn((frames, *shape) if clip else shape, generator=generator)
+            (videos if clip else images).append(pixels)
+    labels = torch.where(torch.isin(text, torch.tensor(sorted(placeholder))), -100, text)
+    batch = {"text": text, "labels": labels, "image": images}
+    if videos:
+        batch["video"] = videos
+    if packed:
+        cut = ids_per_row // 2
+        batch["document_ids"] = (torch.arange(ids_per_row) >= cut).long().expand(rows, -1)
+    return batch
+
+
 def denoiser_batch(
     spec: ModelSpec, batch: int, generator: torch.Generator
 ) -> dict[str, torch.Tensor]:
@@ -217,10 +262,13 @@ def measure_training_step(
     lora_targets: tuple[str, ...] = ("attn", "mlp"),
     freeze_blocks: dict[str, int] | None = None,
     unlocked_blocks: dict[str, int] | None = None,
+    visual_inputs: tuple[tuple[int, int, int], ...] | None = None,
     seed: int = 0,
 ) -> Measured:
     """One training step of the real module at the plan's micro-batch and checkpointing mode,
-    with `freeze` towers frozen and `lora` towers LoRA-adapted as the trainer does it."""
+    with `freeze` towers frozen and `lora` towers LoRA-adapted as the trainer does it. A
+    native-resolution VLM's rows hold `visual_inputs` (at the tower's size; default: `images`
+    default pages, as the planner's `native_rows` spells them out)."""
     spec = spec_with_overrides(
         model_name, image_size, frames, None if _is_lm(model_name) else context
     )
@@ -236,7 +284,13 @@ def measure_training_step(
     trained = [n for n, t in model.towers.items() if any(p.requires_grad for p in t.parameters())]
     apply_activation_checkpointing(model, plan.config.ac, trained)
     generator = torch.Generator().manual_seed(seed)
-    if spec.is_language_model():
+    if spec.vision is not None:
+        positions = context or spec.decoder.max_positions
+        inputs = _native_inputs(spec, positions, images, visual_inputs)
+        batch = native_language_batch(
+            spec, plan.config.micro_batch, positions, inputs, generator, packed
+        )
+    elif spec.is_language_model():
         positions = context or spec.decoder.max_positions
         per_row = images if images is not None else int(spec.projector is not None)
         batch = language_batch(spec, plan.config.micro_batch, positions, per_row, generator, packed)
@@ -294,6 +348,19 @@ def measure_training_step(
         optimizer_state_params=sum(p.numel() for p in optimizer.state if optimizer.state[p]),
         predicted_trainable_params=plan.model.trainable_params(),
     )
+
+
+def _native_inputs(
+    spec: ModelSpec,
+    positions: int,
+    images: int | None,
+    visual_inputs: tuple[tuple[int, int, int], ...] | None,
+) -> tuple[tuple[int, int, int], ...]:
+    """The row's inputs as the planner spells them out (`plan.model.native_rows`)."""
+    from mmtrain.plan.model import Rows, native_rows
+
+    rows = Rows(positions, images=1 if images is None else images)
+    return native_rows(spec, replace(rows, visual_inputs=tuple(visual_inputs or ()))).visual_inputs
 
 
 def _is_lm(name: str | ModelSpec) -> bool:

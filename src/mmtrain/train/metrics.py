@@ -66,12 +66,35 @@ def language_model_forward_flops(spec: ModelSpec, batch: dict[str, torch.Tensor]
     its images are spliced in (padding included: it is computed), and the batch's images
     through the vision tower and the projector. Reads the ids on the host (a host copy)."""
     ids = batch["text"]
+    if spec.vision is not None:
+        return _native_forward_flops(spec, batch)
     images = int(batch["image"].shape[0]) if "image" in batch else 0
     if spec.projector is None or images == 0:
         return spec.sequence_flops_by_part([ids.shape[1]] * ids.shape[0], 0)
     per_row = (ids == spec.projector.image_token_id).sum(dim=1).tolist()
     extra = spec.image_tokens() - 1  # each placeholder becomes image_tokens positions
     return spec.sequence_flops_by_part([ids.shape[1] + n * extra for n in per_row], images)
+
+
+def _native_forward_flops(spec: ModelSpec, batch: dict[str, Any]) -> dict[str, int]:
+    """A native-resolution VLM's: each input through the tower at its own size, each row at
+    its length once every placeholder holds its input's tokens (its splice's per-id spans)."""
+    from mmtrain.models.splice import id_spans, valid_ids
+    from mmtrain.models.visual_inputs import IMAGES, VIDEOS, visual_order
+
+    assert spec.vision is not None and spec.vision_tokens is not None
+    images, videos = list(batch.get(IMAGES) or []), list(batch.get(VIDEOS) or [])
+    shapes = [(1 if x.dim() == 3 else x.shape[0], x.shape[-2], x.shape[-1])
+              for x in (*images, *videos)]  # fmt: skip
+    ids = batch["text"].cpu()
+    valid = valid_ids(ids, batch.get("attention_mask"), batch.get("document_ids"))
+    tokens = spec.vision_tokens
+    is_visual, order = visual_order(
+        ids, tokens.image_token_id, tokens.video_token_id, valid.cpu(), len(images)
+    )
+    counts = torch.tensor([spec.vision.tokens(h, w, t) for t, h, w in shapes], dtype=torch.long)
+    spans = id_spans(is_visual, counts[order] if shapes else counts)
+    return spec.sequence_flops_by_part(spans.sum(dim=1).tolist(), 0, shapes)
 
 
 def step_model_flops(
@@ -184,8 +207,29 @@ def _planned_rows(spec: ModelSpec, config: RunConfig) -> Any:
     from mmtrain.plan.model import Rows
 
     positions = config.data.sequence_length or spec.decoder.max_positions
+    if spec.vision is not None:
+        page = _largest_page(spec, config, positions)
+        return Rows(positions=positions, visual_inputs=(page,), packed=config.data.pack)
     images = 1 if spec.projector is not None else 0
     return Rows(positions=positions, images=images, packed=config.data.pack)
+
+
+def _largest_page(spec: ModelSpec, config: RunConfig, positions: int) -> tuple[int, int, int]:
+    """A native VLM's largest page under the run's budget (data.vision) that a row holds
+    with a target: a square one, as `mmtrain plan` plans a page by default."""
+    from mmtrain.visual_budget import budget_of
+
+    assert spec.vision is not None
+    budget = budget_of(spec.vision, config.data.vision)
+    unit = spec.vision.merge_unit_pixels() ** 2
+    tokens = budget.image_max_pixels // unit
+    if budget.sample_max_tokens is not None:
+        tokens = min(tokens, budget.sample_max_tokens)
+    tokens = max(1, min(tokens, positions - 2))
+    side = 1 << 14  # a large square, scaled down to the cap by the processor's rule
+    h, w = spec.vision.resized(side, side, min(budget.image_min_pixels, tokens * unit),
+                               tokens * unit)  # fmt: skip
+    return 1, h, w
 
 
 def planned_memory(

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -131,7 +132,9 @@ def move_batch(
     A pinned host tensor is copied without blocking the host. `pixels`: {batch key: (mean,
     inv_std) on `device`} of uint8 pixels to normalise there (`TrainData.pixel_normalisation`)."""
 
-    def move(name: str, value: torch.Tensor) -> torch.Tensor:
+    def move(name: str, value: Any) -> Any:
+        if isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value):
+            return [move(name, v) for v in value]  # a native VLM's images / clips, own sizes
         if not isinstance(value, torch.Tensor):
             return value  # a host value the layout computed (models.vlm.SPLICE_SIZES)
         if device.type != "cpu":

@@ -60,6 +60,7 @@ def _language_model_evaluator(
         seed=config.seed,
         rank=rank,
         world_size=world,
+        budget=settings.budget,
     )
 
 

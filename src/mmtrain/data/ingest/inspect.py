@@ -13,10 +13,12 @@ Three pieces, each usable on its own:
   captioned with its key: the image, the middle frame of a video, a spectrogram of audio, a
   plot of a time-series or the text itself.
 - `conversation_counts(sources, tokenizer, template, image_tokens)`: for shards of
-  conversations (`{key}.json` with "messages" and "images"), the tokens each sample takes in a
-  language model: its text ids through the chat template and tokenizer, plus `image_tokens`
-  positions per image. `mmtrain plan --data` plans from them; `inspect_shards` reports their
-  distribution (with a tokenizer), else images and text bytes per conversation.
+  conversations (`{key}.json` with "messages", "images" and "videos"), the tokens each sample
+  takes in a language model: its text ids through the chat template and tokenizer, plus
+  `image_tokens` positions per image, or, for a native-resolution VLM (a `budget`), each page's
+  and clip's own tokens from its header size under the budget the loader applies
+  (visual_budget.py). `mmtrain plan --data` plans from them; `inspect_shards` reports their
+  distribution (with a tokenizer), else images, videos and text bytes per conversation.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import os
 import textwrap
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,7 @@ from mmtrain.data.storage.shards import ShardSet, open_remote_set
 from mmtrain.data.storage.tar_index import ShardIndex
 from mmtrain.data.stream.chat_templates import (
     ChatTemplate,
+    Placeholders,
     RefusedSample,
     TextEncoder,
     encode_conversation,
@@ -57,8 +60,10 @@ from mmtrain.data.stream.media import (
     decode_timeseries,
     decode_video,
 )
+from mmtrain.data.stream.native_inputs import NativeInputs
 from mmtrain.data.stream.transforms import MODALITY_EXTENSIONS
 from mmtrain.lengths import summarize  # the planner reports the same statistics
+from mmtrain.visual_budget import BudgetExceeded, VisualBudget
 
 logger = logging.getLogger(__name__)
 
@@ -110,14 +115,16 @@ def inspect_shards(
     tokenizer: TextEncoder | None = None,
     template: ChatTemplate | None = None,
     image_tokens: int = 1,
+    budget: VisualBudget | None = None,
+    wrap: bool = False,
 ) -> dict[str, Any]:
     """The report `data inspect` prints, as a plain dict (also what `--json` writes).
 
     `problems` lists everything that makes the data unclean (`mismatched`: shards that differ
     from the manifest; damaged shards; corrupt samples); refused members are listed under `unsafe` but are no problem for
     training: they never reach a sample. Shards of conversations also get `conversations`
-    (`conversation_summary`: tokens per sample with a `tokenizer` and `template`, else images
-    and text bytes). Raises FileNotFoundError when `spec` names no shard.
+    (`conversation_summary`: tokens per sample with a `tokenizer` and `template`, else images,
+    videos and text bytes). Raises FileNotFoundError when `spec` names no shard.
     """
     folder, manifest, sources = open_shards(spec)
     checked = manifest is not None and folder is not None
@@ -171,7 +178,9 @@ def inspect_shards(
         "mismatched": mismatched,
         "problems": problems,
         "verified": "sha256" if manifest and check_hash else "size" if manifest else "none",
-        "conversations": conversation_summary(sources, tokenizer, template, image_tokens),
+        "conversations": conversation_summary(
+            sources, tokenizer, template, image_tokens, budget, wrap
+        ),
     }
 
 
@@ -179,14 +188,23 @@ def inspect_shards(
 @dataclass(frozen=True)
 class ConversationCounts:
     """Per usable sample, in shard order: LM positions (text ids + images x image tokens),
-    text ids (a placeholder counts one), images, text bytes; and the samples left out, by
-    reason (`format`, `roles`, ... from parsing; `no_targets`, ... from encoding)."""
+    text ids (a placeholder counts one), images, text bytes, videos; and the samples left out,
+    by reason (`format`, `roles`, ... from parsing; `no_targets`, ... from encoding). Without
+    a budget a video's placeholder counts one position (its tokens depend on the frames a
+    model samples); with one (a native VLM), `visual_tokens` per sample and `page_tokens` per
+    image are what its inputs take."""
 
     positions: list[int]
     text_ids: list[int]
     images: list[int]
     text_bytes: list[int]
     refused: dict[str, int]
+    videos: list[int] = field(default_factory=list)
+    visual_tokens: list[int] = field(default_factory=list)
+    page_tokens: list[int] = field(default_factory=list)
+
+    def refuse(self, kind: str) -> None:
+        self.refused[kind] = self.refused.get(kind, 0) + 1
 
 
 def _conversation(sample: dict[str, Any], index: int) -> Any:
@@ -209,6 +227,8 @@ def conversation_counts(
     template: ChatTemplate | None = None,
     image_tokens: int = 1,
     max_samples: int | None = None,
+    budget: VisualBudget | None = None,
+    wrap: bool = False,
 ) -> ConversationCounts:
     """Tokens per conversation sample (module docstring), for up to `max_samples` samples
     spread evenly over the shards (all by default). Without a tokenizer or template only
@@ -217,36 +237,68 @@ def conversation_counts(
     Encoding never truncates here (the planner truncates to its sequence length and reports
     how many samples it cut), and counts an image as one placeholder (id -1, never a text id).
     `image_tokens` 0 (a language model without an image tower) refuses samples with images
-    (`images_without_tower`).
+    (`images_without_tower`). `budget`: a native VLM's; each input's tokens from its header
+    size (a sample that cannot fit it is refused as `visual_budget`, as the loader does);
+    `wrap`: the model puts a start and an end id around each input (VisionTokens.start_id).
     """
     total = len(sources)
     picks: Any = range(total)
     if max_samples is not None and max_samples < total:
         picks = sorted(set(np.linspace(0, total - 1, max_samples).round().astype(int).tolist()))
     counts = ConversationCounts([], [], [], [], {})
+    # ids no text has; an input counts one here, its start and end ids one each
+    marks = Placeholders(-1, video_token_id=-2, wrap=(-3, -4) if wrap else None)
     for index in picks:
+        sample = sources.read(index)
         try:
-            conv = _conversation(sources.read(index), index)
-            encoded = None
+            conv = _conversation(sample, index)
+            encoded = visual = None
+            if conv is not None and budget is not None:
+                visual = _visual_tokens(sample, conv, budget)
             if conv is not None and tokenizer is not None and template is not None:
-                encoded = encode_conversation(conv, template, tokenizer, 2**62, -1)
+                encoded = encode_conversation(
+                    conv, template, tokenizer, 2**62, -1, placeholders=marks
+                )
         except (ConversationError, RefusedSample) as err:
-            counts.refused[err.kind] = counts.refused.get(err.kind, 0) + 1
+            counts.refuse(err.kind)
+            continue
+        except BudgetExceeded:
+            counts.refuse("visual_budget")
+            continue
+        except MediaError:
+            counts.refuse("unreadable_media")
             continue
         if conv is None:
             continue
-        if conv.images and image_tokens < 1:  # a language model without an image tower
-            counts.refused["images_without_tower"] = (
-                counts.refused.get("images_without_tower", 0) + 1
-            )
+        if conv.images and image_tokens < 1 and budget is None:  # no image tower
+            counts.refuse("images_without_tower")
             continue
         counts.images.append(len(conv.images))
+        counts.videos.append(len(conv.videos))
         counts.text_bytes.append(sum(len(t.text.encode("utf-8")) for t in conv.turns))
+        inputs = len(conv.images) + len(conv.videos)
+        extra = len(conv.images) * (image_tokens - 1)
+        if visual is not None:
+            counts.visual_tokens.append(sum(visual[0]) + sum(visual[1]))
+            counts.page_tokens.extend(visual[0])
+            extra = counts.visual_tokens[-1] - inputs
         if encoded is not None:
             ids = len(encoded.input_ids)
             counts.text_ids.append(ids)
-            counts.positions.append(ids + len(conv.images) * (image_tokens - 1))
+            counts.positions.append(ids + extra)
     return counts
+
+
+def _visual_tokens(
+    sample: dict[str, Any], conv: Any, budget: VisualBudget
+) -> tuple[list[int], list[int]]:
+    """Tokens of each image and each clip of a sample, from their headers under `budget`."""
+    missing = [name for name in (*conv.images, *conv.videos) if name not in sample]
+    if missing:
+        raise MediaError(f"{sample['__key__']}: no member(s) {missing}")
+    images = [sample[name] for name in conv.images]
+    videos = [sample[name] for name in conv.videos]
+    return NativeInputs(budget).measure(sample["__key__"], images, videos).tokens(budget)
 
 
 def conversation_summary(
@@ -254,20 +306,28 @@ def conversation_summary(
     tokenizer: TextEncoder | None = None,
     template: ChatTemplate | None = None,
     image_tokens: int = 1,
+    budget: VisualBudget | None = None,
+    wrap: bool = False,
 ) -> dict[str, Any] | None:
     """The distribution of tokens per conversation (count, mean, p50, p90, p99, max) as
     `data inspect` reports it; None when the shards hold no conversation."""
-    counts = conversation_counts(sources, tokenizer, template, image_tokens)
+    counts = conversation_counts(
+        sources, tokenizer, template, image_tokens, budget=budget, wrap=wrap
+    )
     if not counts.images and not counts.refused:
         return None
     out: dict[str, Any] = {
         "samples": len(counts.images),
         "refused": counts.refused,
         "images": summarize(counts.images),
+        "videos": summarize(counts.videos),
         "text_bytes": summarize(counts.text_bytes),
     }
+    if budget is not None:
+        out["visual_tokens"] = summarize(counts.visual_tokens)
+        out["page_tokens"] = summarize(counts.page_tokens)
     if counts.positions:
-        out["image_tokens"] = image_tokens
+        out["image_tokens"] = "per page (budget)" if budget is not None else image_tokens
         out["text_ids"] = summarize(counts.text_ids)
         out["positions"] = summarize(counts.positions)
     else:

@@ -1,5 +1,5 @@
 """What `mmtrain data build` reads: a folder of files, a table of paths and captions, shards, or
-chat data (LLaVA / ShareGPT conversations and the images they name).
+chat data (LLaVA / ShareGPT conversations and the images and videos they name).
 
 Each source lists `Item`s in a fixed order (sorted paths, table rows, shard order): one item per
 future sample, holding where each modality's bytes come from. Nothing is decoded here; the ingest
@@ -70,10 +70,11 @@ class Item:
 @dataclass(frozen=True)
 class ConversationItem:
     """A parsed conversation (`data.conversations.Conversation`) and its image files, in the
-    order of its `<image>` tags."""
+    order of its `<image>` tags, and its video files, in the order of its `<video>` tags."""
 
     conversation: Any
     images: tuple[Part, ...]
+    videos: tuple[Part, ...] = ()
 
 
 class Source:
@@ -367,11 +368,11 @@ def _manifest_near(paths: list[Path]) -> dict[str, Any] | None:
 # ----------------------------------------------------------------------------- conversations
 class ConversationSource(Source):
     """Chat records of a LLaVA `.json` list or a `.jsonl` file (LLaVA or ShareGPT `messages`
-    records, `data.conversations`), one item per record. Image paths are relative to
-    `image_root` (default: the file's folder). A record that breaks a rule (tag count against
-    image count, roles, empty answer, ...) becomes an item with a `problem` of its kind, so it is
-    listed in rejects.jsonl like any bad sample. Records are parsed up front: text is small next
-    to the images, which the workers read."""
+    records, `data.conversations`), one item per record. Image and video paths are relative
+    to `image_root` (default: the file's folder). A record that breaks a rule (tag count against
+    image or video count, roles, empty answer, ...) becomes an item with a `problem` of its kind,
+    so it is listed in rejects.jsonl like any bad sample. Records are parsed up front: text is
+    small next to the images and videos, which the workers read."""
 
     kind = "conversations"
 
@@ -390,19 +391,29 @@ class ConversationSource(Source):
     def _item(self, index: int, record: Any) -> Item:
         if isinstance(record, ConversationError):
             return Item(index, record.origin, {}, problem=record.reason, problem_kind=record.kind)
-        images = []
-        for image in record.images:
-            file = Path(image)
+        conversation = ConversationItem(
+            record, self._parts(record.images), self._parts(record.videos)
+        )
+        origin = _record_origin(self.path, index, record.key)
+        return Item(index, origin, {}, conversation=conversation)
+
+    def _parts(self, paths: list[str]) -> tuple[Part, ...]:
+        """The files of a record's image or video paths, relative ones under `image_root`."""
+        parts = []
+        for name in paths:
+            file = Path(name)
             if not file.is_absolute():
                 file = self.image_root / file
             _, ext = split_name(file.name)
-            images.append(Part(ext.rsplit(".", 1)[-1], str(file), path=str(file)))
-        origin = _record_origin(self.path, index, record.key)
-        return Item(index, origin, {}, conversation=ConversationItem(record, tuple(images)))
+            parts.append(Part(ext.rsplit(".", 1)[-1], str(file), path=str(file)))
+        return tuple(parts)
 
     def modalities(self) -> list[str]:
-        has_images = any(not isinstance(r, ConversationError) and r.images for r in self.records)
-        return ["image", "text"] if has_images else ["text"]
+        parsed = [r for r in self.records if not isinstance(r, ConversationError)]
+        found = {"text"}
+        found |= {"image"} if any(r.images for r in parsed) else set()
+        found |= {"video"} if any(r.videos for r in parsed) else set()
+        return [m for m in MODALITIES if m in found]
 
 
 def _record_origin(path: Path, index: int, key: str) -> str:
@@ -439,12 +450,12 @@ def open_source(
 ) -> Source:
     """The source SRC names: chat data (a .json, or a .jsonl of conversation records), a table
     file, shards (a .tar, a glob, a brace pattern, or a folder holding only shards), or else a
-    folder of files. `image_root`: where the image paths of chat data start."""
+    folder of files. `image_root`: where the image and video paths of chat data start."""
     path = Path(src)
     if image_root is not None and not (path.is_file() and is_conversation_file(path)):
         raise FieldError(
             "--image-root",
-            "only chat data (a LLaVA / ShareGPT .json or .jsonl) names images by path",
+            "only chat data (a LLaVA / ShareGPT .json or .jsonl) names images and videos by path",
         )
     if path.is_file():
         if is_conversation_file(path):

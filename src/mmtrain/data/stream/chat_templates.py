@@ -5,7 +5,10 @@ A template renders a conversation as a list of `Segment(text, train)`: the assis
 headers, separators) is not. Ids are built by tokenizing each run of segments with the same
 `train` flag on its own, so the mask is exact by construction: no character offsets, no guessing
 where a prompt ends. Each `<image>` tag becomes ONE placeholder id (`image_token_id`, -100 in
-the labels); the model later splices the image's tokens in at that position.
+the labels), each `<video>` tag one `video_token_id`; the model later splices the input's
+tokens in at that position. A fixed-size tower's images all take `image_length` positions; a
+native-resolution tower's inputs each take their own (`image_lengths`, `video_lengths`, in tag
+order), which the encoded sample keeps as its `spans`.
 
 Templates:
 - `llama-3`: `<|begin_of_text|><|start_header_id|>role<|end_header_id|>\\n\\n{text}<|eot_id|>`,
@@ -33,12 +36,13 @@ of each encode call, so there an answer's first token can differ from whole-stri
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from mmtrain.data.stream.conversations import IMAGE_TAG, Conversation
+from mmtrain.data.stream.conversations import IMAGE_TAG, VIDEO_TAG, Conversation
 from mmtrain.structured import FieldError, closest
 
 __all__ = [
@@ -56,8 +60,10 @@ __all__ = [
     "RefusedSample",
     "encode_segments",
     "encode_conversation",
+    "id_positions",
 ]
 
+_TAG_PATTERN = re.compile(f"({re.escape(IMAGE_TAG)}|{re.escape(VIDEO_TAG)})")
 IGNORE_INDEX = -100  # the label of a position without a target (PyTorch's cross-entropy default)
 
 
@@ -127,9 +133,7 @@ class NamedTemplate:
             out.append(Segment(_fill(self.system, self._text(system)), False))
         for turn in turns:
             if turn.role == "user":
-                text = (
-                    IMAGE_TAG * turn.text.count(IMAGE_TAG) if self.user_images_only else turn.text
-                )
+                text = _tags_only(turn.text) if self.user_images_only else turn.text
                 out.append(Segment(_fill(self.user, self._text(text)), False))
             elif turn.role == "assistant":
                 out.append(Segment(self.assistant_prompt, False))
@@ -141,6 +145,11 @@ class NamedTemplate:
 
     def _text(self, text: str) -> str:
         return text.strip() if self.strip else text
+
+
+def _tags_only(text: str) -> str:
+    """The `<image>` and `<video>` tags of a text, in order (the `plain` template's user turn)."""
+    return "".join(_TAG_PATTERN.findall(text))
 
 
 def _fill(pattern: str, text: str) -> str:
@@ -360,20 +369,35 @@ def get_template(name_or_path: str | Path) -> ChatTemplate:
 # ----------------------------------------------------------------------------- ids and labels
 @dataclass(frozen=True)
 class EncodedSample:
-    """Token ids with one `image_token_id` per image, and labels aligned with them (the id to
-    predict at that position's output after the usual one-step shift, or -100)."""
+    """Token ids with one placeholder id per image or clip, and labels aligned with them (the
+    id to predict at that position's output after the usual one-step shift, or -100).
+
+    `spans`: (index in `input_ids`, LM positions) of each placeholder whose input takes its own
+    number of positions (a native-resolution tower); empty: every `image_token_id` takes the
+    one `image_length` of the model (`id_positions`)."""
 
     input_ids: list[int]
     labels: list[int]
+    spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def targets(self) -> int:
         return sum(label != IGNORE_INDEX for label in self.labels)
 
 
+def id_positions(sample: EncodedSample, image_token_id: int, image_length: int) -> list[int]:
+    """LM positions each id of the sample takes once its inputs are spliced in."""
+    if sample.spans:
+        sizes = [1] * len(sample.input_ids)
+        for index, positions in sample.spans:
+            sizes[index] = positions
+        return sizes
+    return [image_length if t == image_token_id else 1 for t in sample.input_ids]
+
+
 class RefusedSample(ValueError):
     """A conversation that must not be trained on: `kind` (image_count, no_targets, image_cut,
-    truncated_no_targets) and `reason`, as a `rejects.jsonl` line wants them."""
+    video_cut, truncated_no_targets) and `reason`, as a `rejects.jsonl` line wants them."""
 
     def __init__(self, kind: str, reason: str):
         self.kind, self.reason = kind, reason
@@ -384,16 +408,29 @@ class RefusedSample(ValueError):
 
 
 def encode_segments(
-    segments: Iterable[Segment], tokenizer: TextEncoder, image_token_id: int
+    segments: Iterable[Segment],
+    tokenizer: TextEncoder,
+    image_token_id: int,
+    video_token_id: int | None = None,
+    wrap: tuple[int, int] | None = None,
 ) -> EncodedSample:
-    """Ids and labels of the segments; each `<image>` tag becomes one `image_token_id`."""
+    """Ids and labels of the segments; each `<image>` tag becomes one `image_token_id`, each
+    `<video>` tag one `video_token_id` (None: `<video>` stays text), between the `wrap` ids
+    when given (Qwen2-VL's `<|vision_start|>` and `<|vision_end|>`, never trained)."""
+    before, after = ([wrap[0]], [wrap[1]]) if wrap is not None else ([], [])
     ids: list[int] = []
     labels: list[int] = []
+    tags = {IMAGE_TAG: image_token_id}
+    if video_token_id is not None:
+        tags[VIDEO_TAG] = video_token_id
+    pattern = re.compile("(" + "|".join(re.escape(tag) for tag in tags) + ")")
     for text, train in _merged(segments):
-        for n, piece in enumerate(text.split(IMAGE_TAG)):
-            if n:  # a tag stood before this piece
-                ids.append(image_token_id)
-                labels.append(IGNORE_INDEX)
+        for piece in pattern.split(text):
+            if piece in tags:
+                placed = [*before, tags[piece], *after]
+                ids += placed
+                labels += [IGNORE_INDEX] * len(placed)
+                continue
             tokens = tokenizer.encode(piece) if piece else []
             ids += tokens
             labels += tokens if train else [IGNORE_INDEX] * len(tokens)
@@ -412,6 +449,28 @@ def _merged(segments: Iterable[Segment]) -> list[tuple[str, bool]]:
     return runs
 
 
+@dataclass(frozen=True)
+class Placeholders:
+    """The placeholder ids of a model and the positions their inputs take: `image_length` for
+    every image (a fixed-size tower), or each input's own (`image_lengths` / `video_lengths`
+    in tag order: a native-resolution tower)."""
+
+    image_token_id: int
+    image_length: int = 1
+    video_token_id: int | None = None
+    image_lengths: Sequence[int] | None = None
+    video_lengths: Sequence[int] = ()
+    wrap: tuple[int, int] | None = None  # ids around each placeholder (VisionTokens.start_id)
+
+    def spans(self, ids: Sequence[int]) -> tuple[tuple[int, int], ...]:
+        """(index, positions) of each placeholder in `ids` (empty for a fixed-size tower)."""
+        if self.image_lengths is None:
+            return ()
+        lengths = {self.image_token_id: iter(self.image_lengths),
+                   self.video_token_id: iter(self.video_lengths)}  # fmt: skip
+        return tuple((i, next(lengths[t])) for i, t in enumerate(ids) if t in lengths)
+
+
 def encode_conversation(
     conv: Conversation,
     template: ChatTemplate,
@@ -420,39 +479,42 @@ def encode_conversation(
     image_token_id: int,
     *,
     image_length: int = 1,
+    placeholders: Placeholders | None = None,
 ) -> EncodedSample:
     """Render, tokenize and truncate one conversation; never a sample without a target.
 
     `max_length` counts positions in the language model, where each image takes
-    `image_length` positions once spliced in (1: count placeholders only). Raises
-    `RefusedSample` when no label is a target, when truncation would cut an image, or when it
-    would leave no target; `FieldError` when the tokenizer does not fit the template.
+    `image_length` positions once spliced in (1: count placeholders only), or what
+    `placeholders` says per image and clip. Raises `RefusedSample` when no label is a target,
+    when truncation would cut an image or a clip, or when it would leave no target;
+    `FieldError` when the tokenizer does not fit the template.
     """
-    _check_settings(max_length, image_token_id, image_length)
+    marks = placeholders or Placeholders(image_token_id, image_length)
+    _check_settings(max_length, marks)
     _check_tokenizer(template, tokenizer)
     segments = template.segments(conv)
-    tags = sum(segment.text.count(IMAGE_TAG) for segment in segments)
-    if tags != len(conv.images):  # a hand-built conversation, or a template dropping tags
-        raise RefusedSample(
-            "image_count",
-            f"{conv.key}: {tags} {IMAGE_TAG} tag(s) rendered for {len(conv.images)} image(s)",
-        )
-    sample = encode_segments(segments, tokenizer, image_token_id)
-    _check_image_id(conv, sample, image_token_id, tags)
+    _check_tag_counts(conv, segments, marks)
+    sample = encode_segments(
+        segments, tokenizer, marks.image_token_id, marks.video_token_id, marks.wrap
+    )
+    _check_placeholder_ids(conv, sample, marks)
     if sample.targets == 0:
         raise RefusedSample(
             "no_targets", f"{conv.key}: every label is masked (no assistant tokens)"
         )
-    return _truncate(conv, sample, max_length, image_token_id, image_length)
+    sample = EncodedSample(sample.input_ids, sample.labels, marks.spans(sample.input_ids))
+    return _truncate(conv, sample, max_length, marks)
 
 
-def _check_settings(max_length: int, image_token_id: int, image_length: int) -> None:
+def _check_settings(max_length: int, marks: Placeholders) -> None:
     if max_length < 1:
         raise FieldError("max_length", f"must be at least 1, got {max_length}")
-    if image_length < 1:
-        raise FieldError("image_length", f"must be at least 1, got {image_length}")
-    if image_token_id == IGNORE_INDEX:
-        raise FieldError("image_token_id", f"{IGNORE_INDEX} is the ignored label; use another id")
+    if marks.image_length < 1:
+        raise FieldError("image_length", f"must be at least 1, got {marks.image_length}")
+    for name, token in (("image_token_id", marks.image_token_id),
+                        ("video_token_id", marks.video_token_id)):  # fmt: skip
+        if token == IGNORE_INDEX:
+            raise FieldError(name, f"{IGNORE_INDEX} is the ignored label; use another id")
 
 
 def _check_tokenizer(template: ChatTemplate, tokenizer: TextEncoder) -> None:
@@ -468,31 +530,48 @@ def _check_tokenizer(template: ChatTemplate, tokenizer: TextEncoder) -> None:
             )
 
 
-def _check_image_id(
-    conv: Conversation, sample: EncodedSample, image_token_id: int, tags: int
-) -> None:
-    count = sample.input_ids.count(image_token_id)
-    if count != tags:
-        # Text tokens with the placeholder's id would each be taken for an image by the model.
-        raise FieldError(
-            "image_token_id",
-            f"{conv.key}: {count} ids equal image_token_id {image_token_id} for {tags} "
-            f"{IMAGE_TAG} tag(s); pick an id the tokenizer never gives to text",
-        )
+def _kinds(conv: Conversation, marks: Placeholders) -> list[tuple[str, str, int | None, int]]:
+    """(kind, tag, placeholder id, inputs) of the inputs a conversation has."""
+    kinds = [("image", IMAGE_TAG, marks.image_token_id, len(conv.images))]
+    if marks.video_token_id is not None or conv.videos:
+        kinds.append(("video", VIDEO_TAG, marks.video_token_id, len(conv.videos)))
+    return kinds
+
+
+def _check_tag_counts(conv: Conversation, segments: list[Segment], marks: Placeholders) -> None:
+    """A hand-built conversation, or a template dropping tags, has tags for other inputs."""
+    for kind, tag, token, inputs in _kinds(conv, marks):
+        tags = sum(segment.text.count(tag) for segment in segments)
+        if tags != inputs:
+            raise RefusedSample(
+                f"{kind}_count", f"{conv.key}: {tags} {tag} tag(s) rendered for {inputs} {kind}(s)"
+            )
+        if token is None and inputs:
+            raise RefusedSample(
+                "videos_without_tower",
+                f"{conv.key}: {inputs} video(s), but the model takes no video",
+            )
+
+
+def _check_placeholder_ids(conv: Conversation, sample: EncodedSample, marks: Placeholders) -> None:
+    for kind, tag, token, inputs in _kinds(conv, marks):
+        count = sample.input_ids.count(token)
+        if count != inputs:
+            # Text tokens with the placeholder's id would each be taken for an input.
+            raise FieldError(
+                f"{kind}_token_id",
+                f"{conv.key}: {count} ids equal {kind}_token_id {token} for {inputs} "
+                f"{tag} tag(s); pick an id the tokenizer never gives to text",
+            )
 
 
 def _truncate(
-    conv: Conversation,
-    sample: EncodedSample,
-    max_length: int,
-    image_token_id: int,
-    image_length: int,
+    conv: Conversation, sample: EncodedSample, max_length: int, marks: Placeholders
 ) -> EncodedSample:
-    """Keep the longest prefix that fits; refuse if it drops an image or every target."""
-    used = 0
-    keep = 0
-    for token in sample.input_ids:
-        size = image_length if token == image_token_id else 1
+    """Keep the longest prefix that fits; refuse if it drops an image, a clip or every target."""
+    sizes = id_positions(sample, marks.image_token_id, marks.image_length)
+    used = keep = 0
+    for size in sizes:
         if used + size > max_length:
             break
         used += size
@@ -500,15 +579,16 @@ def _truncate(
     if keep == len(sample.input_ids):
         return sample
     ids, labels = sample.input_ids[:keep], sample.labels[:keep]
-    kept_images = ids.count(image_token_id)
-    needed = _positions(sample.input_ids, image_token_id, image_length)
-    if kept_images < len(conv.images):
-        raise RefusedSample(
-            "image_cut",
-            f"{conv.key}: max_length {max_length} cuts image {kept_images + 1} of "
-            f"{len(conv.images)} (the conversation needs {needed} positions)",
-        )
-    truncated = EncodedSample(ids, labels)
+    needed = sum(sizes)
+    for kind, _, token, inputs in _kinds(conv, marks):
+        kept = ids.count(token)
+        if kept < inputs:
+            raise RefusedSample(
+                f"{kind}_cut",
+                f"{conv.key}: max_length {max_length} cuts {kind} {kept + 1} of {inputs} (the "
+                f"conversation needs {needed} positions)",
+            )
+    truncated = EncodedSample(ids, labels, sample.spans)
     if truncated.targets == 0:
         raise RefusedSample(
             "truncated_no_targets",
@@ -516,8 +596,3 @@ def _truncate(
             f"needs {needed} positions)",
         )
     return truncated
-
-
-def _positions(ids: list[int], image_token_id: int, image_length: int) -> int:
-    images = ids.count(image_token_id)
-    return len(ids) + images * (image_length - 1)

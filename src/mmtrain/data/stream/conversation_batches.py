@@ -56,10 +56,12 @@ from mmtrain.data.stream.chat_templates import (
     IGNORE_INDEX,
     ChatTemplate,
     EncodedSample,
+    Placeholders,
     RefusedSample,
     TextEncoder,
     encode_conversation,
     get_template,
+    id_positions,
 )
 from mmtrain.data.stream.conversations import (
     Conversation,
@@ -68,6 +70,7 @@ from mmtrain.data.stream.conversations import (
     parse_conversation,
 )
 from mmtrain.data.stream.media import DEFAULT_MAX_PIXELS, MediaError
+from mmtrain.data.stream.native_inputs import NativeInputs, VisualInputs
 from mmtrain.data.stream.packing import (
     PAD_DOCUMENT,
     PackedRow,
@@ -78,9 +81,11 @@ from mmtrain.data.stream.packing import (
 from mmtrain.data.stream.tokenizer import get_tokenizer
 from mmtrain.data.stream.transforms import AugmentConfig, ImageTransform, make_transform
 from mmtrain.models.splice import image_placeholders, splice_sizes
+from mmtrain.models.visual_inputs import IMAGES, VIDEO_FPS, VIDEOS
 from mmtrain.models.vlm import SPLICE_SIZES
 from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
+from mmtrain.visual_budget import BudgetExceeded, VisualBudget, budget_of
 
 __all__ = [
     "NO_IMAGE_ID",
@@ -113,14 +118,17 @@ class SkippedSample(ValueError):
 @dataclass(frozen=True, eq=False)
 class ConversationSample(EncodedSample):
     """An encoded conversation and its images, float [n, C, H, W] in placeholder order
-    (n == count of the image token in `input_ids`); None for a text-only model."""
+    (n == count of the image token in `input_ids`); None for a text-only model. A
+    native-resolution VLM's are `visual`: images and clips at their own sizes."""
 
     images: torch.Tensor | None = None
+    visual: VisualInputs | None = None
 
 
 # ----------------------------------------------------------------------------- one sample
-def read_conversation(sample: dict[str, Any]) -> tuple[Conversation, list[bytes]]:
-    """The conversation of a shard sample and the bytes of its images, in order."""
+def read_conversation(sample: dict[str, Any]) -> tuple[Conversation, list[bytes], list[bytes]]:
+    """The conversation of a shard sample and the bytes of its images and of its videos, each
+    in tag order."""
     key = str(sample.get("__key__", "?"))
     if "json" not in sample:
         raise MediaError(f"{key}: no json member (a conversation shard sample needs one)")
@@ -132,10 +140,10 @@ def read_conversation(sample: dict[str, Any]) -> tuple[Conversation, list[bytes]
         conv = parse_conversation(record, file=f"{key}.json", origin=f"{key}.json")
     except ConversationError as err:
         raise SkippedSample(err.kind, f"{key}.json: {err.reason}") from None
-    missing = [name for name in conv.images if name not in sample]
+    missing = [name for name in (*conv.images, *conv.videos) if name not in sample]
     if missing:
-        raise MediaError(f"{key}: json lists image member(s) {missing} that the sample lacks")
-    return conv, [sample[name] for name in conv.images]
+        raise MediaError(f"{key}: json lists member(s) {missing} that the sample lacks")
+    return conv, [sample[name] for name in conv.images], [sample[name] for name in conv.videos]
 
 
 class ConversationDecoder:
@@ -143,6 +151,8 @@ class ConversationDecoder:
     streaming loader stacks (`__call__`: "input_ids", "labels" [L] and "image" [n, C, H, W]).
 
     `image_transform` None: a text-only LM; a conversation with images is then skipped.
+    `native`: a native-resolution VLM's images and clips (each its own size and tokens; the
+    sample's `visual`, "image" / "video" lists in `__call__`).
     """
 
     def __init__(
@@ -155,6 +165,9 @@ class ConversationDecoder:
         image_length: int,
         image_transform: ImageTransform | None,
         max_pixels: int = DEFAULT_MAX_PIXELS,
+        native: NativeInputs | None = None,
+        video_token_id: int | None = None,
+        wrap: tuple[int, int] | None = None,
     ):
         self.template = template
         self.tokenizer = tokenizer
@@ -163,6 +176,9 @@ class ConversationDecoder:
         self.image_length = image_length
         self.image_transform = image_transform
         self.max_pixels = max_pixels
+        self.native = native
+        self.video_token_id = video_token_id
+        self.wrap = wrap
 
     @classmethod
     def for_spec(
@@ -175,12 +191,29 @@ class ConversationDecoder:
         train: bool = True,
         augment: AugmentConfig | None = None,
         uint8: bool = False,
+        budget: VisualBudget | None = None,
     ) -> ConversationDecoder:
         """The decoder for a decoder-LM spec: image token and length from its projector, the
         image tower's transform (train: random crop and flip; eval: centre crop; `uint8`:
-        pixels left for the device to normalise)."""
+        pixels left for the device to normalise). A native-resolution VLM's inputs follow
+        `budget` (default: the spec's own)."""
         if spec.decoder is None:
             raise FieldError("decoder", "conversation batches are for a decoder LM spec")
+        if spec.vision is not None:
+            tokens = spec.vision_tokens
+            assert tokens is not None
+            wrap = None if tokens.start_id is None else (tokens.start_id, tokens.end_id)
+            return cls(
+                template,
+                tokenizer,
+                max_length=sequence_length,
+                image_token_id=spec.vision_tokens.image_token_id,
+                image_length=1,
+                image_transform=None,
+                native=NativeInputs(budget or budget_of(spec.vision, None), uint8=uint8),
+                video_token_id=tokens.video_token_id,
+                wrap=wrap,
+            )
         transform = None
         image_token_id = NO_IMAGE_ID
         if spec.projector is not None:
@@ -203,19 +236,44 @@ class ConversationDecoder:
     def encode(self, sample: dict[str, Any], rng: np.random.Generator | None) -> ConversationSample:
         """Ids, labels and transformed images of one shard sample; raises `SkippedSample`
         (refused conversation) or `MediaError` (broken member)."""
-        conv, images = read_conversation(sample)
+        conv, images, videos = read_conversation(sample)
+        if self.native is not None:
+            return self._encode_native(conv, images, videos)
         if images and self.image_transform is None:
             raise SkippedSample(
                 "images_without_tower",
                 f"{conv.key}: {len(images)} image(s), but the model has no image tower",
             )
-        encoded = self._encode(conv)
+        encoded = self._encode(conv, Placeholders(self.image_token_id, self.image_length))
         pixels = None
         if self.image_transform is not None:
             pixels = self._images(conv.key, images, rng)
-        return ConversationSample(encoded.input_ids, encoded.labels, pixels)
+        return ConversationSample(encoded.input_ids, encoded.labels, images=pixels)
 
-    def _encode(self, conv: Conversation) -> EncodedSample:
+    def _encode_native(
+        self, conv: Conversation, images: list[bytes], videos: list[bytes]
+    ) -> ConversationSample:
+        """Sizes first (headers), then the text with each input's tokens, then the pixels of
+        a sample that is kept. Native inputs are resized, never cropped or flipped: a page's
+        text and a clip's layout are what the model learns to read."""
+        assert self.native is not None
+        try:
+            measured = self.native.measure(conv.key, images, videos)
+        except BudgetExceeded as err:
+            raise SkippedSample("visual_budget", f"{conv.key}: {err}") from None
+        image_tokens, video_tokens = measured.tokens(self.native.budget)
+        marks = Placeholders(
+            self.image_token_id,
+            video_token_id=self.video_token_id,
+            image_lengths=image_tokens,
+            video_lengths=video_tokens,
+            wrap=self.wrap,
+        )
+        encoded = self._encode(conv, marks)
+        visual = self.native.decode(conv.key, images, videos, measured)
+        return ConversationSample(encoded.input_ids, encoded.labels, encoded.spans, visual=visual)
+
+    def _encode(self, conv: Conversation, marks: Placeholders) -> EncodedSample:
         try:
             encoded = encode_conversation(
                 conv,
@@ -223,7 +281,7 @@ class ConversationDecoder:
                 self.tokenizer,
                 self.max_length,
                 self.image_token_id,
-                image_length=self.image_length,
+                placeholders=marks,
             )
         except RefusedSample as err:
             raise SkippedSample(err.kind, err.reason) from None
@@ -234,7 +292,7 @@ class ConversationDecoder:
             raise SkippedSample(
                 "no_targets", f"{conv.key}: the only target is the first id, which nothing predicts"
             )
-        return EncodedSample(encoded.input_ids, labels)
+        return EncodedSample(encoded.input_ids, labels, encoded.spans)
 
     def _images(
         self, key: str, images: Sequence[bytes], rng: np.random.Generator | None
@@ -259,14 +317,22 @@ class ConversationDecoder:
         }
         if encoded.images is not None:
             out["image"] = encoded.images
+        if encoded.visual is not None:
+            out["spans"] = torch.tensor(encoded.spans, dtype=torch.long).reshape(-1, 2)
+            out[IMAGES] = encoded.visual.images
+            out[VIDEOS] = encoded.visual.videos
+            out[VIDEO_FPS] = torch.tensor(encoded.visual.video_fps, dtype=torch.float64)
         return out
 
     @staticmethod
-    def sample_of(out: dict[str, torch.Tensor]) -> ConversationSample:
+    def sample_of(out: dict[str, Any]) -> ConversationSample:
         """The sample back from what `__call__` returned for it."""
-        return ConversationSample(
-            out["input_ids"].tolist(), out["labels"].tolist(), out.get("image")
-        )
+        ids, labels = out["input_ids"].tolist(), out["labels"].tolist()
+        if "spans" not in out:
+            return ConversationSample(ids, labels, images=out.get("image"))
+        visual = VisualInputs(list(out[IMAGES]), list(out[VIDEOS]), out[VIDEO_FPS].tolist())
+        spans = tuple((int(i), int(n)) for i, n in out["spans"].tolist())
+        return ConversationSample(ids, labels, spans, visual=visual)
 
 
 # ----------------------------------------------------------------------------- batches
@@ -278,11 +344,13 @@ def conversation_batch(
     image_token_id: int,
     image_tokens: int,
     pad_id: int = 0,
-) -> dict[str, torch.Tensor]:
+    video_token_id: int | None = None,
+) -> dict[str, Any]:
     """One micro-batch of samples -> the model's batch, padded or packed (module docstring).
 
     `row_length`: LM positions a row holds (a sample longer than that raises SampleTooLong);
     `image_tokens`: positions one image takes; `pad_id` must not be `image_token_id`.
+    Samples of a native-resolution VLM (their `visual`) give `native_batch`'s layout.
     """
     if not samples:
         raise ValueError("no samples to batch")
@@ -305,6 +373,8 @@ def conversation_batch(
         ]
     width = max(len(row.input_ids) for row in rows)
     rows = [_pad(row, width, pad_id) for row in rows]
+    if any(sample.visual is not None for sample in samples):
+        return native_batch(samples, rows, pack, image_token_id, video_token_id)
     batch = {
         "text": _tensor([row.input_ids for row in rows]),
         "labels": _tensor([row.labels for row in rows]),
@@ -326,6 +396,43 @@ def conversation_batch(
     return batch
 
 
+def native_batch(
+    samples: Sequence[ConversationSample],
+    rows: Sequence[PackedRow],
+    pack: bool,
+    image_token_id: int,
+    video_token_id: int | None,
+) -> dict[str, Any]:
+    """A native-resolution VLM's batch of laid-out rows: "text", "labels", "attention_mask"
+    or "document_ids", and the inputs in reading order (row 0's placeholders left to right,
+    then row 1's): "image" a list of [3, H, W], "video" a list of [T, 3, H, W], "video_fps"
+    per clip. No "position_ids": the model computes M-RoPE's 3-D positions from the layout
+    (restarting per packed document), so the host never numbers them."""
+    batch: dict[str, Any] = {
+        "text": _tensor([row.input_ids for row in rows]),
+        "labels": _tensor([row.labels for row in rows]),
+    }
+    documents = _tensor([row.document_ids for row in rows])
+    if pack:
+        batch["document_ids"] = documents
+    else:
+        batch["attention_mask"] = documents != PAD_DOCUMENT
+    order = [index for row in rows for index in row.samples]
+    visual = [samples[i].visual for i in order]
+    batch[IMAGES] = [image for v in visual if v is not None for image in v.images]
+    batch[VIDEOS] = [clip for v in visual if v is not None for clip in v.videos]
+    batch[VIDEO_FPS] = [fps for v in visual if v is not None for fps in v.video_fps]
+    # Each placeholder's tokens in reading order: a row's samples follow one another in it.
+    counts = [n for i in order for _, n in samples[i].spans]
+    valid = documents != PAD_DOCUMENT
+    is_visual = (batch["text"] == image_token_id) & valid
+    if video_token_id is not None:
+        is_visual |= (batch["text"] == video_token_id) & valid
+    tokens = torch.tensor(counts, dtype=torch.long)
+    batch[SPLICE_SIZES] = splice_sizes(is_visual, tokens, batch.get("attention_mask"))
+    return batch
+
+
 def _single_row(
     index: int, sample: EncodedSample, row_length: int, image_token_id: int, image_length: int
 ) -> PackedRow:
@@ -340,9 +447,9 @@ def _single_row(
             f"sample {index}: {len(sample.input_ids)} ids, {len(sample.labels)} labels"
         )
     positions, position = [], 0
-    for token in sample.input_ids:
+    for step in id_positions(sample, image_token_id, image_length):
         positions.append(position)
-        position += image_length if token == image_token_id else 1
+        position += step
     labels = [IGNORE_INDEX, *sample.labels[1:]]
     return PackedRow(list(sample.input_ids), labels, [index] * len(sample.input_ids), positions)
 
@@ -385,7 +492,8 @@ def _images_in_reading_order(
 # ----------------------------------------------------------------------------- settings
 class ConversationBatcher:
     """The conversation settings of a decoder-LM run (data.chat_template, data.tokenizer,
-    data.sequence_length, data.pack), checked once: decoders and batch layout."""
+    data.sequence_length, data.pack, and a native-resolution VLM's data.vision), checked once:
+    decoders and batch layout."""
 
     def __init__(self, data: DataConfig, spec: ModelSpec):
         if spec.decoder is None:
@@ -397,11 +505,18 @@ class ConversationBatcher:
         self.template = resolve_chat_template(data.chat_template, data.tokenizer)
         self.sequence_length = _sequence_length(data, spec)
         self.pack = data.pack
-        projector = spec.projector
+        projector, tokens = spec.projector, spec.vision_tokens
         self.image_token_id = NO_IMAGE_ID if projector is None else projector.image_token_id
+        self.video_token_id: int | None = None
+        self.budget: VisualBudget | None = None
+        if spec.vision is not None and tokens is not None:
+            self.image_token_id, self.video_token_id = tokens.image_token_id, tokens.video_token_id
+            self.budget = budget_of(spec.vision, data.vision)
+        elif data.vision is not None:
+            raise FieldError("data.vision", "only a native-resolution VLM (spec.vision) reads it")
         check_template_fits(self.template, self.tokenizer, self.image_token_id)
-        # Padding is masked everywhere; its id only has to differ from the image placeholder.
-        self.pad_id = 0 if self.image_token_id != 0 else 1
+        # Padding is masked everywhere; its id only has to differ from the placeholders.
+        self.pad_id = min({0, 1, 2} - {self.image_token_id, self.video_token_id})
 
     def decoder(
         self, spec: ModelSpec, train: bool = True, uint8: bool = False
@@ -409,7 +524,13 @@ class ConversationBatcher:
         """The decoder of `spec` (train: random crops and flips; eval: centre crops; `uint8`:
         images left for the device to normalise)."""
         return ConversationDecoder.for_spec(
-            spec, self.tokenizer, self.template, self.sequence_length, train=train, uint8=uint8
+            spec,
+            self.tokenizer,
+            self.template,
+            self.sequence_length,
+            train=train,
+            uint8=uint8,
+            budget=self.budget,
         )
 
     def collate(self, spec: ModelSpec) -> functools.partial:
@@ -428,6 +549,7 @@ class ConversationBatcher:
             image_token_id=self.image_token_id,
             image_tokens=spec.image_tokens(),
             pad_id=self.pad_id,
+            video_token_id=self.video_token_id,
         )
 
 

@@ -8,9 +8,13 @@ Two input formats, both a JSON list (`.json`) or one record per line (`.jsonl`):
   "user" | "assistant" | "system", "content": "..."}], "images": [...]}`, with an optional
   top-level `"system"` string.
 
-Both become `Conversation(key, turns, images)` with roles `system`, `user`, `assistant`. Each image
-is referred to by exactly one `<image>` tag in the text (the model splices the image there), so
-the number of tags must equal the number of images. Roles must alternate user/assistant, a system
+Videos come the same way: LLaVA's `video` (a path or a list), ShareGPT's `videos`, each
+referred to by one `<video>` tag; images and videos may be interleaved in any order.
+
+Both become `Conversation(key, turns, images, videos)` with roles `system`, `user`,
+`assistant`. Each image is referred to by exactly one `<image>` tag in the text (the model
+splices the image there), so the number of tags must equal the number of images (and of
+`<video>` tags the number of videos). Roles must alternate user/assistant, a system
 turn may only come first, the conversation must end with a non-empty assistant turn (an answer is
 what a sample trains on; a sample without one would train on nothing).
 
@@ -32,6 +36,7 @@ from mmtrain.structured import FieldError
 
 __all__ = [
     "IMAGE_TAG",
+    "VIDEO_TAG",
     "ROLES",
     "Turn",
     "Conversation",
@@ -42,6 +47,7 @@ __all__ = [
 ]
 
 IMAGE_TAG = "<image>"
+VIDEO_TAG = "<video>"
 ROLES = ("system", "user", "assistant")
 # Speaker names of both formats (and of common ShareGPT variants) -> our roles.
 _ROLE_NAMES = {
@@ -63,11 +69,13 @@ class Turn:
 
 @dataclass
 class Conversation:
-    """A normalised chat sample: turns in order and the image paths, one per `<image>` tag."""
+    """A normalised chat sample: turns in order, the image paths (one per `<image>` tag) and
+    the video paths (one per `<video>` tag), each list in the order of its tags."""
 
     key: str
     turns: list[Turn]
     images: list[str] = field(default_factory=list)
+    videos: list[str] = field(default_factory=list)
 
 
 class ConversationError(FieldError):
@@ -115,14 +123,16 @@ def parse_conversation(
         if not isinstance(record, dict):
             raise _Invalid("format", f"expected a JSON object, got {type(record).__name__}")
         turns = _turns(record)
-        images = _images(record)
+        images = _paths(record, "image", "images")
+        videos = _paths(record, "video", "videos")
         _check_roles(turns)
         _check_texts(turns)
-        _check_images(turns, images)
+        _check_count(turns, images, IMAGE_TAG, "image")
+        _check_count(turns, videos, VIDEO_TAG, "video")
     except _Invalid as err:
         where = origin or f"{Path(file).name}[{index}]"
         raise ConversationError(file, index, key, err.kind, err.reason, where) from None
-    return Conversation(key, [turn for _, turn in turns], images)
+    return Conversation(key, [turn for _, turn in turns], images, videos)
 
 
 def _key(record: Any, index: int) -> str:
@@ -172,11 +182,12 @@ def _turn(item: Any, where: str, role_key: str, text_key: str) -> tuple[str, Tur
     return where, Turn(role, text)
 
 
-def _images(record: dict[str, Any]) -> list[str]:
-    """LLaVA's `image` (a path or a list) or ShareGPT's `images`; absent means text-only."""
-    if "image" in record and "images" in record:
-        raise _Invalid("format", "has both 'image' and 'images'; keep one")
-    name = "image" if "image" in record else "images"
+def _paths(record: dict[str, Any], single: str, plural: str) -> list[str]:
+    """LLaVA's `image` / `video` (a path or a list) or ShareGPT's `images` / `videos`;
+    absent means none."""
+    if single in record and plural in record:
+        raise _Invalid("format", f"has both '{single}' and '{plural}'; keep one")
+    name = single if single in record else plural
     value = record.get(name)
     if value is None:
         return []
@@ -215,18 +226,19 @@ def _check_texts(turns: list[tuple[str, Turn]]) -> None:
             continue
         if not turn.text.strip():
             raise _Invalid("empty_turn", f"{where}: empty assistant turn (no target to learn)")
-        if IMAGE_TAG in turn.text:
-            # The placeholder would become a label the model cannot predict.
-            raise _Invalid("image_tag", f"{where}: {IMAGE_TAG} in an assistant turn")
+        for tag, kind in ((IMAGE_TAG, "image"), (VIDEO_TAG, "video")):
+            if tag in turn.text:
+                # The placeholder would become a label the model cannot predict.
+                raise _Invalid(f"{kind}_tag", f"{where}: {tag} in an assistant turn")
 
 
-def _check_images(turns: list[tuple[str, Turn]], images: list[str]) -> None:
-    tags = sum(turn.text.count(IMAGE_TAG) for _, turn in turns)
-    if tags != len(images):
+def _check_count(turns: list[tuple[str, Turn]], paths: list[str], tag: str, kind: str) -> None:
+    tags = sum(turn.text.count(tag) for _, turn in turns)
+    if tags != len(paths):
         raise _Invalid(
-            "image_count",
-            f"{tags} {IMAGE_TAG} tag(s) in the text but {len(images)} image(s); each image needs "
-            f"exactly one {IMAGE_TAG} where it goes",
+            f"{kind}_count",
+            f"{tags} {tag} tag(s) in the text but {len(paths)} {kind}(s); each {kind} needs "
+            f"exactly one {tag} where it goes",
         )
 
 

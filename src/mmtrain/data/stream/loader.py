@@ -227,6 +227,8 @@ def _pinned(value: Any) -> Any:
     batch's sizes pass as they are)."""
     if isinstance(value, torch.Tensor) and not value.is_pinned():
         return value.pin_memory()
+    if isinstance(value, list):  # a native VLM's images / clips, each its own size
+        return [_pinned(v) for v in value]
     return value
 
 
@@ -274,9 +276,13 @@ def _check_output(out: Any, key: str) -> dict[str, torch.Tensor]:
     for name, value in out.items():
         if isinstance(value, np.ndarray):
             value = torch.from_numpy(value)
-        if not isinstance(value, torch.Tensor):
+        # A list of tensors: inputs of their own sizes (a native VLM's pages and clips), which
+        # only a `collate` lays out.
+        is_list = isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value)
+        if not isinstance(value, torch.Tensor) and not is_list:
             raise TypeError(
-                f"decode returned {type(value).__name__} for {name!r} of {key!r}; expected a tensor"
+                f"decode returned {type(value).__name__} for {name!r} of {key!r}; expected a "
+                "tensor or a list of tensors"
             )
         tensors[name] = value
     return tensors

@@ -1,7 +1,8 @@
 """Packing encoded samples into fixed-length rows (LLaVA-style training without padding waste).
 
 A row is `row_length` positions of the language model. An image's single placeholder id takes
-`image_length` positions there (the model splices the image's tokens in at the placeholder), so
+`image_length` positions there (or, for a native-resolution tower, the positions its own input
+takes: the sample's `spans`) (the model splices the image's tokens in at the placeholder), so
 lengths, free room and `position_ids` count it as `image_length`; `input_ids`, `labels`,
 `document_ids` and `position_ids` stay in placeholder space (one entry per id), and
 `expand_images` gives the same row in position space, where every row is exactly `row_length`.
@@ -33,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from mmtrain.data.stream.chat_templates import IGNORE_INDEX, EncodedSample
+from mmtrain.data.stream.chat_templates import IGNORE_INDEX, EncodedSample, id_positions
 
 __all__ = [
     "PAD_DOCUMENT",
@@ -80,9 +81,9 @@ class _OpenRow:
 
 
 def sample_positions(sample: EncodedSample, image_token_id: int, image_length: int) -> int:
-    """Positions the sample takes in the model once its images are spliced in."""
-    images = sample.input_ids.count(image_token_id)
-    return len(sample.input_ids) + images * (image_length - 1)
+    """Positions the sample takes in the model once its images are spliced in (each its own
+    number where the sample has `spans`)."""
+    return sum(id_positions(sample, image_token_id, image_length))
 
 
 def pack_rows(
@@ -210,9 +211,9 @@ def _build(
         row.labels.extend([IGNORE_INDEX, *sample.labels[1:]])
         row.document_ids.extend([index] * len(sample.input_ids))
         position = 0
-        for token in sample.input_ids:
+        for size in id_positions(sample, image_token_id, image_length):
             row.position_ids.append(position)
-            position += image_length if token == image_token_id else 1
+            position += size
         used += position
     pad = length - used
     row.input_ids.extend([pad_id] * pad)

@@ -8,45 +8,28 @@ it computes them). Size: each frame resized as an image (`NativeVisionSpec.resiz
 [`min_pixels`, `max_pixels`] per frame; with `max_video_tokens`, the per-frame cap also shrinks
 to an even share of that many tokens over the clip (transformers' `cap_pixels_per_frame`).
 Everything is a function of the clip's headers and the rule: the same sample gives the same
-frames on every worker and after every resume.
+frames on every worker and after every resume. The counting rule itself is torch-free in
+visual_budget.py (the planner's and `data inspect`'s too); this module decodes.
 """
 
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from mmtrain.data.stream.media import DEFAULT_MAX_PIXELS, MediaError, decode_video, video_header
-from mmtrain.native_vision_spec import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, NativeVisionSpec
+from mmtrain.native_vision_spec import NativeVisionSpec
+from mmtrain.visual_budget import ClipSize, FrameRule, Shape, frame_count, frame_size
 
-DEFAULT_FPS = 2.0  # Qwen2-VL's processors sample two frames a second
-MIN_FRAMES, MAX_FRAMES = 4, 768  # transformers' Qwen2VLVideoProcessor defaults
-TOKEN_SHARE = 0.9  # transformers: 90 % of max_video_tokens go to the frames' patches
-
-
-@dataclass(frozen=True)
-class FrameRule:
-    fps: float = DEFAULT_FPS
-    min_frames: int = MIN_FRAMES
-    max_frames: int = MAX_FRAMES
-    min_pixels: int = VIDEO_MIN_PIXELS  # per frame
-    max_pixels: int = VIDEO_MAX_PIXELS  # per frame
-    max_video_tokens: int | None = None  # a budget for the whole clip (None: per frame only)
-
-
-def frame_count(total: int, source_fps: float, rule: FrameRule, temporal_patch: int) -> int:
-    """Frames to sample of a clip of `total` frames at `source_fps`; MediaError when it holds
-    fewer than one temporal patch."""
-    if total < temporal_patch:
-        raise MediaError(f"a clip of {total} frames is shorter than a temporal patch "
-                         f"({temporal_patch} frames)")  # fmt: skip
-    ceiling = math.floor(min(rule.max_frames, total) / temporal_patch) * temporal_patch
-    wanted = total / source_fps * rule.fps
-    wanted = min(max(wanted, rule.min_frames), ceiling, total)
-    return math.floor(wanted / temporal_patch) * temporal_patch
+__all__ = [
+    "FrameRule",
+    "frame_count",
+    "frame_indices",
+    "frame_size",
+    "clip_size",
+    "decode_clip",
+    "sample_clip",
+]
 
 
 def frame_indices(total: int, count: int) -> list[int]:
@@ -54,31 +37,35 @@ def frame_indices(total: int, count: int) -> list[int]:
     return torch.arange(0, total, total / count).int().tolist()
 
 
-def frame_size(
-    height: int, width: int, frames: int, rule: FrameRule, spec: NativeVisionSpec
-) -> tuple[int, int]:
-    """(height, width) each sampled frame is resized to."""
-    cap = rule.max_pixels
-    if rule.max_video_tokens is not None:
-        unit = spec.merge_unit_pixels()
-        total_pixels = int(rule.max_video_tokens * unit * unit * TOKEN_SHARE)
-        share = total_pixels * spec.temporal_patch // frames
-        cap = max(min(cap, share), int(rule.min_pixels * 1.05))
-    return spec.resized(height, width, min_pixels=rule.min_pixels, max_pixels=cap)
+def clip_size(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> ClipSize:
+    """A clip's frames, frame rate and frame size from its header (nothing decoded)."""
+    total, height, width, source_fps = video_header(data, max_pixels)
+    return ClipSize(total, source_fps, height, width)
+
+
+def decode_clip(
+    data: bytes, size: ClipSize, shape: Shape, max_pixels: int = DEFAULT_MAX_PIXELS
+) -> tuple[np.ndarray, float]:
+    """(uint8 frames [T, H, W, 3] at `shape`, the rate they were sampled at: T / the clip's
+    seconds) of a clip of `size` whose budget gave `shape` (visual_budget.py)."""
+    from PIL import Image
+
+    times = [(i + 0.5) / size.fps for i in frame_indices(size.frames, shape.frames)]  # inside i
+    frames = decode_video(data, shape.frames, times_s=times, max_pixels=max_pixels).frames
+    resized = [np.asarray(Image.fromarray(f).resize((shape.width, shape.height),
+                                                    Image.Resampling.BICUBIC))
+               for f in frames]  # fmt: skip
+    return np.stack(resized), shape.frames / (size.frames / size.fps)
 
 
 def sample_clip(
     data: bytes, rule: FrameRule, spec: NativeVisionSpec, max_pixels: int = DEFAULT_MAX_PIXELS
 ) -> tuple[np.ndarray, float]:
-    """(uint8 frames [T, H, W, 3] at their resized size, the rate they were sampled at: T / the
-    clip's seconds) of a clip's bytes."""
-    from PIL import Image
-
-    total, height, width, source_fps = video_header(data, max_pixels)
-    count = frame_count(total, source_fps, rule, spec.temporal_patch)
-    times = [(i + 0.5) / source_fps for i in frame_indices(total, count)]  # inside frame i
-    frames = decode_video(data, count, times_s=times, max_pixels=max_pixels).frames
-    h, w = frame_size(height, width, count, rule, spec)
-    resized = [np.asarray(Image.fromarray(f).resize((w, h), Image.Resampling.BICUBIC))
-               for f in frames]  # fmt: skip
-    return np.stack(resized), count / (total / source_fps)
+    """`decode_clip` of one clip under `rule` alone (no per-sample budget)."""
+    size = clip_size(data, max_pixels)
+    try:
+        count = frame_count(size.frames, size.fps, rule, spec.temporal_patch)
+    except ValueError as err:
+        raise MediaError(str(err)) from None
+    shape = Shape(count, *frame_size(size.height, size.width, count, rule, spec))
+    return decode_clip(data, size, shape, max_pixels)

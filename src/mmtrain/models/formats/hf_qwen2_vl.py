@@ -66,7 +66,8 @@ VISION_DEFAULTS = {
                    "window_size": 112, "out_hidden_size": 3584,
                    "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 4},
 }  # fmt: skip
-TOP_DEFAULTS = {"image_token_id": 151655, "video_token_id": 151656}
+TOP_DEFAULTS = {"image_token_id": 151655, "video_token_id": 151656,
+                "vision_start_token_id": 151652, "vision_end_token_id": 151653}  # fmt: skip
 # Spellings of the parts' key prefixes -> the names each part is read in.
 VISION_PREFIXES = ("model.visual.", "visual.")
 LM_PREFIXES = {"model.language_model.": "model.", "model.": "model.", "lm_head.": "lm_head."}
@@ -169,8 +170,13 @@ def spec_from_config(
     decoder = _decoder(config, file)
     top = Section(file, "", {**TOP_DEFAULTS, **config})
     tps = vision_section.values.get("tokens_per_second") if family == "qwen2_5_vl" else None
+    # The start / end ids wrap each placeholder in the chat format; a config's defaults outside
+    # a small model's vocabulary (a test model) wrap nothing.
+    start, end = top.get("vision_start_token_id", int), top.get("vision_end_token_id", int)
+    if max(start, end) >= decoder.vocab_size:
+        start = end = None
     tokens = VisionTokens(top.get("image_token_id", int), top.get("video_token_id", int),
-                          None if tps is None else float(tps))  # fmt: skip
+                          None if tps is None else float(tps), start, end)  # fmt: skip
     try:
         return ModelSpec(name=name, embed_dim=decoder.width, towers={}, objective="next_token",
                          decoder=decoder, vision=vision, vision_tokens=tokens)  # fmt: skip
@@ -319,6 +325,8 @@ def hf_config(spec: ModelSpec, dtype: torch.dtype) -> dict[str, Any]:
     return {"architectures": [name], "model_type": ARCHITECTURES[name][0],
             "vision_config": vision, "text_config": text,
             "image_token_id": tokens.image_token_id, "video_token_id": tokens.video_token_id,
+            **({} if tokens.start_id is None else {"vision_start_token_id": tokens.start_id,
+                                                   "vision_end_token_id": tokens.end_id}),
             "tie_word_embeddings": spec.decoder.tie_embeddings,
             "dtype": str(dtype).removeprefix("torch."),
             "torch_dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
