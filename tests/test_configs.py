@@ -20,6 +20,8 @@ EXPECTED = {
     "vlm-stage1",
     "vlm-stage2",
     "llava-1.5-7b",
+    "qwen2.5-vl-7b-docs",
+    "qwen2.5-vl-7b-docs-lora",
 }
 # their comments launch 8 ranks
 MULTI_GPU = {
@@ -28,6 +30,8 @@ MULTI_GPU = {
     "vlm-stage1": 8,
     "vlm-stage2": 8,
     "llava-1.5-7b": 8,
+    "qwen2.5-vl-7b-docs": 8,
+    "qwen2.5-vl-7b-docs-lora": 2,
 }
 
 

@@ -210,3 +210,52 @@ def test_each_input_sits_between_the_start_and_end_ids_the_spec_names():
     assert [i for i, _ in out["spans"].tolist()] == [1, 4]
     batch = batcher.collate(spec)([out])
     assert create_model(spec).logits(batch).shape[:2] == batch["text"].shape
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
+def test_the_step_counts_each_input_at_its_own_size(pack):
+    """MFU's FLOPs of a native batch: the tower over each page and clip at its size, the LM
+    over each row at its length once the inputs are spliced in (padding computed too)."""
+    from mmtrain.spec import VISION_TOWER
+    from mmtrain.train.metrics import language_model_forward_flops
+
+    vision = VisionDataConfig(image_max_tokens=20, frame_min_tokens=4, frame_max_tokens=12)
+    batcher = _batcher(400, vision, pack)
+    decoder = batcher.decoder(SPEC)
+    outs = [
+        decoder(_sample("a", [_png(96, 24, 1), _png(30, 50, 2)], True, "ok"), None),
+        decoder(_sample("b", [_png(40, 40, 3)], False, "a longer answer"), None),
+        decoder(_sample("c", [], False, "text"), None),
+    ]
+    batch = batcher.collate(SPEC)(outs)
+    flops = language_model_forward_flops(SPEC, batch)
+    inputs = [*batch["image"], *batch["video"]]
+    tower = sum(SPEC.vision.forward_flops(x.shape[-2], x.shape[-1],
+                                          1 if x.dim() == 3 else x.shape[0]) for x in inputs)  # fmt: skip
+    assert flops[VISION_TOWER] == tower
+    length = batch["splice_sizes"][0]  # the expanded rows' length: every row is computed to it
+    rows = batch["text"].shape[0]
+    spans = sum(out["spans"][:, 1].sum().item() - len(out["spans"]) for out in outs)
+    positions = batch["text"].numel() + spans  # ids, each input's tokens instead of its id
+    assert flops["text"] == sum(SPEC.decoder.forward_flops(n) for n in _row_lengths(batch))
+    assert sum(_row_lengths(batch)) == positions and max(_row_lengths(batch)) == length
+    assert rows == (1 if pack else 3)
+
+
+def _row_lengths(batch) -> list[int]:
+    """Positions of each row once its placeholders hold their inputs' tokens."""
+    text = batch["text"]
+    counts = iter(
+        [SPEC.vision.tokens(x.shape[-2], x.shape[-1], 1 if x.dim() == 3 else x.shape[0])
+         for x in batch["image"]]
+    )  # fmt: skip
+    videos = iter(
+        [SPEC.vision.tokens(x.shape[-2], x.shape[-1], x.shape[0]) for x in batch["video"]]
+    )
+    lengths = []
+    for row in text.tolist():
+        n = 0
+        for token in row:
+            n += next(counts) if token == IMAGE_ID else next(videos) if token == VIDEO_ID else 1
+        lengths.append(n)
+    return lengths

@@ -529,6 +529,7 @@ class VLMEvaluator:
             "exact_match_shuffled_images": mean(moved, "exact_match"),
             # document and video benchmarks' own scores (eval/answers.py)
             "anls": mean(own, "anls"),
+            "anls_shuffled_images": mean(moved, "anls"),
             "relaxed_accuracy": mean(own, "relaxed_accuracy"),
             "cer": sum(r["char_edits"] for r in own.values()) / chars if chars else None,
             "choice_accuracy": mean(own, "choice_accuracy"),

@@ -202,6 +202,8 @@ class ConversationCounts:
     videos: list[int] = field(default_factory=list)
     visual_tokens: list[int] = field(default_factory=list)
     page_tokens: list[int] = field(default_factory=list)
+    # per sample with a budget: its inputs as (frames, height, width) at the tower's size
+    visual_shapes: list[tuple[tuple[int, int, int], ...]] = field(default_factory=list)
 
     def refuse(self, kind: str) -> None:
         self.refused[kind] = self.refused.get(kind, 0) + 1
@@ -279,8 +281,10 @@ def conversation_counts(
         inputs = len(conv.images) + len(conv.videos)
         extra = len(conv.images) * (image_tokens - 1)
         if visual is not None:
-            counts.visual_tokens.append(sum(visual[0]) + sum(visual[1]))
-            counts.page_tokens.extend(visual[0])
+            tokens, shapes = visual
+            counts.visual_tokens.append(sum(tokens))
+            counts.page_tokens.extend(tokens[: len(conv.images)])
+            counts.visual_shapes.append(shapes)
             extra = counts.visual_tokens[-1] - inputs
         if encoded is not None:
             ids = len(encoded.input_ids)
@@ -291,14 +295,17 @@ def conversation_counts(
 
 def _visual_tokens(
     sample: dict[str, Any], conv: Any, budget: VisualBudget
-) -> tuple[list[int], list[int]]:
-    """Tokens of each image and each clip of a sample, from their headers under `budget`."""
+) -> tuple[list[int], tuple[tuple[int, int, int], ...]]:
+    """Tokens of each image, then each clip of a sample, and their (frames, height, width) at
+    the tower, from their headers under `budget`."""
     missing = [name for name in (*conv.images, *conv.videos) if name not in sample]
     if missing:
         raise MediaError(f"{sample['__key__']}: no member(s) {missing}")
     images = [sample[name] for name in conv.images]
     videos = [sample[name] for name in conv.videos]
-    return NativeInputs(budget).measure(sample["__key__"], images, videos).tokens(budget)
+    measured = NativeInputs(budget).measure(sample["__key__"], images, videos)
+    tokens = [shape.tokens(budget.spec) for shape in measured.shapes]
+    return tokens, tuple((s.frames, s.height, s.width) for s in measured.shapes)
 
 
 def conversation_summary(
