@@ -266,3 +266,22 @@ def test_the_last_vision_blocks_and_the_merger_train_at_their_own_rate(tmp_path,
     assert not changed("towers.vision.patch_embed.") and not changed("towers.vision.blocks.0.")
     assert changed("towers.vision.blocks.1.") and changed("towers.vision.merger.")
     assert changed("towers.text.blocks.")
+
+
+def test_generate_answers_about_a_page_and_a_clip(tmp_path, shards, capsys):
+    """`mmtrain generate RUN --image PAGE --video CLIP --prompt ...` reads them at the run's
+    budget and answers (a few untrained tokens; what matters is the path runs end to end)."""
+    from mmtrain.cli import main
+
+    run = tmp_path / "gen"
+    train(_config(run, shards, train={"steps": 1}))
+    record, members = _record(0)
+    (tmp_path / "page.png").write_bytes(members["0.png"])
+    (tmp_path / "clip.mp4").write_bytes(members["v0.mp4"])
+    argv = ["generate", str(run), "--image", str(tmp_path / "page.png"), "--video",
+            str(tmp_path / "clip.mp4"), "--prompt", "<video> then <image>", "--max-new-tokens",
+            "4"]  # fmt: skip
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert main([*argv[:2], "--video", str(tmp_path / "clip.mp4"), "--prompt", "<image>"]) == 2
+    assert "<image> tag(s) but 0 --image" in capsys.readouterr().err

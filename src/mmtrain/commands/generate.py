@@ -35,6 +35,7 @@ ORDER = 45
 IMAGE_TAG = (
     "<image>"  # mmtrain.data.stream.conversations.IMAGE_TAG (not imported: --help stays fast)
 )
+VIDEO_TAG = "<video>"  # mmtrain.data.stream.conversations.VIDEO_TAG
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -67,6 +68,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="FILE",
         help="an image (repeat for several, in the order of the prompt's <image> tags)",
+    )
+    p.add_argument(
+        "--video",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a clip for a native-resolution VLM (repeat for several, in the order of the "
+        "prompt's <video> tags), its frames sampled as the run's data.vision says",
     )
     p.add_argument("--system", help="system prompt (default: the template's own)")
     p.add_argument(
@@ -146,7 +155,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from mmtrain.commands.eval import _load_model
+    from mmtrain.commands.eval import _load_model, _run_budget
     from mmtrain.models.build import is_model_folder, load_model
 
     model_dir = Path(args.model)
@@ -166,19 +175,22 @@ def run(args: argparse.Namespace) -> int:
             f"--prompt: {model.spec.name} answers one prompt, {len(args.prompt)} given"
         )
     _check_numbers(args)
-    images = [Path(p) for p in args.image]
-    for path in images:
+    images, videos = [Path(p) for p in args.image], [Path(p) for p in args.video]
+    for flag, path in [*(("--image", p) for p in images), *(("--video", p) for p in videos)]:
         if not path.is_file():
-            raise UsageError(f"--image {path}: no such file")
-    prompt = _prompt_with_tags(args.prompt[0], len(images))
+            raise UsageError(f"{flag} {path}: no such file")
+    prompt = _prompt_with_tags(args.prompt[0], len(images), IMAGE_TAG, "--image")
+    prompt = _prompt_with_tags(prompt, len(videos), VIDEO_TAG, "--video")
     spec = model.spec
     if spec.decoder is None:
         raise UsageError(
             f"{model_dir}: {spec.name} is not a language model (it has no decoder); "
             "`mmtrain generate` needs an LM or a vision-language model"
         )
-    if images and spec.projector is None:
+    if images and spec.projector is None and spec.vision is None:
         raise UsageError(f"{spec.name} is a text-only language model; it takes no --image")
+    if videos and spec.vision is None:
+        raise UsageError(f"{spec.name} takes no --video (only a native-resolution VLM does)")
     tokenizer, template = _tokenizer_and_template(args, run_dir, model_dir)
     answer = generate_answer(
         model,
@@ -186,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
         template,
         prompt,
         images,
+        videos=videos,
+        budget=_run_budget(spec, run_dir) if spec.vision is not None else None,
         system=args.system,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -464,17 +478,41 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
 
 
-def _prompt_with_tags(prompt: str, images: int) -> str:
-    """The prompt with one <image> tag per image: added in front when it has none."""
-    tags = prompt.count(IMAGE_TAG)
+def _prompt_with_tags(prompt: str, inputs: int, tag: str, flag: str) -> str:
+    """The prompt with one `tag` per input: added in front when it has none."""
+    tags = prompt.count(tag)
     if tags == 0:
-        return IMAGE_TAG * images + ("\n" if images else "") + prompt
-    if tags != images:
+        return tag * inputs + ("\n" if inputs else "") + prompt
+    if tags != inputs:
         raise UsageError(
-            f"--prompt has {tags} {IMAGE_TAG} tag(s) but {images} --image given: give one image "
-            f"per tag, or no tags to put the images in front of the prompt"
+            f"--prompt has {tags} {tag} tag(s) but {inputs} {flag} given: give one per tag, "
+            "or no tags to put them in front of the prompt"
         )
     return prompt
+
+
+def _native_prompt(
+    spec: Any, tokenizer: Any, segments: Any, images: list[Path], videos: list[Path], budget: Any
+) -> tuple[list[int], dict[str, Any]]:
+    """A native VLM's prompt ids and its pages and clips at the sizes the budget gives them."""
+    from mmtrain.data.stream.chat_templates import encode_segments
+    from mmtrain.data.stream.media import MediaError
+    from mmtrain.data.stream.native_inputs import NativeInputs
+    from mmtrain.visual_budget import BudgetExceeded
+
+    tokens = spec.vision_tokens
+    wrap = None if tokens.start_id is None else (tokens.start_id, tokens.end_id)
+    ids = encode_segments(
+        segments, tokenizer, tokens.image_token_id, tokens.video_token_id, wrap
+    ).input_ids
+    native = NativeInputs(budget)
+    pages, clips = [p.read_bytes() for p in images], [p.read_bytes() for p in videos]
+    try:
+        visual = native.decode("prompt", pages, clips, native.measure("prompt", pages, clips))
+    except (MediaError, BudgetExceeded) as err:
+        raise UsageError(f"--image / --video: {err}") from None
+    inputs = {"image": visual.images, "video": visual.videos, "video_fps": visual.video_fps}
+    return ids, inputs
 
 
 def _device(name: str | None, torch: Any) -> Any:
@@ -529,13 +567,16 @@ def generate_answer(
     prompt: str,
     images: list[Path],
     *,
+    videos: list[Path] | None = None,
+    budget: Any = None,
     system: str | None = None,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
 ) -> str:
-    """The model's answer to one user turn `prompt` (its <image> tags matching `images`)."""
+    """The model's answer to one user turn `prompt` (its <image> tags matching `images`, a
+    native VLM's <video> tags `videos`, read under `budget`: the run's data.vision)."""
     import torch
 
     from mmtrain.data.stream.chat_templates import encode_segments
@@ -549,13 +590,19 @@ def generate_answer(
     # A stand-in answer: the segments before it are the prompt with the generation prompt,
     # found the same way for named and Jinja templates (eval.generation).
     turns += [Turn("user", prompt), Turn("assistant", "answer")]
-    segments, _ = prompt_and_reference(
-        Conversation("prompt", turns, list(map(str, images))), template
-    )
-    image_token_id = spec.projector.image_token_id if spec.projector is not None else -1
-    ids = encode_segments(segments, tokenizer, image_token_id).input_ids
+    videos = videos or []
+    conv = Conversation("prompt", turns, list(map(str, images)), list(map(str, videos)))
+    segments, _ = prompt_and_reference(conv, template)
     param = next(model.parameters())
-    batch = {"text": torch.tensor([ids], dtype=torch.long, device=param.device)}
+    if spec.vision is not None:
+        ids, inputs = _native_prompt(spec, tokenizer, segments, images, videos, budget)
+        batch = {"text": torch.tensor([ids], dtype=torch.long, device=param.device)}
+        batch |= {k: [x.to(param.device, param.dtype) for x in v] if k != "video_fps" else v
+                  for k, v in inputs.items()}  # fmt: skip
+    else:
+        image_token_id = spec.projector.image_token_id if spec.projector is not None else -1
+        ids = encode_segments(segments, tokenizer, image_token_id).input_ids
+        batch = {"text": torch.tensor([ids], dtype=torch.long, device=param.device)}
     if spec.projector is not None:
         transform = ImageTransform.from_stem(spec.towers[spec.projector.tower].stem, False)
         pixels = []

@@ -11,6 +11,14 @@ shuffled order (seeded; the loader's order is another shuffle of the same sample
 - packed: rows of exactly `sequence_length` positions, filled first-fit over a window of
   `open_rows` rows, the rule data/stream/packing.py's `pack_rows` uses (held together by a test).
 
+A native-resolution VLM (spec.vision) reads each page and clip at its own size: a sample's
+`Lengths.visual_shapes` give its inputs at the tower's size, so its visual tokens, patches and
+tower FLOPs are its own (`NativeVisionSpec.tokens`, `.patches`, `.forward_flops` per input)
+instead of `images x` one image's; its ids are its positions less its visual tokens plus one
+placeholder per input. Each layout also keeps its heaviest row's inputs (the row with the most
+visual patches: one sample padded, a packed row's members together), which memory is planned
+for.
+
 Samples longer than `sequence_length` are truncated to it (as encoding with `max_length`
 does; the count is reported). Per row the module computes every position of the row: padding
 costs as much as text, and a packed row's attention is computed over the whole row (the
@@ -25,9 +33,9 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from mmtrain.lengths import Lengths
+from mmtrain.lengths import Lengths, Visual
 from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
 
@@ -44,7 +52,10 @@ class RowLayout:
     row (placeholder space: the logits' rows) and `max_images` images in the micro-batch
     (memory is planned for that worst micro-batch); `computed_flops` / `useful_flops` the
     forward FLOPs of all rows (whole rows / each sample alone); `vision_flops` the image
-    tower's and projector's share (the same in both); `positions` real and computed."""
+    tower's and projector's share (the same in both; a native tower's: the sum of its FLOPs
+    over every laid-out sample's own inputs); `positions` real and computed.
+    `max_visual_inputs`: a native VLM's heaviest row's inputs (most patches,
+    `max_visual_patches`), what memory is planned for; () otherwise."""
 
     name: str
     samples: int
@@ -61,6 +72,8 @@ class RowLayout:
     useful_flops: float
     vision_flops: float
     truncated: int
+    max_visual_inputs: tuple[Visual, ...] = ()
+    max_visual_patches: int = 0
 
     @property
     def samples_per_row(self) -> float:
@@ -85,34 +98,108 @@ class RowLayout:
             "fill": round(self.fill, 4),
             "useful_flop_share": round(self.useful_flops / self.computed_flops, 4),
             "forward_flops_per_row": self.computed_flops / self.rows,
+            "vision_flops": self.vision_flops,
+            "vision_flops_per_row": self.vision_flops / self.rows,
             "truncated_samples": self.truncated,
-        }
+        } | (
+            {
+                "heaviest_row_inputs": [list(v) for v in self.max_visual_inputs],
+                "heaviest_row_patches": self.max_visual_patches,
+            }
+            if self.max_visual_inputs
+            else {}
+        )
 
 
-def _image_extra(spec: ModelSpec) -> int:
-    return max(spec.image_tokens() - 1, 0)
+@dataclass(frozen=True)
+class _Sample:
+    """One sample as the layouts see it: `positions`, `images`, its `inputs` (placeholders in
+    its ids: images, and a native VLM's clips), `extra` positions beyond its ids (visual
+    tokens less one per input), the tower's FLOPs over its inputs, and a native VLM's inputs
+    (`visual`) and their patches."""
+
+    positions: int
+    images: int
+    inputs: int
+    extra: int
+    vision_flops: int
+    visual: tuple[Visual, ...] = ()
+    patches: int = 0
+
+    @property
+    def ids(self) -> int:
+        return self.positions - self.extra
+
+    @property
+    def visual_positions(self) -> int:
+        return self.extra + self.inputs
 
 
 def _per_image_flops(spec: ModelSpec) -> int:
     return spec.sequence_flops(1, 1) - spec.sequence_flops(1, 0) if spec.projector else 0
 
 
-def _shuffled(lengths: Lengths, seed: int) -> list[tuple[int, int]]:
-    order = list(range(len(lengths.positions)))
+def _samples(spec: ModelSpec, lengths: Lengths) -> list[_Sample]:
+    """Every sample of `lengths` with its own visual terms (module docstring)."""
+    if spec.vision is None:
+        extra, image_flops = max(spec.image_tokens() - 1, 0), _per_image_flops(spec)
+        return [
+            _Sample(p, i, i, i * extra, i * image_flops)
+            for p, i in zip(lengths.positions, lengths.images, strict=True)
+        ]
+    v = spec.vision
+    shapes = lengths.visual_shapes or ((),) * len(lengths.positions)
+    if not lengths.visual_shapes and any(lengths.images):
+        raise FieldError(
+            "--data",
+            f"{spec.name} reads each page at its own size: its lengths need each sample's "
+            "visual shapes (conversation_counts with a budget)",
+        )
+    out = []
+    for p, i, visual in zip(lengths.positions, lengths.images, shapes, strict=True):
+        tokens = sum(v.tokens(h, w, f) for f, h, w in visual)
+        out.append(
+            _Sample(
+                positions=p,
+                images=i,
+                inputs=len(visual),
+                extra=tokens - len(visual),
+                vision_flops=sum(v.forward_flops(h, w, f) for f, h, w in visual),
+                visual=tuple(visual),
+                patches=sum(v.patches(h, w, f) for f, h, w in visual),
+            )
+        )
+    return out
+
+
+def _shuffled(spec: ModelSpec, lengths: Lengths, seed: int) -> list[_Sample]:
+    samples = _samples(spec, lengths)
+    order = list(range(len(samples)))
     random.Random(seed).shuffle(order)
-    return [(lengths.positions[i], lengths.images[i]) for i in order]
+    return [samples[i] for i in order]
 
 
-def _truncated(samples: list[tuple[int, int]], limit: int, extra: int) -> tuple[list, int]:
+def _truncated(samples: list[_Sample], limit: int) -> tuple[list[_Sample], int]:
     """Samples cut to `limit` positions; one whose images alone exceed it keeps its images
     (encoding refuses to cut an image; such a sample is the user's to drop)."""
     out, cut = [], 0
-    for positions, images in samples:
-        if positions > limit:
+    for s in samples:
+        if s.positions > limit:
             cut += 1
-            positions = max(limit, images * (extra + 1) + 1)
-        out.append((positions, images))
+            s = replace(s, positions=max(limit, s.visual_positions + 1))
+        out.append(s)
     return out, cut
+
+
+def _heaviest(rows: Sequence[Sequence[_Sample]]) -> tuple[tuple[Visual, ...], int]:
+    """The inputs of the row with the most visual patches (the first such row), and those
+    patches; ((), 0) when no row has any."""
+    best: tuple[tuple[Visual, ...], int] = ((), 0)
+    for row in rows:
+        patches = sum(s.patches for s in row)
+        if patches > best[1]:
+            best = (tuple(v for s in row for v in s.visual), patches)
+    return best
 
 
 def padded_layout(
@@ -127,24 +214,24 @@ def padded_layout(
     _check(sequence_length, micro_batch)
     if pad_to not in PAD_TO:
         raise FieldError("--pad-to", f"{pad_to!r} is not one of {', '.join(PAD_TO)}")
-    extra, image_flops = _image_extra(spec), _per_image_flops(spec)
-    samples, cut = _truncated(_shuffled(lengths, seed), sequence_length, extra)
+    samples, cut = _truncated(_shuffled(spec, lengths, seed), sequence_length)
     lm = spec.decoder
     worst = [0, 0, 0]
-    computed = useful = vision = 0.0
-    real = positions_total = images_total = 0
+    computed = useful = 0.0
+    vision = real = positions_total = images_total = 0
     for start in range(0, len(samples), micro_batch):
         batch = samples[start : start + micro_batch]
-        width = sequence_length if pad_to == "max" else max(p for p, _ in batch)
-        ids = max(p - i * extra for p, i in batch)
-        images = sum(i for _, i in batch)
+        width = sequence_length if pad_to == "max" else max(s.positions for s in batch)
+        ids = max(s.ids for s in batch)
+        images = sum(s.images for s in batch)
         worst = [max(worst[0], width), max(worst[1], ids), max(worst[2], images)]
         computed += len(batch) * lm.forward_flops(width)
-        useful += sum(lm.forward_flops(p) for p, _ in batch)
-        vision += images * image_flops
-        real += sum(p for p, _ in batch)
+        useful += sum(lm.forward_flops(s.positions) for s in batch)
+        vision += sum(s.vision_flops for s in batch)
+        real += sum(s.positions for s in batch)
         positions_total += len(batch) * width
         images_total += images
+    heaviest, patches = _heaviest([[s] for s in samples])
     return RowLayout(
         name="padded",
         samples=len(samples),
@@ -161,6 +248,8 @@ def padded_layout(
         useful_flops=useful + vision,
         vision_flops=vision,
         truncated=cut,
+        max_visual_inputs=heaviest,
+        max_visual_patches=patches,
     )
 
 
@@ -201,22 +290,23 @@ def packed_layout(
 ) -> RowLayout:
     """Rows of `sequence_length` positions packed first-fit (module docstring)."""
     _check(sequence_length, micro_batch)
-    extra, image_flops = _image_extra(spec), _per_image_flops(spec)
-    samples, cut = _truncated(_shuffled(lengths, seed), sequence_length, extra)
-    rows = first_fit_rows([p for p, _ in samples], sequence_length, open_rows)
+    samples, cut = _truncated(_shuffled(spec, lengths, seed), sequence_length)
+    rows = [
+        [samples[i] for i in members]
+        for members in first_fit_rows([s.positions for s in samples], sequence_length, open_rows)
+    ]
     lm = spec.decoder
-    row_ids, row_images = [], []
-    for members in rows:
-        row_ids.append(sum(samples[i][0] - samples[i][1] * extra for i in members))
-        row_images.append(sum(samples[i][1] for i in members))
+    row_ids = [sum(s.ids for s in row) for row in rows]
+    row_images = [sum(s.images for s in row) for row in rows]
     max_ids = max_images = 0
     for start in range(0, len(rows), micro_batch):
         # the collate pads the ids of a micro-batch's rows to the longest (placeholder space)
         max_ids = max(max_ids, max(row_ids[start : start + micro_batch]))
         max_images = max(max_images, sum(row_images[start : start + micro_batch]))
     images_total = sum(row_images)
-    vision = images_total * image_flops
-    real = sum(p for p, _ in samples)
+    vision = sum(s.vision_flops for s in samples)
+    real = sum(s.positions for s in samples)
+    heaviest, patches = _heaviest(rows)
     return RowLayout(
         name="packed",
         samples=len(samples),
@@ -230,9 +320,11 @@ def packed_layout(
         real_positions=real,
         computed_positions=len(rows) * sequence_length,
         computed_flops=len(rows) * lm.forward_flops(sequence_length) + vision,
-        useful_flops=sum(lm.forward_flops(p) for p, _ in samples) + vision,
+        useful_flops=sum(lm.forward_flops(s.positions) for s in samples) + vision,
         vision_flops=vision,
         truncated=cut,
+        max_visual_inputs=heaviest,
+        max_visual_patches=patches,
     )
 
 
