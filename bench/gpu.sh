@@ -4,7 +4,8 @@
 # OpenCLIP's same model in the same run, peak memory vs the planner at 3 batch sizes (with and
 # without activation checkpointing), compiled vs eager, fp8 through torchao vs bf16 (loss
 # beside), device->host syncs per step (torch.cuda.set_sync_debug_mode), a 1B LM's tokens/s,
-# MFU and peak memory, DiT-XL/2's images/s (flow matching, bf16), checkpoint save time, and the
+# MFU and peak memory, Qwen2.5-VL-7B's vision tower on letter pages at their own size (pages/s,
+# MFU, peak memory vs the planner), DiT-XL/2's images/s (flow matching, bf16), checkpoint save time, and the
 # data path (pinned uint8 pixels normalised on the GPU, equal to the workers' float32).
 #
 #   bash bench/gpu.sh                 # results in $OUT (default /tmp/mmtrain-gpu-bench): gpu_results.{md,json}

@@ -1,5 +1,6 @@
 """The GPU benchmark behind bench/gpu.sh: ViT-B-16 CLIP training in bf16 on synthetic data,
-a 1B-parameter Llama-shaped LM on packed-length rows, and DiT-XL/2 on 256 px latents.
+a 1B-parameter Llama-shaped LM on packed-length rows, Qwen2.5-VL-7B's vision tower on letter
+pages at their own size, and DiT-XL/2 on 256 px latents.
 
 Measured in one run: samples/s and MFU of mmtrain's training step (the trainer's own
 `forward_backward` + `optimizer_step`), the same for OpenCLIP's ViT-B-16 when open_clip is
@@ -296,6 +297,67 @@ def dit_case(args, device, batch: int) -> dict:
     }  # fmt: skip
 
 
+def native_vlm_case(args, device, pages: int) -> dict:
+    """Qwen2.5-VL-7B's vision tower (32 blocks, windows, merger) in full beside the first 4 of
+    its LM's 28 blocks, one packed row of `pages` letter pages (2200 x 1700 resized by the
+    processor's rule: 1120 x 868, 1,240 tokens each) and text, bf16, AC per block: pages/s,
+    MFU (each page's tower FLOPs at its size, `spec.train_flops`) and peak memory against the
+    planner's plan of the same row (`--visual`)."""
+    from mmtrain.plan.model import Rows, from_spec
+    from mmtrain.spec import ModelSpec
+
+    base = load_spec("tiny-qwen2-vl" if args.dry_run else "Qwen2.5-VL-7B").to_dict()
+    if not args.dry_run:
+        base["decoder"].update(layers=4)
+    name = base["name"] if args.dry_run else "Qwen2.5-VL-7B tower + 4 LM blocks"
+    spec = ModelSpec.from_dict({**base, "name": name})
+    v, tokens = spec.vision, spec.vision_tokens
+    h, w = v.resized(2200, 1700)
+    page_tokens = v.tokens(h, w)
+    positions = pages * (page_tokens + 64)
+    model = mmtrain.create_model(spec, seed=0).to(device)
+    apply_activation_checkpointing(model, "full")
+    prec = make_precision("bf16", device) if device.type == "cuda" else _cpu("bf16")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    g = torch.Generator().manual_seed(0)
+    ids = min(tokens.image_token_id, tokens.video_token_id, 1000)  # text ids below both
+    text = torch.randint(0, ids, (1, positions - pages * (page_tokens - 1)), generator=g)
+    text[0, torch.arange(pages) * 64] = tokens.image_token_id  # a page every 64 text ids
+    images = [torch.randn(3, h, w, generator=g).to(device) for _ in range(pages)]
+    data = {"text": text.to(device), LABELS_KEY: text.to(device), "image": images}
+    objectives = [NextTokenObjective()]
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        forward_backward(model, objectives, [data], prec)
+        optimizer_step(model, optimizer, prec, 1.0)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    step_s = _time_steps(step, max(args.steps // 4, 2), 2, device)
+    visual = [(1, h, w)] * pages
+    flops = spec.train_flops(spec.sequence_flops_by_part([positions], 0, visual))
+    peak = detect_peak_flops(device, "bf16")
+    predicted = None
+    try:
+        rows = Rows(positions=positions, visual_inputs=tuple(visual))
+        cfg = PlanConfig(gpu=args.gpu, precision="bf16", bytes_per_param=18, micro_batch=1,
+                         ac="full")  # fmt: skip
+        m = make_plan(from_spec(spec, rows), cfg, default_catalog()).memory
+        predicted = (m.total_bytes - m.cuda_context_bytes - m.fragmentation_bytes) / 2**30
+    except Exception as err:  # noqa: BLE001 - a benchmark reports and goes on
+        print(f"planner: {err}", file=sys.stderr)
+    return {
+        "impl": "mmtrain native VLM", "model": f"{spec.name}, {pages} pages of {h}x{w}",
+        "precision": "bf16", "ac": "full", "batch": 1, "step_s": step_s,
+        "samples_s": pages / step_s, "mfu": flops / step_s / peak if peak else None,
+        "syncs": count_syncs(step, device),
+        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30
+        if device.type == "cuda" else None,
+        "predicted_gib": predicted,
+    }  # fmt: skip
+
+
 def checkpoint_seconds(model, optimizer) -> float:
     """Seconds to write one full checkpoint (weights, optimizer, manifest) to local disk."""
     with tempfile.TemporaryDirectory() as folder:
@@ -429,6 +491,9 @@ def main() -> int:
     lm = run("LM", language_model_case, args, device, 2 if args.dry_run else 8, positions)
     if lm is not None:
         notes.append(f"LM: {lm['tokens_s']:,.0f} tokens/s")
+    vlm = run("native VLM", native_vlm_case, args, device, 1 if args.dry_run else 4)
+    if vlm is not None:
+        notes.append(f"native VLM: {vlm['samples_s']:,.2f} pages/s ({vlm['model']})")
     dit = run("DiT", dit_case, args, device, 4 if args.dry_run else 64)
     if dit is not None:
         notes.append(f"DiT: {dit['samples_s']:,.1f} images/s (fast-DiT: ~107 on one A100)")

@@ -25,7 +25,12 @@ from typing import Any
 
 from mmtrain.cli import UsageError
 from mmtrain.commands._args import bucket_shapes, count
-from mmtrain.commands._data_args import add_build_arguments, config_from_args
+from mmtrain.commands._data_args import (
+    add_budget_argument,
+    add_build_arguments,
+    config_from_args,
+    visual_budget,
+)
 from mmtrain.data.ingest import pipeline
 from mmtrain.data.ingest.inspect import contact_sheet, inspect_shards, open_shards
 from mmtrain.data.storage.shards import ShardSet
@@ -83,14 +88,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a native-resolution VLM (e.g. Qwen2.5-VL-7B): each page's and clip's tokens from "
         "its size under the model's pixel budget, instead of --image-tokens",
     )
-    inspect.add_argument(
-        "--budget",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="with --model: a data.vision setting (image_max_tokens=1280, sample_max_tokens=8192, "
-        "frame_max_tokens=..., video_fps=...), as the run sets it",
-    )
+    add_budget_argument(inspect, "with --model")
     inspect.set_defaults(func=run_inspect)
 
     order = commands.add_parser("order", help="the keys a rank reads, in order")
@@ -339,28 +337,15 @@ def _visual_budget(args: argparse.Namespace) -> dict[str, Any]:
         if args.budget:
             raise UsageError("--budget needs --model (a native-resolution VLM)")
         return {}
-    import yaml
-
-    from mmtrain.config import VisionDataConfig
     from mmtrain.spec import load_spec
-    from mmtrain.structured import from_dict
-    from mmtrain.visual_budget import budget_of
 
     spec = load_spec(args.model)
     if spec.vision is None:
         raise UsageError(
             f"--model {args.model}: not a native-resolution VLM (no vision); use --image-tokens"
         )
-    values = {}
-    for item in args.budget:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise UsageError(f"--budget {item!r}: expected KEY=VALUE, e.g. image_max_tokens=1280")
-        values[key.strip()] = yaml.safe_load(value)
-    settings = from_dict(VisionDataConfig, values, "--budget")
-    settings.validate("--budget")
-    wrap = spec.vision_tokens is not None and spec.vision_tokens.start_id is not None
-    return {"budget": budget_of(spec.vision, settings), "wrap": wrap}
+    choice = visual_budget(spec, args.budget)
+    return {"budget": choice.budget, "wrap": choice.wrap}
 
 
 def _conversation_tools(args: argparse.Namespace) -> tuple[Any, Any]:

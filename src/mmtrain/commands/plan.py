@@ -13,11 +13,12 @@ from dataclasses import replace
 
 from mmtrain.cli import UsageError
 from mmtrain.commands._args import count
+from mmtrain.commands._data_args import add_budget_argument
 from mmtrain.hardware import GIB, PRICE_SOURCE, load_catalog
 from mmtrain.plan.config import AC_MODES, ATTENTION, OPTIMIZERS, PRECISIONS, PlanConfig
 from mmtrain.plan.estimate import Plan, make_plan
 from mmtrain.plan.model import Rows, from_spec, native_rows
-from mmtrain.plan.native_vision import parse_visual
+from mmtrain.plan.native_vision import describe, parse_visual
 from mmtrain.plan.recommend import DEFAULT_DEADLINE_H
 from mmtrain.plan.workloads import load_model, load_workloads, workload_names
 from mmtrain.spec import ModelSpec, load_spec
@@ -150,8 +151,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--data",
         default=None,
         metavar="DIR",
-        help="language models: plan from the token lengths of these conversation shards",
+        help="language models: plan from the token lengths of these conversation shards (a "
+        "native-resolution VLM's: from each page's and clip's size under --budget)",
     )
+    add_budget_argument(p, "with --data of a native-resolution VLM")
     p.add_argument(
         "--tokenizer", default=None, help="with --data: a tokenizer.json or the folder holding it"
     )
@@ -369,6 +372,11 @@ def run(args: argparse.Namespace) -> int:
         return _workloads(args, catalog)
     if args.data:
         return _data(replace_gpu(args, args.gpu or "h100"), catalog)
+    if args.budget:
+        raise UsageError(
+            "--budget sets the pixel budget of the pages and clips --data reads; without "
+            "--data give a row's inputs with --visual HxW / FxHxW"
+        )
     visual = _visual_inputs(args)
     model = _model(args, visual)
     if args.recommend:
@@ -519,7 +527,10 @@ def _print_plan(plan: Plan, measured: dict | None, visual: dict | None = None) -
 
 
 def _data(args: argparse.Namespace, catalog) -> int:
-    """`--data DIR`: tokens per sample from conversation shards, then padded and packed plans."""
+    """`--data DIR`: tokens per sample from conversation shards, then padded and packed plans.
+    A native-resolution VLM's samples keep their pages' and clips' sizes under `--budget`
+    (each sample's own visual tokens and tower FLOPs; plan/lengths.py)."""
+    from mmtrain.commands._data_args import visual_budget
     from mmtrain.data.ingest.inspect import conversation_counts, open_shards
     from mmtrain.data.stream.chat_templates import get_template
     from mmtrain.data.stream.tokenizer import get_tokenizer
@@ -530,11 +541,13 @@ def _data(args: argparse.Namespace, catalog) -> int:
     spec = with_input_sizes(load_spec(args.model), args.image_size, None, None)
     if not spec.is_language_model():
         raise UsageError(f"--data plans a language model; {spec.name!r} has no decoder")
-    if spec.vision is not None:
+    native = spec.vision is not None
+    if args.budget and not native:
         raise UsageError(
-            f"--data does not plan a native-resolution VLM yet ({spec.name!r}: its pages' "
-            "tokens depend on each page's size); plan its rows with --visual HxW / FxHxW"
+            f"--budget sets a native-resolution VLM's pixel budget (spec.vision); {spec.name!r} "
+            "has none (its images have one size: --image-size)"
         )
+    choice = visual_budget(spec, args.budget) if native else None
     if args.tokenizer is None or args.chat_template is None:
         raise UsageError(
             "--data needs --tokenizer (a tokenizer.json or its folder) and --chat-template "
@@ -550,8 +563,15 @@ def _data(args: argparse.Namespace, catalog) -> int:
         get_template(args.chat_template),
         spec.image_tokens(),
         max_samples=args.data_samples,
+        budget=choice.budget if choice else None,
+        wrap=choice.wrap if choice else False,
     )
-    lengths = Lengths(tuple(counts.positions), tuple(counts.images), source=str(args.data))
+    lengths = Lengths(
+        tuple(counts.positions),
+        tuple(counts.images),
+        source=str(args.data),
+        visual_shapes=tuple(counts.visual_shapes) if native else (),
+    )
     length = args.sequence_length or args.context or spec.decoder.max_positions
     plans = plan_from_data(
         spec,
@@ -563,16 +583,28 @@ def _data(args: argparse.Namespace, catalog) -> int:
         pad_to=args.pad_to,
         adapt=lambda model: _adapted(model, args),
     )
+    data = {
+        "path": str(args.data),
+        "samples": len(counts.positions),
+        "refused": counts.refused,
+        "positions": summarize(counts.positions),
+        "text_ids": summarize(counts.text_ids),
+        "images": summarize(counts.images),
+    }
+    if choice is not None:
+        data |= {
+            "videos": summarize(counts.videos),
+            "visual_tokens": summarize(counts.visual_tokens),
+            "page_tokens": summarize(counts.page_tokens),
+            "budget": choice.to_dict(),
+        }
     result = {
-        "model": {"name": spec.name, "params": spec.params(), "image_tokens": spec.image_tokens()},
-        "data": {
-            "path": str(args.data),
-            "samples": len(counts.positions),
-            "refused": counts.refused,
-            "positions": summarize(counts.positions),
-            "text_ids": summarize(counts.text_ids),
-            "images": summarize(counts.images),
+        "model": {
+            "name": spec.name,
+            "params": spec.params(),
+            "image_tokens": "per page (budget)" if native else spec.image_tokens(),
         },
+        "data": data,
         "sequence_length": length,
         "layouts": [p.to_dict() for p in plans],
         "plans": [p.plan.to_dict() for p in plans],
@@ -594,14 +626,26 @@ def _print_data_plan(result: dict, plans) -> None:
         f"[bold]{result['model']['name']}[/] on {d['path']}: {d['samples']:,} conversations"
         + (f" ({sum(d['refused'].values()):,} refused: {d['refused']})" if d["refused"] else "")
     )
-    dist = Table(title="tokens per sample (LM positions: text ids + images x "
-                 f"{result['model']['image_tokens']})")  # fmt: skip
+    native = "budget" in d
+    spliced = ("each page's and clip's own tokens (page_tokens: per image)" if native
+               else f"images x {result['model']['image_tokens']}")  # fmt: skip
+    dist = Table(title=f"tokens per sample (LM positions: text ids + {spliced})")
     for col in ("", "mean", "p50", "p90", "p99", "max"):
         dist.add_column(col, justify="right")
-    for name in ("positions", "text_ids", "images"):
+    names = ("positions", "text_ids", "images", "videos", "visual_tokens", "page_tokens")
+    for name in names if native else names[:3]:
         row = d[name]
         dist.add_row(name, *(f"{row[k]:,}" for k in ("mean", "p50", "p90", "p99", "max")))
     console.print(dist)
+    if native:
+        b = d["budget"]
+        given = ", ".join(f"{k}={v}" for k, v in b["settings"].items() if v is not None)
+        cap = b["sample_max_tokens"]
+        console.print(
+            f"budget (--budget, as data.vision): {given}; pages of {b['image_min_pixels']:,} "
+            f"to {b['image_max_pixels']:,} pixels, "
+            + (f"at most {cap:,} visual tokens a sample" if cap else "no cap per sample")
+        )
     c = plans[0].plan.config
     table = Table(
         title=f"{c.gpus} x {plans[0].plan.gpu.name}, {c.precision}, ZeRO-{c.zero}, AC {c.ac}; "
@@ -632,6 +676,16 @@ def _print_data_plan(result: dict, plans) -> None:
             f"{p.layout.name}: achievable fraction {t.achievable_fraction:.3f} of peak, family "
             f"{t.efficiency_family}: {t.efficiency_source}"
         )
+    for p in plans:
+        lay = p.layout
+        inputs = lay.max_visual_inputs
+        if inputs:
+            held = describe(inputs) if len(inputs) <= 3 else f"{len(inputs)} images and clips"
+            console.print(
+                f"{lay.name}: the tower's {lay.vision_flops / lay.rows / 1e9:,.3g} GFLOPs a row "
+                f"on average (each sample's own pages and clips); memory for the heaviest row: "
+                f"{held}, {lay.max_visual_patches:,} patches"
+            )
     console.print(
         "padded: each micro-batch's rows padded to its longest sample; packed: rows filled "
         "first-fit (data/stream/packing.py). Memory is planned for the worst micro-batch, time from "

@@ -4,7 +4,11 @@ For each layout (padded, packed; plan/lengths.py) the rows become the plan's sam
 is planned for the layout's worst micro-batch (its longest row, most ids and most images),
 time from the mean computed FLOPs of a row, and the global batch (given in samples, i.e.
 conversations) becomes rows: `global_batch / samples per row`, rounded to whole micro-batches
-on every data-parallel rank. Pure Python, no torch.
+on every data-parallel rank. A native-resolution VLM's (spec.vision) time counts its tower's
+FLOPs over every sample's own pages and clips (the layouts' `vision_flops`), and its tower's
+memory is planned for the heaviest row's inputs (the laid-out row with the most visual
+patches) in every row of the micro-batch: an upper bound when rows differ, as the decoder's
+longest row is. Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -57,16 +61,18 @@ class DataPlan:
 
 
 def layout_model(spec: ModelSpec, layout: RowLayout) -> PlanModel:
-    """The plan model of one row of `layout`: memory for its worst micro-batch, FLOPs of a
-    mean row."""
+    """The plan model of one row of `layout`: memory for its worst micro-batch (a native VLM's
+    tower: the heaviest row's inputs), FLOPs of a mean row."""
+    native = spec.vision is not None
     rows = Rows(
         positions=layout.max_positions,
-        images=layout.max_images / layout.micro_batch,
+        images=len(layout.max_visual_inputs) if native else layout.max_images / layout.micro_batch,
         text_ids=layout.max_ids,
         packed=layout.name == "packed",
         forward_flops=layout.computed_flops / layout.rows,
         vision_flops=layout.vision_flops / layout.rows,
         mean_images=layout.images / layout.rows,
+        visual_inputs=layout.max_visual_inputs,
     )
     return from_spec(spec, rows)
 
