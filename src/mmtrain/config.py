@@ -122,6 +122,10 @@ class DataConfig:
     buckets: list[list[int]] | None = None
     # A native-resolution VLM's pixel budget (visual_budget.py); null: the spec's own.
     vision: VisionDataConfig | None = None
+    # Conversation shards: deal each micro-batch of all ranks to the ranks by each sample's
+    # forward FLOPs (its pages at their size and its text; train/sample_costs.py), so no rank
+    # of many pages holds the others up; resumes only on the same ranks and micro-batch.
+    balance: bool = False
 
 
 @dataclass

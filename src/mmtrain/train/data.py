@@ -54,6 +54,7 @@ from mmtrain.data.stream.transforms import (
 )
 from mmtrain.spec import FusionSpec, ModelSpec
 from mmtrain.structured import FieldError
+from mmtrain.train.sample_costs import sample_costs
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +163,8 @@ class TrainData:
         weights = [s.weight for s in config.data.train] if len(sources) > 1 else None
         self._check_labels(config, spec)
         self.micro_batch = micro_batch
+        if config.data.balance and not spec.is_language_model():
+            raise FieldError("data.balance", "deals conversation samples by cost: a decoder LM's")
         self.conversations = (
             ConversationBatcher(config.data, spec) if spec.is_language_model() else None
         )
@@ -191,6 +194,9 @@ class TrainData:
         towers = [source_towers(s, spec) for s in sources] if by_source else []
         if self.conversations is not None:
             collate = self.conversations.collate(spec)
+            costs = None
+            if config.data.balance:
+                costs = sample_costs(sources, spec, self.conversations, config.data.tokenizer)
             self.loaders = [
                 StreamingLoader(
                     sources,
@@ -198,6 +204,8 @@ class TrainData:
                     micro_batch,
                     weights=weights,
                     collate=collate,
+                    costs=costs,
+                    rounds=config.accumulation_steps(world_size),
                     **options,
                 )  # fmt: skip
             ]

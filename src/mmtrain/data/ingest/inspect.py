@@ -204,6 +204,7 @@ class ConversationCounts:
     page_tokens: list[int] = field(default_factory=list)
     # per sample with a budget: its inputs as (frames, height, width) at the tower's size
     visual_shapes: list[tuple[tuple[int, int, int], ...]] = field(default_factory=list)
+    indices: list[int] = field(default_factory=list)  # each usable sample's index in the shards
 
     def refuse(self, kind: str) -> None:
         self.refused[kind] = self.refused.get(kind, 0) + 1
@@ -275,6 +276,7 @@ def conversation_counts(
         if conv.images and image_tokens < 1 and budget is None:  # no image tower
             counts.refuse("images_without_tower")
             continue
+        counts.indices.append(int(index))
         counts.images.append(len(conv.images))
         counts.videos.append(len(conv.videos))
         counts.text_bytes.append(sum(len(t.text.encode("utf-8")) for t in conv.turns))

@@ -24,6 +24,11 @@ samples, as with `collate`: a corrupt sample makes its batch smaller instead of 
 sample of another bucket. The epoch's length then depends on the epoch (partial chunks are
 topped up per bucket); the state is the same few integers.
 
+Costs (`costs`: each flat sample's cost, a VLM's pages and text): each step's samples (`rounds`
+micro-batches on every rank) are dealt to the ranks by cost (`order.balanced_order`), so no
+rank's micro-batch of many pages keeps the others waiting at every collective; resumed only
+on the same ranks, micro-batch and rounds (the fingerprint names the deal).
+
 State (`state_dict()`): seed, epoch, the segment of the epoch not yet consumed, world size and
 batch size at save time, and how many entries each rank consumed: a few integers. Loaded on the
 same world size and batch size, every rank continues its stream exactly; on another, the
@@ -51,6 +56,7 @@ from mmtrain.data.storage.shards import ShardSet
 from mmtrain.data.storage.tar_index import ShardIndex
 from mmtrain.data.stream.order import (
     Segment,
+    balanced_order,
     bucketed_order,
     epoch_order,
     sample_rng,
@@ -81,6 +87,9 @@ class _Plan:
         buckets: np.ndarray | None = None,
         chunk: int = 1,
         drop_partial: bool = False,
+        costs: np.ndarray | None = None,
+        world: int = 1,
+        rounds: int = 1,
     ):
         if not sources:
             raise ValueError("no data sources")
@@ -97,6 +106,9 @@ class _Plan:
         self.buckets, self.chunk, self.drop_partial = buckets, chunk, drop_partial
         if buckets is not None and len(buckets) != int(sum(totals)):
             raise ValueError(f"{len(buckets)} bucket ids for {int(sum(totals))} samples")
+        if costs is not None and len(costs) != int(sum(totals)):
+            raise ValueError(f"{len(costs)} sample costs for {int(sum(totals))} samples")
+        self.costs, self.world, self.rounds = costs, world, rounds
         self._cached: tuple[int, np.ndarray] | None = None
 
     def order(self, epoch: int) -> np.ndarray:
@@ -113,6 +125,9 @@ class _Plan:
             if self.buckets is not None:
                 order = bucketed_order(order, self.buckets, self.chunk, self.seed, epoch,
                                        drop_partial=self.drop_partial, shuffle=self.shuffle)  # fmt: skip
+            if self.costs is not None:
+                per_rank = self.chunk // self.world
+                order = balanced_order(order, self.costs, self.world, per_rank, self.rounds)
             self._cached = (epoch, order)
         return self._cached[1]
 
@@ -131,6 +146,11 @@ class _Plan:
         if self.buckets is not None:  # which samples share a bucket is part of the order
             digest = hashlib.sha256(np.ascontiguousarray(self.buckets, dtype=np.int64)).hexdigest()
             text += f";buckets={digest[:16]}"
+        if self.costs is not None:  # how samples are dealt to ranks is part of the order
+            digest = hashlib.sha256(np.ascontiguousarray(self.costs, dtype=np.float64)).hexdigest()
+            text += (
+                f";costs={digest[:16]};deal={self.world}x{self.chunk // self.world}x{self.rounds}"
+            )
         return text
 
     def locate(self, flat: int) -> tuple[ShardSet, int]:
@@ -163,6 +183,7 @@ def planned_samples(
     weights: Sequence[float] | None = None,
     epoch_samples: int | None = None,
     buckets: np.ndarray | None = None,
+    costs: np.ndarray | None = None,
 ) -> Iterator[tuple[int, str, str]]:
     """(global position, shard path, key) of the samples rank `rank` reads in `epoch`, in order.
 
@@ -173,7 +194,7 @@ def planned_samples(
     """
     sets = [sources] if isinstance(sources, ShardSet) else list(sources)
     plan = _Plan(sets, seed, weights, epoch_samples, shuffle, shuffle_window,
-                 buckets, batch_size * world_size, drop_tail)  # fmt: skip
+                 buckets, batch_size * world_size, drop_tail, costs, world_size)  # fmt: skip
     _check_rank(rank, world_size)
     length = plan.epoch_length(epoch)
     segment = Segment(length, start=min(max(0, skip), length))
@@ -377,13 +398,16 @@ class StreamingLoader:
         multiprocessing_context: Any = None,
         collate: Collate | None = None,
         buckets: np.ndarray | None = None,
+        costs: np.ndarray | None = None,
+        rounds: int = 1,
     ):
         _check_rank(rank, world_size)
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         sets = [sources] if isinstance(sources, ShardSet) else list(sources)
         self.plan = _Plan(sets, seed, weights, epoch_samples, shuffle, shuffle_window,
-                          buckets, batch_size * world_size, drop_tail)  # fmt: skip
+                          buckets, batch_size * world_size, drop_tail, costs, world_size,
+                          rounds)  # fmt: skip
         self.decode = decode
         self.collate = collate
         self.batch_size = batch_size
@@ -501,6 +525,17 @@ class StreamingLoader:
                 f"{self.batch_size} x {self.world_size} = {self.plan.chunk}: bucketed data "
                 "resumes exactly only with the same samples a step (keep the global batch and "
                 "the gradient accumulation)"
+            )
+        same = (int(state["batch_size"]), int(state["world_size"])) == (
+            self.batch_size,
+            self.world_size,
+        )
+        if self.plan.costs is not None and not same:
+            raise ValueError(
+                f"the loader state was saved with {state['batch_size']} samples per rank x "
+                f"{state['world_size']} ranks, this run takes {self.batch_size} x "
+                f"{self.world_size}: samples dealt to ranks by cost (data.balance) resume "
+                "exactly only on as many ranks with the same micro-batch"
             )
 
     # --------------------------------------------------------------- iteration

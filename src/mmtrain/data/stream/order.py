@@ -20,6 +20,11 @@ so it is the same whichever rank or worker decodes the sample, and after a resum
 Buckets (samples of several shapes, batches of one): `bucketed_order` regroups an epoch's order
 into chunks of one bucket each, a chunk being one step's positions on all ranks; still a pure
 function of the same integers plus each sample's bucket.
+
+Balance (samples of very different cost, a VLM's pages: one rank's micro-batch of many pages
+holds every other rank up at each collective): `balanced_order` deals the samples of each
+chunk (one micro-batch on every rank) to the ranks so that their summed costs are as even as
+a greedy longest-first deal makes them; a pure function of the order and each sample's cost.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ __all__ = [
     "epoch_order",
     "sample_rng",
     "bucketed_order",
+    "balanced_order",
     "Segment",
     "steps_in",
 ]
@@ -211,6 +217,50 @@ def bucketed_order(
         picks = _rng(seed, _BUCKET_STREAM, epoch).permutation(len(chunks))
         chunks = [chunks[i] for i in picks]
     return np.concatenate([ids for _, ids in chunks])
+
+
+def balanced_order(
+    order: np.ndarray, cost: np.ndarray, world: int, per_rank: int, rounds: int = 1
+) -> np.ndarray:
+    """`order` with each step's positions dealt to the ranks by cost (`cost[id]`): a step is
+    `rounds` micro-batches (gradient accumulation) of `per_rank` samples on each of `world`
+    ranks, and rank r reads the entries r, r + world, ... of each micro-batch's chunk.
+
+    The step keeps its samples (its gradient is the same sum); by decreasing cost they are cut
+    into its rounds, so each micro-batch's ranks get samples of like cost, and within a
+    round dealt longest first, each to the rank with the least cost so far among those with
+    room. With one rank and one round nothing moves. A partial tail stays as it is.
+    """
+    if world < 1 or per_rank < 1 or rounds < 1:
+        raise ValueError(f"world {world}, per_rank {per_rank}, rounds {rounds} must be positive")
+    order = np.asarray(order, dtype=np.int64)
+    cost = np.asarray(cost, dtype=np.float64)
+    out = order.copy()
+    chunk = world * per_rank
+    for lo in range(0, len(order) - chunk * rounds + 1, chunk * rounds):
+        step = order[lo : lo + chunk * rounds]
+        if rounds > 1:
+            step = step[np.argsort(-cost[step], kind="stable")]
+        for k in range(rounds):
+            ids = step[k * chunk : (k + 1) * chunk]
+            if rounds > 1:
+                ids = np.sort(ids)  # a round's samples in a fixed order before the deal
+            out[lo + k * chunk : lo + (k + 1) * chunk] = _dealt(ids, cost, world, per_rank)
+    return out
+
+
+def _dealt(ids: np.ndarray, cost: np.ndarray, world: int, per_rank: int) -> np.ndarray:
+    """One micro-batch's chunk laid out so that rank r's entries hold its dealt samples."""
+    loads, slots = [0.0] * world, [[] for _ in range(world)]
+    for i in np.argsort(-cost[ids], kind="stable").tolist():
+        rank = min((r for r in range(world) if len(slots[r]) < per_rank),
+                   key=lambda r: (loads[r], r))  # fmt: skip
+        slots[rank].append(i)
+        loads[rank] += float(cost[ids[i]])
+    out = np.empty_like(ids)
+    for rank, picked in enumerate(slots):
+        out[rank + world * np.arange(per_rank)] = ids[sorted(picked)]
+    return out
 
 
 def sample_rng(seed: int, epoch: int, position: int) -> np.random.Generator:
