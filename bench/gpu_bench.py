@@ -203,6 +203,25 @@ def openclip_case(args, device, batch: int) -> dict | None:
     }
 
 
+def _next_token_step(spec, batch: dict, device, lr: float = 1e-5):
+    """One bf16 training step (the trainer's forward_backward + optimizer_step, AC per
+    block) of a fresh model of `spec` on `batch` (its tensors, and lists of them, moved)."""
+    model = mmtrain.create_model(spec, seed=0).to(device)
+    apply_activation_checkpointing(model, "full")
+    prec = make_precision("bf16", device) if device.type == "cuda" else _cpu("bf16")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=device.type == "cuda")
+    data = {k: [x.to(device) for x in v] if isinstance(v, list) else v.to(device)
+            for k, v in batch.items()}  # fmt: skip
+    objectives = [NextTokenObjective()]
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        forward_backward(model, objectives, [data], prec)
+        optimizer_step(model, optimizer, prec, 1.0)
+
+    return step
+
+
 def language_model_case(args, device, batch: int, positions: int) -> dict:
     """A random-init Llama-shaped LM of ~1B parameters (width 2048, 16 blocks, GQA 16/8 heads,
     128k ids, untied head) on rows of `positions` random ids, every one a target, bf16, the
@@ -218,20 +237,9 @@ def language_model_case(args, device, batch: int, positions: int) -> dict:
                               mlp_hidden=8192, max_positions=positions, tie_embeddings=False)  # fmt: skip
     spec = ModelSpec(name="lm-1b", embed_dim=decoder.width, towers={}, objective="next_token",
                      decoder=decoder)  # fmt: skip
-    model = mmtrain.create_model(spec, seed=0).to(device)
-    apply_activation_checkpointing(model, "full")
-    prec = make_precision("bf16", device) if device.type == "cuda" else _cpu("bf16")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, decoder.vocab_size, (batch, positions), generator=g)
-    data = {"text": ids.to(device), LABELS_KEY: ids.to(device)}
-    objectives = [NextTokenObjective()]
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        forward_backward(model, objectives, [data], prec)
-        optimizer_step(model, optimizer, prec, 1.0)
-
+    step = _next_token_step(spec, {"text": ids, LABELS_KEY: ids}, device, lr=1e-4)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     step_s = _time_steps(step, max(args.steps // 4, 2), 2, device)
@@ -315,23 +323,12 @@ def native_vlm_case(args, device, pages: int) -> dict:
     h, w = v.resized(2200, 1700)
     page_tokens = v.tokens(h, w)
     positions = pages * (page_tokens + 64)
-    model = mmtrain.create_model(spec, seed=0).to(device)
-    apply_activation_checkpointing(model, "full")
-    prec = make_precision("bf16", device) if device.type == "cuda" else _cpu("bf16")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
     g = torch.Generator().manual_seed(0)
     ids = min(tokens.image_token_id, tokens.video_token_id, 1000)  # text ids below both
     text = torch.randint(0, ids, (1, positions - pages * (page_tokens - 1)), generator=g)
     text[0, torch.arange(pages) * 64] = tokens.image_token_id  # a page every 64 text ids
-    images = [torch.randn(3, h, w, generator=g).to(device) for _ in range(pages)]
-    data = {"text": text.to(device), LABELS_KEY: text.to(device), "image": images}
-    objectives = [NextTokenObjective()]
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        forward_backward(model, objectives, [data], prec)
-        optimizer_step(model, optimizer, prec, 1.0)
-
+    images = [torch.randn(3, h, w, generator=g) for _ in range(pages)]
+    step = _next_token_step(spec, {"text": text, LABELS_KEY: text, "image": images}, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     step_s = _time_steps(step, max(args.steps // 4, 2), 2, device)

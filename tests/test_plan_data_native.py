@@ -276,6 +276,15 @@ def test_bad_budget_names_the_flag(shards, capsys, budget, says):
     assert says in err and "--budget" in err
 
 
+def test_rows_too_short_for_a_samples_pages_name_the_flag(shards, capsys):
+    argv = ["plan", "--model", str(shards / "spec.json"), "--data", str(shards), "--tokenizer",
+            str(shards / "tokenizer.json"), "--chat-template", "plain", "--sequence-length", "40",
+            *BUDGET]  # fmt: skip
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert "--sequence-length" in capsys.readouterr().err
+
+
 def test_budget_needs_a_native_vlm_and_data(shards, capsys):
     capsys.readouterr()
     argv = ["plan", "--model", "tiny-vlm", "--data", str(shards), "--tokenizer",

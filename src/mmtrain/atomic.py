@@ -12,7 +12,7 @@ import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 CHUNK_BYTES = 1 << 20
 
@@ -61,3 +61,19 @@ def sha256_file(path: str | Path) -> str:
         while chunk := f.read(CHUNK_BYTES):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def atomic_save_npy(path: str | Path, array: Any) -> bool:
+    """`np.save` of `array` to `path`, atomically; False when the folder takes no file (a
+    read-only dataset: a cache beside it is then just not kept)."""
+    import io
+
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    try:
+        atomic_write_bytes(path, buffer.getvalue())
+    except OSError:
+        return False
+    return True

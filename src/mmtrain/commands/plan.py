@@ -430,6 +430,14 @@ def _gib(n: float) -> str:
     return f"{n / GIB:,.2f}"
 
 
+def _flops(n: float) -> str:
+    """`9.49 TFLOPs`, `6.77 MFLOPs`: three significant figures in the nearest unit."""
+    for unit, scale in (("PFLOPs", 1e15), ("TFLOPs", 1e12), ("GFLOPs", 1e9), ("MFLOPs", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:,.0f} FLOPs"
+
+
 def _usd(n: float) -> str:
     return f"${n:,.0f}" if n >= 100 else f"${n:,.2f}"
 
@@ -627,7 +635,7 @@ def _print_data_plan(result: dict, plans) -> None:
         + (f" ({sum(d['refused'].values()):,} refused: {d['refused']})" if d["refused"] else "")
     )
     native = "budget" in d
-    spliced = ("each page's and clip's own tokens (page_tokens: per image)" if native
+    spliced = ("each input's own tokens" if native
                else f"images x {result['model']['image_tokens']}")  # fmt: skip
     dist = Table(title=f"tokens per sample (LM positions: text ids + {spliced})")
     for col in ("", "mean", "p50", "p90", "p99", "max"):
@@ -680,11 +688,11 @@ def _print_data_plan(result: dict, plans) -> None:
         lay = p.layout
         inputs = lay.max_visual_inputs
         if inputs:
-            held = describe(inputs) if len(inputs) <= 3 else f"{len(inputs)} images and clips"
+            held = describe(inputs) if len(inputs) <= 3 else f"{len(inputs)} inputs"
             console.print(
-                f"{lay.name}: the tower's {lay.vision_flops / lay.rows / 1e9:,.3g} GFLOPs a row "
-                f"on average (each sample's own pages and clips); memory for the heaviest row: "
-                f"{held}, {lay.max_visual_patches:,} patches"
+                f"{lay.name}: the tower's {_flops(lay.vision_flops / lay.rows)} a row on average "
+                f"(each sample's own pages and clips); memory for the heaviest row: {held}, "
+                f"{lay.max_visual_patches:,} patches"
             )
     console.print(
         "padded: each micro-batch's rows padded to its longest sample; packed: rows filled "

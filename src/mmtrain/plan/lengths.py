@@ -291,6 +291,15 @@ def packed_layout(
     """Rows of `sequence_length` positions packed first-fit (module docstring)."""
     _check(sequence_length, micro_batch)
     samples, cut = _truncated(_shuffled(spec, lengths, seed), sequence_length)
+    whole = [s.positions for s in samples if s.positions > sequence_length]
+    if whole:  # truncation kept their images and clips whole: no packed row holds them
+        raise FieldError(
+            "--sequence-length",
+            f"{len(whole)} sample(s) hold more image / clip tokens than a row of "
+            f"{sequence_length} positions (the largest needs {max(whole)}); the loader refuses "
+            "them (image_cut, video_cut): give a longer --sequence-length, or a smaller "
+            "--budget for a native-resolution VLM",
+        )
     rows = [
         [samples[i] for i in members]
         for members in first_fit_rows([s.positions for s in samples], sequence_length, open_rows)

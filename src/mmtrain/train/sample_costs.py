@@ -16,14 +16,13 @@ restarted run and every rank read it instead of the headers.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 from pathlib import Path
 
 import numpy as np
 
-from mmtrain.atomic import atomic_write_bytes
+from mmtrain.atomic import atomic_save_npy
 from mmtrain.data.ingest.inspect import conversation_counts
 from mmtrain.data.storage.shards import ShardSet
 from mmtrain.data.stream.conversation_batches import ConversationBatcher
@@ -69,13 +68,8 @@ def _source_costs(
         length = min(positions, batcher.sequence_length)
         parts = spec.sequence_flops_by_part([length], images if spec.vision is None else 0, visual)
         costs[index] = float(sum(parts.values()))
-    if path is not None:
-        buffer = io.BytesIO()
-        np.save(buffer, costs, allow_pickle=False)
-        try:
-            atomic_write_bytes(path, buffer.getvalue())
-        except OSError as err:  # a read-only folder: the costs are just not kept
-            logger.info("sample costs of %s not kept (%s)", path.parent, err)
+    if path is not None and not atomic_save_npy(path, costs):
+        logger.info("sample costs of %s not kept (a read-only folder)", path.parent)
     return costs
 
 

@@ -128,6 +128,14 @@ def _read_files(parts: tuple[Part, ...], modality: str) -> list[bytes]:
     return out
 
 
+def _check_content(part: Part, data: bytes, which: str) -> None:
+    """The content must be what the extension says (a JPEG named .mp4 is mislabelled)."""
+    try:
+        check_extension(part.ext, data)
+    except MediaError as err:
+        raise _Rejected("mislabelled", part.origin, f"{which}: {err}") from None
+
+
 def _image(
     n: int, total: int, part: Part, data: bytes, opts: ProcessOptions, features: Features
 ) -> tuple[str, bytes, list[int]]:
@@ -135,10 +143,7 @@ def _image(
     into `features`."""
     reject = partial(_Rejected, path=part.origin)
     which = f"image {n + 1} of {total}"
-    try:
-        check_extension(part.ext, data)
-    except MediaError as err:
-        raise reject("mislabelled", reason=f"{which}: {err}") from None
+    _check_content(part, data, which)
     try:
         pixels = decode_image(data, max_pixels=opts.max_pixels)
     except MediaError as err:
@@ -164,10 +169,7 @@ def _video(
     """(member name, [frames, width, height, fps]) of a video stored as it is."""
     reject = partial(_Rejected, path=part.origin)
     which = f"video {n + 1} of {total}"
-    try:
-        check_extension(part.ext, data)
-    except MediaError as err:
-        raise reject("mislabelled", reason=f"{which}: {err}") from None
+    _check_content(part, data, which)
     try:
         frames, height, width, fps = video_header(data, max_pixels=opts.max_pixels)
     except MediaError as err:

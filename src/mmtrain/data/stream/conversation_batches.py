@@ -375,16 +375,8 @@ def conversation_batch(
     rows = [_pad(row, width, pad_id) for row in rows]
     if any(sample.visual is not None for sample in samples):
         return native_batch(samples, rows, pack, image_token_id, video_token_id)
-    batch = {
-        "text": _tensor([row.input_ids for row in rows]),
-        "labels": _tensor([row.labels for row in rows]),
-        "position_ids": _tensor([row.position_ids for row in rows]),
-    }
-    documents = _tensor([row.document_ids for row in rows])
-    if pack:
-        batch["document_ids"] = documents
-    else:
-        batch["attention_mask"] = documents != PAD_DOCUMENT
+    batch = _row_tensors(rows, pack)
+    batch["position_ids"] = _tensor([row.position_ids for row in rows])
     images = _images_in_reading_order(samples, rows)
     if images is not None:
         batch["image"] = images
@@ -408,15 +400,7 @@ def native_batch(
     then row 1's): "image" a list of [3, H, W], "video" a list of [T, 3, H, W], "video_fps"
     per clip. No "position_ids": the model computes M-RoPE's 3-D positions from the layout
     (restarting per packed document), so the host never numbers them."""
-    batch: dict[str, Any] = {
-        "text": _tensor([row.input_ids for row in rows]),
-        "labels": _tensor([row.labels for row in rows]),
-    }
-    documents = _tensor([row.document_ids for row in rows])
-    if pack:
-        batch["document_ids"] = documents
-    else:
-        batch["attention_mask"] = documents != PAD_DOCUMENT
+    batch: dict[str, Any] = _row_tensors(rows, pack)
     order = [index for row in rows for index in row.samples]
     visual = [samples[i].visual for i in order]
     batch[IMAGES] = [image for v in visual if v is not None for image in v.images]
@@ -424,12 +408,26 @@ def native_batch(
     batch[VIDEO_FPS] = [fps for v in visual if v is not None for fps in v.video_fps]
     # Each placeholder's tokens in reading order: a row's samples follow one another in it.
     counts = [n for i in order for _, n in samples[i].spans]
-    valid = documents != PAD_DOCUMENT
+    valid = _tensor([row.document_ids for row in rows]) != PAD_DOCUMENT
     is_visual = (batch["text"] == image_token_id) & valid
     if video_token_id is not None:
         is_visual |= (batch["text"] == video_token_id) & valid
     tokens = torch.tensor(counts, dtype=torch.long)
     batch[SPLICE_SIZES] = splice_sizes(is_visual, tokens, batch.get("attention_mask"))
+    return batch
+
+
+def _row_tensors(rows: Sequence[PackedRow], pack: bool) -> dict[str, Any]:
+    """ "text" and "labels" [R, T], and "document_ids" (packed) or "attention_mask" (padded)."""
+    documents = _tensor([row.document_ids for row in rows])
+    batch: dict[str, Any] = {
+        "text": _tensor([row.input_ids for row in rows]),
+        "labels": _tensor([row.labels for row in rows]),
+    }
+    if pack:
+        batch["document_ids"] = documents
+    else:
+        batch["attention_mask"] = documents != PAD_DOCUMENT
     return batch
 
 

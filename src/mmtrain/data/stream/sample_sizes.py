@@ -12,14 +12,13 @@ through the shard cache each time.
 
 from __future__ import annotations
 
-import io
 import logging
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
-from mmtrain.atomic import atomic_write_bytes
+from mmtrain.atomic import atomic_save_npy
 from mmtrain.data.storage.shards import ShardSet
 from mmtrain.data.stream.buckets import NO_BUCKET, Buckets, probe_size
 
@@ -54,13 +53,8 @@ def sample_sizes(shards: ShardSet, input: str) -> np.ndarray:
     rank = rank or max((len(r) for r in rows if r is not None), default=2)
     sizes = np.asarray([r if r is not None and len(r) == rank else (-1,) * rank for r in rows],
                        dtype=np.int64).reshape(len(rows), rank)  # fmt: skip
-    if path is not None:
-        buffer = io.BytesIO()
-        np.save(buffer, sizes, allow_pickle=False)
-        try:
-            atomic_write_bytes(path, buffer.getvalue())
-        except OSError as err:  # a read-only folder: the index is just not kept
-            logger.info("sample sizes of %s not kept (%s)", path.parent, err)
+    if path is not None and not atomic_save_npy(path, sizes):
+        logger.info("sample sizes of %s not kept (a read-only folder)", path.parent)
     return sizes
 
 
