@@ -1,5 +1,5 @@
 """`mmtrain quickstart [--out DIR] [--steps N] [--minutes N] [--modalities LIST | --vlm |
---diffusion]`: the offline demos of the README (code: `mmtrain.quickstart`).
+--vlm-docs | --diffusion]`: the offline demos of the README (code: `mmtrain.quickstart`).
 
 Builds the Twemoji image-caption set from the `quickstart` extra's packages, trains tiny-clip
 on the CPU for a fixed number of steps (fewer if they do not fit the time budget), evaluates
@@ -8,7 +8,10 @@ image,audio,timeseries` adds spoken captions and sensor time-series (the `modali
 as further towers bound to text. `--vlm` then trains a small vision-language model on the
 emoji in LLaVA's two stages and scores its answers to "What is this?" on held-out emoji.
 `--diffusion` trains a class-conditional DiT on emoji of ten classes and scores its samples
-against the held-out emoji in a CLIP's features (FD, conditional accuracy).
+against the held-out emoji in a CLIP's features (FD, conditional accuracy). `--vlm-docs`
+trains a native-resolution VLM (tiny-qwen2-vl's shape) to read numbers off small pages it
+draws itself, and scores its answers on held-out pages by ANLS and CER, with their own and
+with shuffled pages (no extra needed).
 Without an extra it stops (exit 2) with the command that installs it.
 """
 
@@ -72,6 +75,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "held-out emoji, scored by token F1 with their own and with shuffled images",
     )
     p.add_argument(
+        "--vlm-docs",
+        action="store_true",
+        help="a native-resolution VLM (tiny-qwen2-vl's shape, from scratch) reads the number "
+        "on small pages of four aspect ratios drawn with DejaVu Sans; its answers about "
+        "held-out pages are scored by ANLS and CER, with their own and with shuffled pages "
+        "(default 2000 steps of 32, --minutes default 5; --limit N: N training pages)",
+    )
+    p.add_argument(
         "--diffusion",
         action="store_true",
         help="a small class-conditional DiT (flow matching) drawing emoji of ten classes; its "
@@ -100,8 +111,13 @@ def run(args: argparse.Namespace) -> int:
     from mmtrain.quickstart.config import parse_modalities
     from mmtrain.quickstart.emoji_data import MissingPackages
 
-    if args.vlm and args.diffusion:
-        raise UsageError("--vlm and --diffusion are two demos; give one of them")
+    demos = [flag for flag, given in (("--vlm", args.vlm), ("--vlm-docs", args.vlm_docs),
+                                       ("--diffusion", args.diffusion)) if given]  # fmt: skip
+    if len(demos) > 1:
+        count_words = {2: "two", 3: "three"}[len(demos)]
+        raise UsageError(f"{' and '.join(demos)} are {count_words} demos; give one of them")
+    if args.vlm_docs:
+        return run_vlm_docs(args)
     if args.vlm:
         return run_vlm(args)
     if args.diffusion:
@@ -131,6 +147,30 @@ def run_vlm(args: argparse.Namespace) -> int:
 
     return _staged_demo(args, "--vlm", Path("runs/quickstart-vlm"), VlmConfig, run_vlm,
                         vlm_summary)  # fmt: skip
+
+
+def run_vlm_docs(args: argparse.Namespace) -> int:
+    """`--vlm-docs`: the document-reading demo (`mmtrain.quickstart.vlm_docs`). Its flags are
+    checked before anything is written."""
+    from mmtrain.quickstart.vlm_docs import VlmDocsConfig, run_vlm_docs
+
+    for flag, value in (("--modalities", args.modalities), ("--clip", args.clip),
+                        ("--clip-steps", args.clip_steps)):  # fmt: skip
+        if value is not None:
+            raise UsageError(f"{flag} does not go with --vlm-docs (it trains no CLIP)")
+    given = {
+        "out": args.out or Path("runs/quickstart-vlm-docs"),
+        "steps": args.steps,
+        "minutes": args.minutes,
+        "batch_size": args.batch_size,
+        "train_pages": args.limit,
+    }
+    config = VlmDocsConfig(**{name: value for name, value in given.items() if value is not None})
+    config.validate()  # FieldError: exit 2, naming the flag
+    progress = _Progress()
+    result = run_vlm_docs(config, on_phase=progress.phase, on_step=progress.step)
+    print(vlm_docs_summary(result))
+    return 0
 
 
 def run_diffusion(args: argparse.Namespace) -> int:
@@ -174,6 +214,7 @@ class _Progress:
 
     NAMES = {
         "data": "building the emoji data set (mmtrain data build)",
+        "pages": "drawing the pages and building their shards (mmtrain data build)",
         "calibrate": "timing a few steps against the time budget",
         "train": "training (mmtrain train)",
         "evaluate": "evaluating on the held-out data (mmtrain eval)",
@@ -311,6 +352,66 @@ def vlm_summary(result: Any) -> str:
             f"{result.paths.stage1}",
             f"data        {result.paths.out / 'data'}, tokenizer {result.paths.tokenizer}  "
             f"(licence: {result.paths.out / 'ATTRIBUTION.txt'})",
+        ]
+    )
+
+
+def vlm_docs_summary(result: Any) -> str:
+    """The --vlm-docs ending: ANLS with own and shuffled pages, CER and exact match, in all and
+    per page shape, the pages' tokens against the budget, the pages misread, then where to
+    look."""
+    seconds = result.seconds
+    stages = ", ".join(f"{name} {_clock(s)}" for name, s in seconds.items())
+    d = result.documents
+    tokens = d["page_tokens"]
+    lines = [
+        "",
+        f"done in {_clock(sum(seconds.values()))} ({stages}); {result.steps} steps on "
+        f"{result.n_train} training pages",
+        "",
+    ]
+    if d.get("anls") is None:
+        lines.append("no answers were generated: see eval.json")
+    else:
+        lines += [
+            f'"{d["prompt"]}" on {d["n"]} held-out pages, numbers never on a training page:',
+            f"  {'pages':<8} {'tokens':>8} {'n':>4} {'ANLS':>7} {'shuffled':>9} {'exact':>7}",
+            f"  {'all':<8} {tokens['min']:>4}-{tokens['max']:<3} {d['n']:>4} "
+            f"{_pct(d['anls']):>7} {_pct(d['anls_shuffled_pages']):>9} "
+            f"{_pct(d['exact_match']):>7}",
+        ]
+        for shape, row in d.get("by_shape", {}).items():
+            if row["n"]:
+                lines.append(
+                    f"  {shape:<8} {row['tokens']:>8} {row['n']:>4} {_pct(row['anls']):>7} "
+                    f"{_pct(row['anls_shuffled_pages']):>9} {_pct(row['exact_match']):>7}"
+                )
+        lines.append(
+            f"  CER {_pct(d['cer'])} with their own pages (character edits per reference "
+            "character); shuffled: another held-out page under the same question"
+        )
+    lines.append(
+        f"  tokens per page: min {tokens['min']}, mean {tokens['mean']:.1f}, max "
+        f"{tokens['max']} of {tokens['pages']} pages (budget: image_min_tokens "
+        f"{tokens['image_min_tokens']}, image_max_tokens {tokens['image_max_tokens']}, "
+        f"sample_max_tokens {tokens['sample_max_tokens']})"
+    )
+    misread = d.get("misread", [])
+    if misread:
+        shown = ", ".join(f"{m['reference']!r} -> {m['generated']!r} ({m['shape']})"
+                          for m in misread[:6])  # fmt: skip
+        more = f" and {len(misread) - 6} more" if len(misread) > 6 else ""
+        lines.append(f"  misread: {shown}{more}")
+    paths = result.paths
+    return "\n".join(
+        lines
+        + [
+            "",
+            f'eval.json   {result.eval_json}  ("documents", "generation", "examples")',
+            f"run folder  {paths.run}  (config.yaml, metrics.jsonl, model.safetensors)",
+            f"pages       {paths.raw}/{{train,val}}/*.png, shards {paths.train_shards}, "
+            f"{paths.val_shards}",
+            f"tokenizer   {paths.tokenizer}  (font licence: {paths.out / 'ATTRIBUTION.txt'})",
         ]
     )
 

@@ -22,7 +22,7 @@ MIN_STEPS = 20  # below this nothing is learned; the budget is then too small fo
 BUDGET_MARGIN = 1.15  # data decoding, metrics and validation on top of the timed steps
 
 
-def _step_seconds(loss: Callable, optimizer) -> float:
+def step_seconds(loss: Callable, optimizer) -> float:
     """The faster of two timed optimizer steps (forward and loss by `loss()`, backward, AdamW)
     after a warm-up step: the one least disturbed by other processes."""
     times = []
@@ -67,7 +67,7 @@ def time_steps(
     def loss():
         return loss_fn(model(batch), pairs, model.logit_scale)[0]
 
-    return _step_seconds(loss, optimizer) * batch_size / probe
+    return step_seconds(loss, optimizer) * batch_size / probe
 
 
 def time_language_model_steps(spec: ModelSpec, batch_size: int, positions: int) -> float:
@@ -91,7 +91,7 @@ def time_language_model_steps(spec: ModelSpec, batch_size: int, positions: int) 
     def loss():
         return next_token_loss(model(batch), batch["labels"])
 
-    return _step_seconds(loss, optimizer) * batch_size / probe
+    return step_seconds(loss, optimizer) * batch_size / probe
 
 
 def time_denoiser_steps(spec: ModelSpec, batch_size: int) -> float:
@@ -115,7 +115,7 @@ def time_denoiser_steps(spec: ModelSpec, batch_size: int) -> float:
     def loss():
         return objective.loss(model(objective.inputs(batch, 0)), batch, 0)
 
-    return _step_seconds(loss, optimizer) * batch_size / probe
+    return step_seconds(loss, optimizer) * batch_size / probe
 
 
 def fit_steps(

@@ -2,21 +2,22 @@
 the DejaVu Sans font that matplotlib ships, as LLaVA conversations, and the tokenizer that
 reads them.
 
-Each page is a number of 3 or 4 digits laid out on a page of one of four aspect ratios, at one
-of a few font sizes, at a random place, dark ink on a light background (every choice drawn from
-a `numpy.random.Generator` seeded by the page's split and index, so the pages are the same on
-every run):
+Each page is a number of 3 or 4 digits on a page of one of four aspect ratios (SHAPES), at
+one of a few font sizes, left-aligned (up to JITTER pixels in) at a random height, dark ink on
+a light background; every choice is drawn from a `numpy.random.Generator` seeded by the page's
+split and index, so the pages are the same on every run. At the tiny tower's scale (patch 4,
+merge 2: one LM token = 8 x 8 pixels) every page's long side is 48 pixels:
 
-    1:1  40 x 40 px   25 tokens of the tiny tower (patch 4, merge 2: one token = 8 x 8 px)
-    3:1  24 x 72 px   27 tokens            one line
-    2:1  32 x 64 px   32 tokens            one line
-    1:3  72 x 24 px   27 tokens            the number broken into lines of 2 digits, read
-                                           top to bottom
+    1:1  96 x 96 drawn, 144 tokens; the budget (image_max_tokens 40) resizes it to 48 x 48, 36
+    3:1  16 x 48   12 tokens   one line filling the page
+    2:1  24 x 48   18 tokens   one line
+    1:2  48 x 24   18 tokens   two lines of 2 digits, read top to bottom
 
-One conversation per page, in LLaVA's format (`vlm_data.conversation`):
+One conversation per page, in LLaVA's format, the question before the page (so the answer
+follows every page at the same distance in the decoder's positions):
 
     {"id": "train-000041", "image": "train-000041.png",
-     "conversations": [{"from": "human", "value": "<image>\\nWhat is the number?"},
+     "conversations": [{"from": "human", "value": "What is the number?\n<image>"},
                        {"from": "gpt", "value": "4721"}]}
 
 The held-out pages carry numbers that no training page carries: all numbers of 3 and 4 digits
@@ -26,11 +27,12 @@ to answer the question, not one string); held-out pages are all asked EVAL_PROMP
 
 The tokenizer is a byte-level BPE trained on the training conversations' prompt side only (the
 questions and the chat template's role names), stored with `vlm_data`'s chat template: the
-prompts merge into a few ids each, while the answers, which hold no letter of the prompts and
-no digit the BPE ever saw, are encoded one digit per id. A held-out number is then a new
+prompts merge into a few ids each, while the answers, digits the BPE never saw, are encoded one
+digit per id (after the space that follows "ASSISTANT:"). A held-out number is then a new
 sequence of ten familiar classes, each trained on about four times per page, where a BPE
-trained on the answers too would split it into multi-digit pieces, most of them rare or never
-seen in training (1,000 three-digit pieces against 10 digits).
+trained on the answers too would split it into multi-digit pieces, many of them rare in
+training (a thousand three-digit pieces against ten digits), and its answer would have to be
+recalled rather than read digit by digit.
 """
 
 from __future__ import annotations
@@ -50,19 +52,37 @@ from mmtrain.quickstart.vlm_data import (
     CONVERSATIONS_FILE,
     EOS,
     TokenizerFolder,
-    conversation,
 )
 
 PROMPTS = ("What is the number?", "What does the page say?", "Read the number on the page.")
 EVAL_PROMPT = PROMPTS[0]  # what every held-out page is asked
 ALPHABET = "0123456789"
 LENGTHS = (3, 4)  # digits of a number; the first is never 0
-# (name, height, width) in pixels: sides multiples of the tiny tower's 8-pixel unit, so the
-# budget keeps each page at its own size (visual_budget.py).
-PAGES = (("1:1", 40, 40), ("3:1", 24, 72), ("2:1", 32, 64), ("1:3", 72, 24))
-FONT_SIZES = (10, 12, 14, 16)  # points = pixels at Pillow's 72 dpi; a digit is 6 to 10 px wide
-TALL_LINE = 2  # digits per line on a tall page
-MARGIN = 1  # pixels kept free at each edge
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A kind of page: its size as drawn, in pixels, and how its number is laid out."""
+
+    name: str  # the aspect ratio, height:width... as people say it: "3:1" is wide
+    height: int
+    width: int
+    per_line: int | None = None  # digits per line (None: one line)
+    font_sizes: tuple[int, ...] = (12, 13, 14, 16)  # as the tower sees them (x scale drawn)
+    scale: int = 1  # drawn `scale` times larger; the budget brings it back (visual_budget.py)
+
+
+# Every page's long side is 48 pixels at the tower (6 tokens of 8 x 8 pixels), so the answer
+# sits as far after every page in the decoder's M-RoPE positions (text continues one past the
+# page's largest position).
+SHAPES = (
+    Shape("1:1", 96, 96, scale=2),  # 144 tokens as drawn; image_max_tokens 40 -> 48 x 48, 36
+    Shape("3:1", 16, 48, font_sizes=(12, 13, 14)),  # 2 x 6 = 12 tokens: the line fills it
+    Shape("2:1", 24, 48),  # 3 x 6 = 18 tokens
+    Shape("1:2", 48, 24, per_line=2, font_sizes=(12, 13, 14)),  # 6 x 3 = 18 tokens, 2 per line
+)
+MARGIN = 1  # pixels kept free at each edge (at the tower's scale)
+JITTER = 3  # the text starts up to this many pixels right of the margin
 
 
 def font_path() -> Path:
@@ -83,7 +103,7 @@ Quickstart document pages: numbers drawn by mmtrain
 
 Pages
   Drawn at run time with Pillow (mmtrain.quickstart.docs_data), seed {seed}: numbers of 3 or 4
-  digits on pages of 40x40, 24x72, 32x64 and 72x24 pixels, font sizes {font_sizes}.
+  digits on pages of 96x96, 16x48, 24x48 and 48x24 pixels (height x width).
 
 Font
   DejaVu Sans ({font}), as shipped by matplotlib. DejaVu fonts: Bitstream Vera Fonts
@@ -104,8 +124,8 @@ class Page:
 
     key: str  # "train-000041": also the PNG's stem
     text: str  # the number, the answer
-    shape: str  # a name of PAGES
-    height: int
+    shape: str  # a name of SHAPES
+    height: int  # as drawn
     width: int
     font_size: int
     lines: tuple[str, ...]  # the text as laid out, top to bottom
@@ -127,41 +147,49 @@ def split_numbers(seed: int, n_val: int) -> tuple[list[str], list[str]]:
     return shuffled[n_val:], shuffled[:n_val]
 
 
-def _layout(text: str, shape: str, font: Any, font_sizes: tuple[int, ...], rng) -> tuple:
-    """(font size, lines, block width, block height) of `text` on a page of `shape`: a font
-    size drawn from those whose layout fits the page (the largest that fits when none drawn
-    does)."""
-    _, height, width = next(p for p in PAGES if p[0] == shape)
-    if shape == "1:3":
-        lines = tuple(text[i : i + TALL_LINE] for i in range(0, len(text), TALL_LINE))
+def _digit_box(face: Any) -> tuple[int, int]:
+    """(top, height) in pixels of the digits' ink below a line's origin."""
+    _, top, _, bottom = face.getbbox(ALPHABET)
+    return top, bottom - top
+
+
+def _block(face: Any, lines: tuple[str, ...]) -> tuple[int, int]:
+    """(width, height) in pixels of the ink of `lines` in `face`, one under the other."""
+    width = max(int(np.ceil(face.getlength(line))) for line in lines)
+    return width, _line_pitch(face) * (len(lines) - 1) + _digit_box(face)[1]
+
+
+def _layout(text: str, shape: Shape, font: Any, rng) -> tuple[int, tuple[str, ...]]:
+    """(font size as drawn, lines) of `text` on a page of `shape`: a font size drawn from
+    those of `shape` whose layout fits the page."""
+    if shape.per_line:
+        lines = tuple(text[i : i + shape.per_line] for i in range(0, len(text), shape.per_line))
     else:
         lines = (text,)
     fitting = []
-    for size in font_sizes:
-        face = font(size)
-        block_w = max(int(np.ceil(face.getlength(line))) for line in lines)
-        ascent, descent = face.getmetrics()
-        line_h = ascent + descent - 2  # digits have no descender: lines sit close
-        block_h = line_h * len(lines)
-        if block_w <= width - 2 * MARGIN and block_h <= height - 2 * MARGIN:
-            fitting.append((size, block_w, block_h))
+    room_w = shape.width - 2 * MARGIN * shape.scale
+    room_h = shape.height - 2 * MARGIN * shape.scale
+    for size in shape.font_sizes:
+        block_w, block_h = _block(font(size * shape.scale), lines)
+        if block_w <= room_w and block_h <= room_h:
+            fitting.append(size * shape.scale)
     if not fitting:
-        raise ValueError(f"{text!r} fits no font size on a {shape} page")
-    size, block_w, block_h = fitting[int(rng.integers(len(fitting)))]
-    return size, lines, block_w, block_h
+        raise ValueError(f"{text!r} fits no font size on a {shape.name} page")
+    return fitting[int(rng.integers(len(fitting)))], lines
+
+
+def _line_pitch(face: Any) -> int:
+    height = _digit_box(face)[1]
+    return height + max(2, height // 4)
 
 
 def make_pages(
-    numbers: list[str],
-    split: str,
-    n: int,
-    seed: int,
-    prompts: tuple[str, ...] = PROMPTS,
-    font_sizes: tuple[int, ...] = FONT_SIZES,
+    numbers: list[str], split: str, n: int, seed: int, prompts: tuple[str, ...] = PROMPTS
 ) -> list[Page]:
     """`n` pages of `split` ("train" or "val"): page i carries numbers[i % len(numbers)] (the
-    held-out split takes each of its numbers once), on shape PAGES[i % 4], with its font size,
-    place and greys drawn from a generator seeded by (seed, split, i). Training pages are asked
+    held-out split takes each of its numbers once), on SHAPES[i % 4], with its font size,
+    place and greys drawn from a generator seeded by (seed, split, i). Text is left-aligned
+    (up to JITTER pixels in), at a random height. Training pages are asked
     prompts[i % len(prompts)], held-out ones EVAL_PROMPT."""
     from PIL import ImageFont
 
@@ -178,18 +206,21 @@ def make_pages(
     for i in range(n):
         rng = np.random.default_rng([seed, tag, i])
         text = numbers[i % len(numbers)]
-        shape, height, width = PAGES[i % len(PAGES)]
-        size, lines, block_w, block_h = _layout(text, shape, font, font_sizes, rng)
-        x = int(rng.integers(MARGIN, width - MARGIN - block_w + 1))
-        y = int(rng.integers(MARGIN, height - MARGIN - block_h + 1))
+        shape = SHAPES[i % len(SHAPES)]
+        size, lines = _layout(text, shape, font, rng)
+        block_w, block_h = _block(font(size), lines)
+        margin = MARGIN * shape.scale
+        jitter = min(JITTER * shape.scale, shape.width - 2 * margin - block_w)
+        x = margin + int(rng.integers(0, jitter + 1))
+        y = int(rng.integers(margin, shape.height - margin - block_h + 1))
         prompt = prompts[i % len(prompts)] if split == "train" else EVAL_PROMPT
         pages.append(
             Page(
                 key=f"{split}-{i:06d}",
                 text=text,
-                shape=shape,
-                height=height,
-                width=width,
+                shape=shape.name,
+                height=shape.height,
+                width=shape.width,
                 font_size=size,
                 lines=lines,
                 x=x,
@@ -209,11 +240,9 @@ def render(page: Page) -> Any:
     face = ImageFont.truetype(str(font_path()), page.font_size)
     image = Image.new("RGB", (page.width, page.height), (page.paper,) * 3)
     draw = ImageDraw.Draw(image)
-    ascent, descent = face.getmetrics()
-    line_h = ascent + descent - 2
-    top = page.y - face.getbbox("0")[1] + 1  # the digits' top at y (their bbox starts lower)
+    top = page.y - _digit_box(face)[0]  # the digits' ink starts at y
     for n, line in enumerate(page.lines):
-        draw.text((page.x, top + n * line_h), line, fill=(page.ink,) * 3, font=face)
+        draw.text((page.x, top + n * _line_pitch(face)), line, fill=(page.ink,) * 3, font=face)
     return image
 
 
@@ -223,6 +252,19 @@ def png_bytes(page: Page) -> bytes:
     return buffer.getvalue()
 
 
+def conversation(page: Page) -> dict[str, Any]:
+    """One LLaVA record: the question, then the page, answered with its number. The question
+    comes first so that the answer follows the page at the same distance in every sample."""
+    return {
+        "id": page.key,
+        "image": f"{page.key}.png",
+        "conversations": [
+            {"from": "human", "value": f"{page.prompt}\n<image>"},
+            {"from": "gpt", "value": page.text},
+        ],
+    }
+
+
 def write_split(folder: Path, pages: list[Page]) -> tuple[Path, list[dict[str, Any]]]:
     """KEY.png for every page and `folder/conversations.json` naming them (LLaVA records, in
     key order); returns its path and the records."""
@@ -230,7 +272,7 @@ def write_split(folder: Path, pages: list[Page]) -> tuple[Path, list[dict[str, A
     records = []
     for page in pages:
         atomic_write_bytes(folder / f"{page.key}.png", png_bytes(page))
-        records.append(conversation(page.key, page.text, f"{page.key}.png", page.prompt))
+        records.append(conversation(page))
     path = folder / CONVERSATIONS_FILE
     atomic_write_text(path, json.dumps(records, indent=1) + "\n")
     return path, records
@@ -261,37 +303,61 @@ def write_tokenizer(
 
 def write_attribution(out: Path, seed: int, n_val: int) -> Path:
     path = out / "ATTRIBUTION.txt"
-    text = ATTRIBUTION.format(
-        seed=seed, font_sizes=", ".join(map(str, FONT_SIZES)), font=font_path().name, n_val=n_val
-    )
+    text = ATTRIBUTION.format(seed=seed, font=font_path().name, n_val=n_val)
     atomic_write_text(path, text)
     return path
 
 
-def contact_sheet(pages: list[Page], columns: int = 4, scale: int = 3, gap: int = 6) -> Any:
-    """A few pages side by side, each scaled up `scale` times (nearest), on white: the
-    README's picture."""
-    from PIL import Image
+def _shape(page: Page) -> Shape:
+    return next(shape for shape in SHAPES if shape.name == page.shape)
 
-    images = [render(p).resize((p.width * scale, p.height * scale), Image.NEAREST) for p in pages]
+
+def contact_sheet(
+    pages: list[Page],
+    columns: int = 4,
+    scale: int = 3,
+    gap: int = 8,
+    captions: list[str] | None = None,
+) -> Any:
+    """Pages side by side as the tower sees them (the 1:1 pages at the budget's 48 x 48),
+    each scaled up `scale` times, with a caption under each: the README's picture."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    images = []
+    for page in pages:
+        image = render(page)
+        factor = _shape(page).scale
+        if factor > 1:  # what the budget gives the tower (bicubic, as the loader resizes)
+            size = (page.width // factor, page.height // factor)
+            image = image.resize(size, Image.Resampling.BICUBIC)
+        images.append(image.resize((image.width * scale, image.height * scale), Image.NEAREST))
+    face = ImageFont.truetype(str(font_path()), 14)
+    text_h = 20 if captions else 0
     rows = [images[i : i + columns] for i in range(0, len(images), columns)]
-    cell_w = max(im.width for im in images) + gap
-    cell_h = max(im.height for im in images) + gap
-    sheet = Image.new("RGB", (cell_w * min(columns, len(images)) + gap, cell_h * len(rows) + gap),
-                      (255, 255, 255))  # fmt: skip
+    cell_w = max(max(im.width for im in images), 150 if captions else 0) + gap
+    cell_h = max(im.height for im in images) + text_h + gap
+    size = (cell_w * min(columns, len(images)) + gap, cell_h * len(rows) + gap)
+    sheet = Image.new("RGB", size, (255, 255, 255))
+    draw = ImageDraw.Draw(sheet)
     for r, row in enumerate(rows):
         for c, image in enumerate(row):
-            sheet.paste(image, (gap + c * cell_w, gap + r * cell_h))
+            x, y = gap + c * cell_w, gap + r * cell_h
+            sheet.paste(image, (x, y))
+            draw.rectangle((x - 1, y - 1, x + image.width, y + image.height), outline=(160,) * 3)
+            if captions:
+                caption = captions[r * columns + c]
+                draw.text((x, y + image.height + 3), caption, fill=(0, 0, 0), font=face)
     return sheet
 
 
 __all__ = [
     "ALPHABET",
     "EVAL_PROMPT",
-    "FONT_SIZES",
-    "PAGES",
     "PROMPTS",
+    "SHAPES",
     "Page",
+    "Shape",
+    "conversation",
     "contact_sheet",
     "font_path",
     "make_pages",
