@@ -63,6 +63,19 @@ class Paths:
 
 
 @dataclass
+class ChatPaths(Paths):
+    """A language model's quickstart: also its tokenizer folder and the run's eval.json."""
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.out / "tokenizer"
+
+    @property
+    def eval_json(self) -> Path:
+        return self.run / "eval.json"
+
+
+@dataclass
 class QuickstartResult:
     """What a quickstart did: where its outputs are, how well the model retrieves, how long."""
 

@@ -40,7 +40,7 @@ from typing import Any
 
 from mmtrain.quickstart.budget import plan_steps, time_language_model_steps
 from mmtrain.quickstart.common import (
-    Paths,
+    ChatPaths,
     Phase,
     PhaseClock,
     StepHook,
@@ -137,7 +137,7 @@ class VlmConfig:
 
 
 @dataclass
-class VlmPaths(Paths):
+class VlmPaths(ChatPaths):
     """Where `--vlm` writes, under `out`: the image-text demo's folders, plus the CLIP of stage
     0, the tokenizer and stage 1's run (`run` is stage 2's)."""
 
@@ -146,16 +146,8 @@ class VlmPaths(Paths):
         return self.out / "clip"
 
     @property
-    def tokenizer(self) -> Path:
-        return self.out / "tokenizer"
-
-    @property
     def stage1(self) -> Path:
         return self.out / "stage1"
-
-    @property
-    def eval_json(self) -> Path:
-        return self.run / "eval.json"
 
 
 @dataclass

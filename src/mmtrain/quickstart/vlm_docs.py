@@ -32,14 +32,20 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mmtrain.config import VisionDataConfig
-from mmtrain.quickstart.budget import plan_steps, step_seconds
-from mmtrain.quickstart.common import Paths, Phase, PhaseClock, StepHook, build_shards, check_out
+from mmtrain.quickstart.budget import fit_steps, step_seconds
+from mmtrain.quickstart.common import (
+    ChatPaths,
+    Phase,
+    PhaseClock,
+    StepHook,
+    build_shards,
+    check_out,
+)
 from mmtrain.quickstart.config import QuickstartConfig
 from mmtrain.quickstart.docs_data import (
     EVAL_PROMPT,
@@ -121,16 +127,8 @@ class VlmDocsConfig:
 
 
 @dataclass
-class DocsPaths(Paths):
+class DocsPaths(ChatPaths):
     """Where `--vlm-docs` writes, under `out`: data/, model.yaml, run/, plus the tokenizer."""
-
-    @property
-    def tokenizer(self) -> Path:
-        return self.out / "tokenizer"
-
-    @property
-    def eval_json(self) -> Path:
-        return self.run / "eval.json"
 
 
 @dataclass
@@ -273,28 +271,6 @@ def _size(page: Page):
     return ImageSize(page.height, page.width)
 
 
-def fit_docs_steps(
-    config: VlmDocsConfig, spec: ModelSpec, pages: list[Page], phase: Phase, lap: PhaseClock
-) -> tuple[int, float | None]:
-    """(steps, seconds per step): `config.steps`, or fewer when a timed step says they do not
-    fit `config.minutes`."""
-    if not config.fit_budget:
-        return config.steps, None
-    phase(
-        "calibrate", f"{config.steps} steps of {config.batch_size}, at most {config.minutes:g} min"
-    )
-    started = time.perf_counter()
-    seconds = time_docs_steps(spec, config, pages)
-    steps = plan_steps(config.budget(), seconds, time.perf_counter() - started)
-    lap("calibrate")
-    if steps < config.steps:
-        log.warning(
-            "%.2f s per step: only %d of %d steps fit %g min; the model learns less",
-            seconds, steps, config.steps, config.minutes,
-        )  # fmt: skip
-    return steps, seconds
-
-
 # ----------------------------------------------------------------------------- the report
 def page_answers(
     config: VlmDocsConfig, paths: DocsPaths, tokens: TokenizerFolder
@@ -431,7 +407,9 @@ def run_vlm_docs(
     counts = page_tokens(spec, config, train_pages + val_pages)
     lap("pages")
 
-    steps, step_seconds = fit_docs_steps(config, spec, train_pages, phase, lap)
+    steps, step_seconds = fit_steps(
+        config.budget(), phase, lap, lambda: time_docs_steps(spec, config, train_pages)
+    )
 
     from mmtrain.config import config_from_dict
     from mmtrain.train.loop import train
@@ -468,7 +446,6 @@ __all__ = [
     "docs_spec",
     "documents_block",
     "page_answers",
-    "fit_docs_steps",
     "page_tokens",
     "run_vlm_docs",
     "time_docs_steps",
