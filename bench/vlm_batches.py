@@ -65,7 +65,7 @@ def batch_bytes(outputs: list[dict], pack: bool) -> int:
     batch = conversation_batch(
         samples, pack=pack, row_length=ROW, image_token_id=IMAGE_ID, image_tokens=IMAGE_TOKENS
     )
-    return sum(t.numel() * t.element_size() for t in batch.values())
+    return sum(t.numel() * t.element_size() for t in batch.values() if isinstance(t, torch.Tensor))
 
 
 def main() -> None:

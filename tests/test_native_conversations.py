@@ -93,11 +93,15 @@ def test_a_sample_budget_shrinks_every_input_by_the_same_factor():
     free = VisualBudget.from_tokens(QWEN).tokens(inputs)
     assert free == [1240, 56, 7200]  # 20 frames of 20 x 36 tokens, two per temporal patch
     capped = budget_of(QWEN, VisionDataConfig(sample_max_tokens=2000)).tokens(inputs)
-    assert sum(capped) <= 2000 and capped == [266, 7, 1530]
-    # each input's per-frame cap is floor(its tokens x 2000 / 8496) tokens
-    factor = 2000 / sum(free)
-    caps = [int(1240 * factor), int(56 * factor), int(720 * factor)]
-    assert capped[0] <= caps[0] and capped[1] <= caps[1] and capped[2] <= 10 * caps[2]
+    # each input's per-frame cap is floor(its tokens per frame x 2000 / 8496) tokens, in
+    # pixels of 28 x 28; the clip keeps its 20 frames (10 temporal patches)
+    factor, unit = 2000 / sum(free), 28 * 28
+    caps = [int(1240 * factor) * unit, int(56 * factor) * unit, int(720 * factor) * unit]
+    page = QWEN.resized(2200, 1700, QWEN.min_pixels, caps[0])
+    strip = QWEN.resized(100, 400, QWEN.min_pixels, caps[1])
+    frame = QWEN.resized(720, 1280, 128 * unit, caps[2])
+    assert capped == [QWEN.tokens(*page), QWEN.tokens(*strip), QWEN.tokens(*frame, 20)]
+    assert sum(capped) <= 2000
 
 
 def test_a_sample_that_cannot_fit_its_budget_is_refused():

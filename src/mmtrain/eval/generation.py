@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -209,7 +209,7 @@ class _Encoder:
         self.image_length = max(1, spec.image_tokens())
 
     def _placeholders(
-        self, conv: Conversation, sample: dict[str, Any], images: list[bytes], videos: list[bytes]
+        self, conv: Conversation, images: list[bytes], videos: list[bytes]
     ) -> Placeholders:
         if self.native is None:
             if conv.images and self.spec.projector is None:
@@ -226,7 +226,8 @@ class _Encoder:
 
     def __call__(self, index: int, sample: dict[str, Any]) -> EvalSample:
         conv, images, videos = read_conversation(sample)
-        marks = self._placeholders(conv, sample, images, videos)
+        marks = self._placeholders(conv, images, videos)
+        record_id = conv.key  # the source record's own id, for readers
         conv.key = sample["__key__"]  # the shard key: unique, and what reports name
         encoded = encode_conversation(
             conv, self.template, self.tokenizer, self.max_length, self.image_token_id,
@@ -246,6 +247,7 @@ class _Encoder:
             prompt.input_ids,
             reference,
             _last_user_text(conv),
+            id=record_id,
             videos=list(conv.videos),
         )
 
@@ -260,8 +262,7 @@ def _read_samples(shards: ShardSet, encoder: _Encoder) -> tuple[list[EvalSample]
     for index in range(len(shards)):
         sample = shards.read(index)
         try:
-            record_id = read_conversation(sample)[0].key
-            samples.append(replace(encoder(index, sample), id=record_id))
+            samples.append(encoder(index, sample))
         except (MediaError, RefusedSample, SkippedSample) as err:
             refused += 1
             log.warning("validation sample %s skipped: %s", sample["__key__"], err)

@@ -80,7 +80,7 @@ from mmtrain.data.stream.packing import (
 )
 from mmtrain.data.stream.tokenizer import get_tokenizer
 from mmtrain.data.stream.transforms import AugmentConfig, ImageTransform, make_transform
-from mmtrain.models.splice import image_placeholders, splice_sizes
+from mmtrain.models.splice import image_placeholders, splice_sizes, valid_ids
 from mmtrain.models.visual_inputs import IMAGES, VIDEO_FPS, VIDEOS
 from mmtrain.models.vlm import SPLICE_SIZES
 from mmtrain.spec import ModelSpec
@@ -408,7 +408,7 @@ def native_batch(
     batch[VIDEO_FPS] = [fps for v in visual if v is not None for fps in v.video_fps]
     # Each placeholder's tokens in reading order: a row's samples follow one another in it.
     counts = [n for i in order for _, n in samples[i].spans]
-    valid = _tensor([row.document_ids for row in rows]) != PAD_DOCUMENT
+    valid = valid_ids(batch["text"], batch.get("attention_mask"), batch.get("document_ids"))
     is_visual = (batch["text"] == image_token_id) & valid
     if video_token_id is not None:
         is_visual |= (batch["text"] == video_token_id) & valid

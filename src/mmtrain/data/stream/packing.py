@@ -83,7 +83,10 @@ class _OpenRow:
 def sample_positions(sample: EncodedSample, image_token_id: int, image_length: int) -> int:
     """Positions the sample takes in the model once its images are spliced in (each its own
     number where the sample has `spans`)."""
-    return sum(id_positions(sample, image_token_id, image_length))
+    if sample.spans:
+        return len(sample.input_ids) + sum(n - 1 for _, n in sample.spans)
+    images = sample.input_ids.count(image_token_id)
+    return len(sample.input_ids) + images * (image_length - 1)
 
 
 def pack_rows(
