@@ -104,7 +104,7 @@ def test_batch_must_split_over_ranks_and_micro_batches(tmp_path):
     config = load_config(write(tmp_path), ["train.micro_batch=4"])
     config.validate(world_size=4)  # 32 = 4 ranks x 4 x 2 accumulation steps
     assert config.accumulation_steps(4) == 2
-    with pytest.raises(FieldError, match=r"train\.batch_size: 32 is not divisible by the 3 ranks"):
+    with pytest.raises(FieldError, match=r"batch_size: 32 is not divisible by the 3 data-parallel"):
         config.validate(world_size=3)
     config.train.batch_size = 24
     with pytest.raises(FieldError, match=r"24 is not divisible by ranks x micro_batch = 4 x 4"):

@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from mmtrain.plan.config import SP_ATTENTION
 from mmtrain.structured import FieldError, check_choice, from_dict, to_dict
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp64")  # fp64: a reference mode for tests
@@ -237,6 +238,12 @@ class TrainConfig:
     fp8_recipe: str = "tensorwise"  # torchao's scaling: "tensorwise" or "rowwise"
     parallel: str = "auto"  # ddp, fsdp (FSDP2 fully_shard), auto: ddp
     compile: bool = False  # torch.compile the towers (slower on CPU)
+    # Sequence (context) parallelism: groups of N consecutive ranks split every row's sequence
+    # (a decoder's positions, images spliced in; a denoiser's patches) and attend over the
+    # whole rows (train/sequence_parallel.py); data parallelism runs over ranks / N. 1: off.
+    sequence_parallel: int = 1
+    # auto: all_to_all (DeepSpeed-Ulysses) when N divides the attention heads, else ring
+    sequence_parallel_attention: str = "auto"
     ema: float | None = None  # decay of an exponential moving average of the weights
     device: str = "auto"  # auto: cuda when available
     fusion_weight: float = 1.0  # weight of the fusion head's loss beside the contrastive loss
@@ -326,12 +333,17 @@ class RunConfig:
     init_sha256: dict[str, str] = field(default_factory=dict)
 
     # -- derived
-    def micro_batch_for(self, world_size: int) -> int:
-        return self.train.micro_batch or self.train.batch_size // world_size
+    def data_ranks(self, world_size: int) -> int:
+        """Ranks that read different samples: `world_size` over the sequence-parallel groups
+        (what `micro_batch_for` and `accumulation_steps` split the batch over)."""
+        return world_size // self.train.sequence_parallel
 
-    def accumulation_steps(self, world_size: int) -> int:
+    def micro_batch_for(self, data_ranks: int) -> int:
+        return self.train.micro_batch or self.train.batch_size // data_ranks
+
+    def accumulation_steps(self, data_ranks: int) -> int:
         """Micro-batches per optimizer step on each rank."""
-        return self.train.batch_size // (world_size * self.micro_batch_for(world_size))
+        return self.train.batch_size // (data_ranks * self.micro_batch_for(data_ranks))
 
     def validate(self, world_size: int = 1) -> None:
         """Raise FieldError naming the first wrong field; `world_size` checks the batch split."""
@@ -380,17 +392,28 @@ class RunConfig:
         t.diffusion.validate()
         _check_schedule("train.resolution_schedule", t.resolution_schedule)
         _check_schedule("train.frames_schedule", t.frames_schedule)
-        if t.batch_size % world_size:
+        _at_least("train.sequence_parallel", t.sequence_parallel, 1)
+        check_choice(
+            "train.sequence_parallel_attention", t.sequence_parallel_attention, SP_ATTENTION
+        )
+        if world_size % t.sequence_parallel:
             raise FieldError(
-                "train.batch_size",
-                f"{t.batch_size} is not divisible by the {world_size} ranks; use a multiple of {world_size}",
+                "train.sequence_parallel",
+                f"groups of {t.sequence_parallel} ranks do not divide the {world_size} ranks; "
+                "use a divisor of the rank count",
             )
-        micro = self.micro_batch_for(world_size)
-        if t.batch_size % (world_size * micro):
+        ranks = self.data_ranks(world_size)  # what the batch is split over
+        if t.batch_size % ranks:
             raise FieldError(
                 "train.batch_size",
-                f"{t.batch_size} is not divisible by ranks x micro_batch = {world_size} x {micro}; "
-                f"use a multiple of {world_size * micro} or change train.micro_batch",
+                f"{t.batch_size} is not divisible by the {ranks} data-parallel ranks; use a multiple of {ranks}",
+            )
+        micro = self.micro_batch_for(ranks)
+        if t.batch_size % (ranks * micro):
+            raise FieldError(
+                "train.batch_size",
+                f"{t.batch_size} is not divisible by ranks x micro_batch = {ranks} x {micro}; "
+                f"use a multiple of {ranks * micro} or change train.micro_batch",
             )
         c = self.checkpoint
         if c.every_steps is not None:
@@ -563,7 +586,8 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> RunCo
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:
     """Type a (YAML) tree into RunConfig; `data.train` and `data.val` also accept a path or
-    a list of paths. Validates for one rank (the loop validates again for its world size)."""
+    a list of paths. Validates for the fewest ranks it runs on, one sequence-parallel group
+    (the loop validates again for its world size)."""
     data = dict(data)
     if isinstance(data.get("data"), dict):
         section = dict(data["data"])
@@ -572,7 +596,7 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
                 section[key] = _sources(section[key], f"data.{key}")
         data["data"] = section
     config = from_dict(RunConfig, data)
-    config.validate(world_size=1)
+    config.validate(world_size=max(config.train.sequence_parallel, 1))
     return config
 
 

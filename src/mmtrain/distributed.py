@@ -28,6 +28,7 @@ import torch.distributed as dist
 # low layer does not import the trainer.
 _timer: Any = None
 EXPOSED_ALL = "all"  # a blocking collective: the caller waited for all of it
+EXPOSED_HIDDEN = "none"  # in flight beside computation: only the waits for it are exposed
 
 
 def set_collective_timer(timer: Any, only_if: Any = None) -> None:
@@ -51,6 +52,22 @@ def timed_collective() -> Iterator[None]:
         yield
     finally:
         span.end = timer.stamp()
+
+
+def begin_in_flight() -> Any:
+    """An interval of the current step for a collective launched now that runs beside the
+    computation (a ring attention's pass of keys and values): it counts in `comm_s`, and the
+    caller's wait for it in `comm_exposed_s` through `timed_collective`. None outside a timed
+    step; close it with `end_in_flight` once the collective completed."""
+    timer = _timer
+    if timer is None or not timer.in_step:
+        return None
+    return timer.begin(EXPOSED_HIDDEN)
+
+
+def end_in_flight(span: Any) -> None:
+    if span is not None and _timer is not None:
+        span.end = _timer.stamp()
 
 
 _MAX_DIMS = 8

@@ -15,7 +15,14 @@ from mmtrain.cli import UsageError
 from mmtrain.commands._args import count
 from mmtrain.commands._data_args import add_budget_argument
 from mmtrain.hardware import GIB, PRICE_SOURCE, load_catalog
-from mmtrain.plan.config import AC_MODES, ATTENTION, OPTIMIZERS, PRECISIONS, PlanConfig
+from mmtrain.plan.config import (
+    AC_MODES,
+    ATTENTION,
+    OPTIMIZERS,
+    PRECISIONS,
+    SP_ATTENTION,
+    PlanConfig,
+)
 from mmtrain.plan.estimate import Plan, make_plan
 from mmtrain.plan.model import Rows, from_spec, native_rows
 from mmtrain.plan.native_vision import describe, parse_visual
@@ -60,7 +67,27 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--zero", type=int, default=0, help="ZeRO/FSDP stage 0-3 over the data-parallel ranks"
     )
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
-    p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+    p.add_argument(
+        "--sp",
+        action="store_true",
+        help="Megatron-LM sequence parallelism inside the TP group (with --tp: splits the norm "
+        "and MLP inputs over it); not --sequence-parallel",
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        type=count,
+        default=1,
+        metavar="N",
+        help="context parallelism, as train.sequence_parallel: N consecutive ranks split each "
+        "row of the decoder / denoiser, T/N positions each (default 1)",
+    )
+    p.add_argument(
+        "--sequence-parallel-attention",
+        default="auto",
+        choices=SP_ATTENTION,
+        help="its attention, as train.sequence_parallel_attention: all_to_all "
+        "(DeepSpeed-Ulysses), ring, or auto (all_to_all when N divides the heads)",
+    )
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel stages")
     p.add_argument("--ac", default="none", choices=AC_MODES, help="activation checkpointing")
     p.add_argument("--attention", default="flash", choices=ATTENTION)
@@ -252,6 +279,8 @@ def _config(args: argparse.Namespace) -> PlanConfig:
         mfu=args.mfu,
         headroom=args.headroom,
         network=args.network,
+        sequence_parallel=args.sequence_parallel,
+        sequence_parallel_attention=args.sequence_parallel_attention,
     )
 
 
@@ -447,6 +476,17 @@ def _price(t) -> str:
     return f"${t.price_per_gpu_hour:,.2f} per GPU-hour ({t.price_source})"
 
 
+def _sequence_label(c: PlanConfig) -> str:
+    """`, SP 4 (all_to_all)` for a plan with sequence parallelism, else nothing."""
+    n = c.sequence_parallel
+    return f", SP {n} ({c.sequence_parallel_attention})" if n > 1 else ""
+
+
+def _sp_exposed(c: PlanConfig, t) -> str:
+    """`, SP comm exposed 0.088` in the step's breakdown under sequence parallelism."""
+    return f", SP comm exposed {t.sp_exposed_s:.3g}" if c.sequence_parallel > 1 else ""
+
+
 def _input_label(item: dict) -> str:
     size = f"{item['height']}x{item['width']}"
     return f"image {size}" if item["frames"] == 1 else f"clip {item['frames']}x{size}"
@@ -469,7 +509,7 @@ def _print_plan(plan: Plan, measured: dict | None, visual: dict | None = None) -
             f"= {visual['positions_per_row']:,} positions"
         )
     console.print(
-        f"{c.gpus} x {plan.gpu.name} ({plan.gpu.memory_usable_gib} GiB usable of {plan.gpu.memory_nominal_gb:g} GB nominal); {c.precision}, {c.optimizer}, ZeRO-{c.zero}, TP {c.tp}{' + SP' if c.sp else ''}, PP {c.pp}, AC {c.ac}, {c.attention} attention; micro-batch {c.micro_batch} x DP {c.dp} x accumulation {c.accumulation} = global {c.effective_global_batch}"
+        f"{c.gpus} x {plan.gpu.name} ({plan.gpu.memory_usable_gib} GiB usable of {plan.gpu.memory_nominal_gb:g} GB nominal); {c.precision}, {c.optimizer}, ZeRO-{c.zero}, TP {c.tp}{' + SP' if c.sp else ''}, PP {c.pp}{_sequence_label(c)}, AC {c.ac}, {c.attention} attention; micro-batch {c.micro_batch} x DP {c.dp} x accumulation {c.accumulation} = global {c.effective_global_batch}"
     )
     table = Table(title="memory per GPU (GiB)")
     table.add_column("item")
@@ -514,8 +554,15 @@ def _print_plan(plan: Plan, measured: dict | None, visual: dict | None = None) -
         + f": {mem.total_bytes / mem.usable_bytes:.0%} of usable memory"
     )
     console.print(
-        f"step {t.step_time_s:.4g} s (compute {t.compute_s:.4g}, TP comm {t.tp_comm_s:.3g}, DP comm {t.dp_comm_s:.3g} of which exposed {t.dp_exposed_s:.3g}, bubble {t.bubble_s:.3g}); {t.samples_per_s:,.4g} samples/s; MFU {t.mfu:.1%}"
+        f"step {t.step_time_s:.4g} s (compute {t.compute_s:.4g}, TP comm {t.tp_comm_s:.3g}, DP comm {t.dp_comm_s:.3g} of which exposed {t.dp_exposed_s:.3g}{_sp_exposed(c, t)}, bubble {t.bubble_s:.3g}); {t.samples_per_s:,.4g} samples/s; MFU {t.mfu:.1%}"
     )
+    if c.sequence_parallel > 1:
+        console.print(
+            f"sequence parallel {c.sequence_parallel} ({c.sequence_parallel_attention}) over "
+            f"{t.sp_link}: {t.sp_comm_bytes / 1e9:,.3g} GB sent per GPU per step, "
+            f"{t.sp_comm_s:.3g} s on the link, {t.sp_exposed_s:.3g} s exposed: "
+            f"{t.sp_comm_share:.1%} of the step (the run warns above 20% measured)"
+        )
     console.print(
         f"achievable fraction {t.achievable_fraction:.3f} of peak, family {t.efficiency_family}: {t.efficiency_source}"
     )
@@ -742,6 +789,7 @@ def _recommend(args, model, cfg, catalog) -> int:
         "GPUs",
         "ZeRO",
         "TP",
+        "SP",
         "AC",
         "micro",
         "mem GiB",
@@ -759,6 +807,9 @@ def _recommend(args, model, cfg, catalog) -> int:
             str(c.gpus),
             str(c.zero),
             str(c.tp),
+            f"{c.sequence_parallel} {c.sequence_parallel_attention}"
+            if c.sequence_parallel > 1
+            else "1",
             c.ac,
             str(c.micro_batch),
             _gib(p.memory.total_bytes),
@@ -931,7 +982,8 @@ def _workloads(args, catalog) -> int:
             )
             continue
         c, t = p.config, p.time
-        conf = f"{c.gpus} GPUs ZeRO-{c.zero} TP{c.tp} AC {c.ac} mb {c.micro_batch}"
+        sp = f" SP{c.sequence_parallel}" if c.sequence_parallel > 1 else ""
+        conf = f"{c.gpus} GPUs ZeRO-{c.zero} TP{c.tp}{sp} AC {c.ac} mb {c.micro_batch}"
         table.add_row(
             w.task,
             w.model,

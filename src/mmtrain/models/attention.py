@@ -17,6 +17,10 @@ the cheapest exact path:
   flex attention has no CPU backward, and inductor's CPU flex kernel refuses float64) and in
   float64 on CUDA. `flex_attention_trains` says which.
 
+- an `AttentionKernel`: attention computed by someone else over a sequence this rank holds a
+  slice of (train/sequence_parallel.py's all-to-all and ring kernels); it applies the
+  forward's masks itself.
+
 Grouped-query attention hands SDPA the `kv_heads` keys and values with `enable_gqa=True`
 where the chosen kernel takes them grouped (CPU flash kernel; CUDA flash kernel: fp16/bf16,
 no mask) and flex attention always; elsewhere on CUDA SDPA would fall back to its math kernel,
@@ -25,6 +29,7 @@ which materialises the scores, so k and v are repeated to every query head inste
 
 from __future__ import annotations
 
+import abc
 import functools
 
 import torch
@@ -35,7 +40,18 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
-Mask = Tensor | BlockMask | None
+
+class AttentionKernel(abc.ABC):
+    """Attention of this rank's queries over keys and values of which it holds a slice, with
+    the forward's masks built in: sequence parallelism's kernels (train/sequence_parallel.py).
+    Passed to every layer in place of a mask; models never build one."""
+
+    @abc.abstractmethod
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q [B, heads, T, d], k and v [B, kv_heads, S, d] (local slices) -> [B, heads, T, d]."""
+
+
+Mask = Tensor | BlockMask | AttentionKernel | None
 
 
 def document_runs(document_ids: Tensor) -> Tensor:
@@ -139,6 +155,8 @@ def _compiled_flex_attention():
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask, is_causal: bool) -> Tensor:
     """Attention of q [B, heads, T, d] over k, v [B, kv_heads, S, d] (each kv head serves
     `heads / kv_heads` consecutive query heads) under `attention_inputs`'s (mask, is_causal)."""
+    if isinstance(mask, AttentionKernel):
+        return mask(q, k, v)
     grouped = q.shape[1] != k.shape[1]
     if isinstance(mask, BlockMask):
         # Compiled where it trains; eager elsewhere (forward only, e.g. the CPU checks of

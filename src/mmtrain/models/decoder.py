@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mmtrain.decoder_spec import DecoderSpec
-from mmtrain.models.attention import Mask, attend, attention_inputs
+from mmtrain.models.attention import AttentionKernel, Mask, attend, attention_inputs
 from mmtrain.models.materialize import copy_full_, initialised_parameters
 
 ROTARY_DTYPE = torch.float32  # angle tables, as Meta's and HF's Llama compute them
@@ -295,6 +295,7 @@ class Decoder(nn.Module):
         document_ids: Tensor | None = None,
         cache: KVCache | None = None,
         right_padded: bool = False,
+        attention: AttentionKernel | None = None,
     ) -> Tensor:
         """Final normalised hidden states [B, T, width] of `input_ids` [B, T] or, for a caller
         that splices in other tokens (image features), of `inputs_embeds` [B, T, width].
@@ -310,9 +311,20 @@ class Decoder(nn.Module):
         - `right_padded`: the caller knows `attention_mask` [B, T] is False only after each
           row's real tokens; without a cache the mask is then not built (causal attention is
           exact for every real token; `models/attention.py`). Padding tokens' states differ.
+        - `attention`: the rows are this rank's slice of longer ones (sequence parallelism);
+          the kernel attends over the whole rows with their masks, so `attention_mask` and
+          `document_ids` must not be given, and `position_ids` must (the slice's own).
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids and inputs_embeds")
+        if attention is not None and (
+            position_ids is None
+            or any(v is not None for v in (cache, attention_mask, document_ids))
+        ):
+            raise ValueError(
+                "an attention kernel applies the rows' masks itself: give it the slice's "
+                "position_ids and no cache, attention_mask or document_ids"
+            )
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         b, t, _ = x.shape
         past = 0 if cache is None else cache.length
@@ -327,9 +339,12 @@ class Decoder(nn.Module):
         position_ids = rotary_positions(position_ids, b, t, mrope is not None)
         inv_freq = rope_frequencies(self.spec, x.device)
         cos, sin = rotary_cos_sin(inv_freq, position_ids, x.dtype, mrope)
-        mask, is_causal = attention_inputs(
-            t, past, x.device, x.dtype, attention_mask, document_ids, right_padded
-        )
+        if attention is not None:
+            mask, is_causal = attention, False
+        else:
+            mask, is_causal = attention_inputs(
+                t, past, x.device, x.dtype, attention_mask, document_ids, right_padded
+            )
         for block in self.blocks:
             x = block(x, cos, sin, mask, is_causal, cache)
         if cache is not None:

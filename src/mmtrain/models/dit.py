@@ -29,9 +29,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mmtrain.denoiser_spec import TIMESTEP_FREQUENCIES, DenoiserSpec
+from mmtrain.models.attention import AttentionKernel
 from mmtrain.models.init_rules import apply_init_rules, init_rules
 from mmtrain.models.layers import Attention, Mlp
 from mmtrain.models.materialize import initialised_parameters
+from mmtrain.models.sequence_split import SequenceSplit
 from mmtrain.spec import DENOISER_PART, ModelSpec
 
 TIMESTEP = "timestep"
@@ -166,17 +168,20 @@ class DiTBlock(nn.Module):
         self.mlp = Mlp(w, spec.mlp_hidden(), "gelu_tanh")
         self.modulation = nn.Linear(w, 6 * w)
 
-    def forward(self, x: Tensor, c: Tensor, time: int = 1) -> Tensor:
-        """Tokens [B, time x space, W] (time-major: `time` patches along a video's frames)."""
+    def forward(
+        self, x: Tensor, c: Tensor, time: int = 1, kernel: AttentionKernel | None = None
+    ) -> Tensor:
+        """Tokens [B, time x space, W] (time-major: `time` patches along a video's frames);
+        `kernel`: they are this rank's slice (sequence parallelism), attended over all ranks'."""
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.modulation(F.silu(c)).chunk(6, 1)
         h = modulate(self.norm1(x), shift_a, scale_a)
-        x = x + gate_a[:, None, :] * self._attend(h, time)
+        x = x + gate_a[:, None, :] * self._attend(h, time, kernel)
         return x + gate_m[:, None, :] * self.mlp(modulate(self.norm2(x), shift_m, scale_m))
 
-    def _attend(self, h: Tensor, time: int) -> Tensor:
+    def _attend(self, h: Tensor, time: int, kernel: AttentionKernel | None = None) -> Tensor:
         """Attention over all tokens, or within each frame / at each place (tokens time-major)."""
         if self.group == "all":
-            return self.attn(h)
+            return self.attn(h, kernel=kernel)
         b, n, w = h.shape
         space = n // time
         grid = h.reshape(b, time, space, w)
@@ -218,6 +223,8 @@ class DiT(PatchNetwork):
     # What runs before the first block (train/optim.py: frozen with the first blocks, layer 0
     # of layer-wise LR decay).
     INPUT_MODULES = ("patch", "time_fc1", "time_fc2", "classes")
+    # Set by train/sequence_parallel.py: this rank then runs the blocks on its slice of tokens.
+    sequence_split: SequenceSplit | None = None
 
     def __init__(self, spec: DenoiserSpec):
         super().__init__()
@@ -253,10 +260,15 @@ class DiT(PatchNetwork):
         tokens = self.patch(x).flatten(2).transpose(1, 2)
         tokens = tokens + self.positions_for(grid).to(tokens.dtype)
         c = self.condition(t, y)
+        split, kernel = self.sequence_split, None
+        if split is not None:  # (full attention only: a slice of tokens has no frame grid)
+            tokens, kernel = split.split_tokens(tokens), split.full_attention()
         for block in self.blocks:
-            tokens = block(tokens, c, grid[0])
+            tokens = block(tokens, c, grid[0], kernel)
         shift, scale = self.modulation_out(F.silu(c)).chunk(2, dim=1)
         patches = self.out(modulate(self.norm_out(tokens), shift, scale))
+        if split is not None:
+            patches = split.gather_tokens(patches)
         return self._unpatchify(patches, grid)
 
     def _unpatchify(self, patches: Tensor, grid: tuple[int, int, int]) -> Tensor:

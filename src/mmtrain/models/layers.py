@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmtrain.models.attention import AttentionKernel
+
 
 def make_norm(kind: str, width: int, eps: float) -> nn.Module:
     """LayerNorm (weight and bias) or RMSNorm (weight only), as `TowerSpec.norm` names them."""
@@ -103,10 +105,18 @@ class Attention(nn.Module):
         self.out = nn.Linear(width, width)
 
     def forward(
-        self, x: torch.Tensor, key_mask: torch.Tensor | None = None, causal: bool = False
+        self,
+        x: torch.Tensor,
+        key_mask: torch.Tensor | None = None,
+        causal: bool = False,
+        kernel: AttentionKernel | None = None,
     ) -> torch.Tensor:
+        """`kernel`: x is this rank's slice of the tokens (sequence parallelism); the kernel
+        attends over all of them (no key_mask, not causal: a denoiser's full attention)."""
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         q, k, v = (split_heads(t, self.heads) for t in (q, k, v))
+        if kernel is not None:
+            return self.out(merge_heads(kernel(q, k, v)))
         mask, is_causal = attention_mask(key_mask, x.shape[1], causal)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
         return self.out(merge_heads(y))

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mmtrain.denoiser_spec import TIMESTEP_FREQUENCIES, DenoiserSpec
+from mmtrain.models.attention import AttentionKernel
 from mmtrain.models.dit import (
     PatchNetwork,
     modulate,
@@ -40,6 +41,7 @@ from mmtrain.models.dit import (
     unpatchify_image,
 )
 from mmtrain.models.layers import Mlp, merge_heads, split_heads
+from mmtrain.models.sequence_split import SequenceSplit
 
 QK_NORM_EPS = 1e-6  # SD3.5's RMSNorm of q and k
 SD3_TIMESTEP_SHIFT = 0  # diffusers' downscale_freq_shift for SD3 (DiT's is 1)
@@ -79,13 +81,19 @@ class JointAttention(nn.Module):
             q, k = (q_norm(q) if q_norm is not None else None), k_norm(k)
         return q, k, v
 
-    def forward(self, x: Tensor, context: Tensor) -> tuple[Tensor, Tensor | None]:
+    def forward(
+        self, x: Tensor, context: Tensor, kernel: AttentionKernel | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """`kernel`: x and context are this rank's slices (sequence parallelism); attention
+        over both streams' whole tokens is unmasked, so the order the kernel sees them in
+        (every rank's image slice, then its text slice) does not change any output."""
         q, k, v = self._split(self.qkv(x), self.q_norm, self.k_norm)
         text_q_norm = None if self.pre_only else self.context_q_norm
         cq, ck, cv = self._split(self.context_qkv(context), text_q_norm, self.context_k_norm)
         queries = q if self.pre_only else torch.cat([q, cq], dim=2)
         keys, values = torch.cat([k, ck], dim=2), torch.cat([v, cv], dim=2)
-        y = merge_heads(F.scaled_dot_product_attention(queries, keys, values))
+        attend = F.scaled_dot_product_attention if kernel is None else kernel
+        y = merge_heads(attend(queries, keys, values))
         n = x.shape[1]
         if self.pre_only:
             return self.out(y), None
@@ -111,7 +119,9 @@ class MMDiTBlock(nn.Module):
             self.context_norm2 = nn.LayerNorm(w, elementwise_affine=False, eps=spec.mlp_norm_eps)
             self.context_mlp = Mlp(w, hidden, "gelu_tanh")
 
-    def forward(self, x: Tensor, context: Tensor, c: Tensor) -> tuple[Tensor, Tensor | None]:
+    def forward(
+        self, x: Tensor, context: Tensor, c: Tensor, kernel: AttentionKernel | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         """(image tokens, text tokens) after the block; the last block's text is None."""
         silu_c = F.silu(c)
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.modulation(silu_c).chunk(6, 1)
@@ -123,6 +133,7 @@ class MMDiTBlock(nn.Module):
         image_out, text_out = self.attn(
             modulate(self.norm1(x), shift_a, scale_a),
             modulate(self.context_norm1(context), shift_t, scale_t),
+            kernel,
         )
         x = x + gate_a[:, None, :] * image_out
         x = x + gate_m[:, None, :] * self.mlp(modulate(self.norm2(x), shift_m, scale_m))
@@ -140,6 +151,9 @@ class MMDiT(PatchNetwork):
     # of layer-wise LR decay).
     INPUT_MODULES = ("patch", "time_fc1", "time_fc2", "pooled_fc1", "pooled_fc2",
                      "context_embed")  # fmt: skip
+    # Set by train/sequence_parallel.py: this rank then runs the blocks on its slices of the
+    # image's and the text's tokens.
+    sequence_split: SequenceSplit | None = None
 
     def __init__(self, spec: DenoiserSpec):
         super().__init__()
@@ -169,10 +183,16 @@ class MMDiT(PatchNetwork):
         tokens = tokens + self.positions_for(grid).to(tokens.dtype)
         context = self.context_embed(text_hidden)
         c = self.condition(t, text_pooled)
+        split, kernel = self.sequence_split, None
+        if split is not None:
+            tokens, context = split.split_tokens(tokens), split.split_tokens(context)
+            kernel = split.full_attention()
         for block in self.blocks:
-            tokens, context = block(tokens, context, c)
+            tokens, context = block(tokens, context, c, kernel)
         scale, shift = self.modulation_out(F.silu(c)).chunk(2, dim=1)
         patches = self.out(modulate(self.norm_out(tokens), shift, scale))
+        if split is not None:
+            patches = split.gather_tokens(patches)
         s, (_, rows, cols) = self.spec, grid
         return unpatchify_image(patches, rows, cols, s.patch_size, s.out_channels())
 

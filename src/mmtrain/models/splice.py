@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mmtrain.models.token_loss import IGNORE_INDEX
+
 PAD_DOCUMENT = -1  # data/stream/packing.py's document id of padding (models do not import data/)
 
 
@@ -174,3 +176,12 @@ def splice(
 def expand_per_id(values: Tensor, layout: Layout, fill: int | bool) -> Tensor:
     """A per-id tensor [R, T] repeated over each id's span [R, L]; `fill` at padding."""
     return torch.where(layout.valid, values.gather(1, layout.owner), fill)
+
+
+def position_targets(labels: Tensor, layout: Layout) -> Tensor:
+    """The next-token target of every position [R, L]: label t + 1 at the last position of id
+    t (the position whose state predicts the next id, as `LanguageModel.nll_sum` scores it),
+    -100 elsewhere (an image's other positions, the last id, padding). Each id's last position
+    is its own (`ends` increases along a row), so no two labels land on one position."""
+    targets = labels.new_full(layout.owner.shape, IGNORE_INDEX)
+    return targets.scatter(1, layout.ends[:, :-1], labels[:, 1:])

@@ -27,12 +27,14 @@ from mmtrain.models.decoder import Decoder, KVCache, document_positions, next_po
 from mmtrain.models.init_rules import apply_init_rules, init_rules
 from mmtrain.models.materialize import initialised_parameters
 from mmtrain.models.native_vision import NativeVisionTower
+from mmtrain.models.sequence_split import SequenceSplit
 from mmtrain.models.splice import (
     PAD_DOCUMENT,
     Layout,
     expand_per_id,
     image_placeholders,
     make_layout,
+    position_targets,
     splice,
     valid_ids,
 )
@@ -73,6 +75,10 @@ class LanguageModel(nn.Module):
     "labels", {"nll_sum": ...} without the logits), `generate(batch, n)` [R, n] new tokens;
     see the module docstring for the batch.
     """
+
+    # Set by train/sequence_parallel.py: `nll_sum` then runs the decoder on this rank's slice
+    # of every row's positions, after the images are spliced in (no image is cut).
+    sequence_split: SequenceSplit | None = None
 
     def __init__(self, spec: ModelSpec, loss_chunk_rows: int | None = None):
         super().__init__()
@@ -279,12 +285,28 @@ class LanguageModel(nn.Module):
         scores label t + 1; -100: no target), without the batch's logits: the head and the
         cross-entropy run `loss_chunk_rows` positions at a time (models/token_loss.py)."""
         embeds, layout, kwargs = self._decoder_inputs(batch)
+        if self.sequence_split is not None:
+            return self._split_nll_sum(embeds, position_targets(batch[LABELS], layout), kwargs)
         hidden = self.decoder.hidden(inputs_embeds=embeds, **kwargs)
         # The rows that predict an id: every id's last position but the last id's.
         index = layout.ends[:, :-1, None].expand(-1, -1, hidden.shape[-1])
         scored = hidden.gather(1, index).flatten(0, 1)
         targets = batch[LABELS][:, 1:].reshape(-1)
         return chunked_nll_sum(scored, self.decoder.head_weight, targets, self.loss_chunk_rows)
+
+    def _split_nll_sum(
+        self, embeds: Tensor, targets: Tensor, kwargs: dict[str, Tensor | bool]
+    ) -> Tensor:
+        """This rank's part of `nll_sum` under sequence parallelism: the NLL of the targets at
+        its positions (the parts of a sequence-parallel group sum to the whole rows' NLL). The
+        head runs on every local position, an image's too (their targets are -100): the
+        positions that predict an id are not evenly spread over the ranks."""
+        embeds, kwargs, targets = self.sequence_split.split_rows(embeds, kwargs, targets)
+        hidden = self.decoder.hidden(inputs_embeds=embeds, **kwargs)
+        return chunked_nll_sum(
+            hidden.flatten(0, 1), self.decoder.head_weight, targets.reshape(-1),
+            self.loss_chunk_rows,
+        )  # fmt: skip
 
     def forward(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """{"nll_sum": `nll_sum(batch)`} when the batch has "labels" (training: the loss runs

@@ -38,7 +38,20 @@ keeps) and the output is gathered back into patch order, a copy the output proje
 once for all blocks, without checkpointing only. Measured exact on the CPU in fp32.
 
 Tensor parallel t divides everything except the norm inputs, qkv input and fc1 input (which
-stay replicated: Korthikanti's "10" at 16-bit with dropout) unless sequence parallelism is on.
+stay replicated: Korthikanti's "10" at 16-bit with dropout) unless Megatron's sequence
+parallelism (`sp`) is on.
+
+Sequence (context) parallelism over N ranks (`sequence_parallel`, train.sequence_parallel)
+splits the token sequence of the decoder and denoiser stacks (`Stack.sequence_split`): each
+rank keeps every per-token tensor of those stacks for T/N positions. The attention core sees
+the full sequence for heads/N heads under all-to-all (DeepSpeed-Ulysses): its q, k, v, output
+and log-sum-exp (or math softmax, heads/N x T x T) are the same element counts as T/N
+positions of all heads; ring attention keeps its T/N queries' log-sum-exp and the local
+k and v, and its per-block scores are transient (it is blockwise: no softmax or dense mask is
+kept, whatever `attention` says). Per-sample tensors (a denoiser's conditioning, modulation,
+class ids) are kept whole by every rank, as are the unsplit stacks (vision towers, projector).
+The copies the all-to-alls may add around the kernel depend on the trainer's implementation
+and are not counted.
 Checkpointing: "selective" recomputes the attention sub-block (drops q/k/v, attention output,
 softmax or lse, mask); "full" keeps only each block's input (h per token) and, during
 backward, one block's activations are live again while it is recomputed.
@@ -71,21 +84,47 @@ class ActivationOptions:
     sp: bool = False
     dropout: bool = False
     dense_packed_mask: bool = False  # packed rows attend through a dense mask (the CPU's path)
+    sequence_parallel: int = 1  # ranks splitting the sequence of the split stacks
+    sp_attention: str = "all_to_all"  # their attention layout (resolved: all_to_all | ring)
 
 
 def activation_options(
-    precision: str, attention: str, ac: str, tp: int, sp: bool, dense_packed_mask: bool = False
+    precision: str,
+    attention: str,
+    ac: str,
+    tp: int,
+    sp: bool,
+    dense_packed_mask: bool = False,
+    sequence_parallel: int = 1,
+    sp_attention: str = "all_to_all",
 ) -> ActivationOptions:
     """Byte sizes for a precision mode (fp8 keeps 16-bit activations: its casts are transient)."""
-    if precision == "fp32":
-        return ActivationOptions(4, 4, attention, ac, tp, sp, False, dense_packed_mask)
-    residual = 2 if precision in BF16_MODEL else 4
-    return ActivationOptions(2, residual, attention, ac, tp, sp, False, dense_packed_mask)
+    act, residual = (4, 4) if precision == "fp32" else (2, 2 if precision in BF16_MODEL else 4)
+    return ActivationOptions(
+        act, residual, attention, ac, tp, sp, False, dense_packed_mask,
+        sequence_parallel, sp_attention,
+    )  # fmt: skip
+
+
+def split_degree(stack: Stack, o: ActivationOptions) -> int:
+    """How many ranks share `stack`'s tokens: the sequence-parallel degree for a split stack
+    (a decoder, a denoiser), 1 for the rest."""
+    return o.sequence_parallel if stack.sequence_split else 1
+
+
+def local_tokens(stack: Stack, o: ActivationOptions) -> float:
+    """The tokens of `stack` one rank holds per sample (T/N for a split stack)."""
+    return stack.tokens / split_degree(stack, o)
+
+
+def _ring(stack: Stack, o: ActivationOptions) -> bool:
+    """Ring attention over this stack's blocks (its scores and masks are per-block, transient)."""
+    return split_degree(stack, o) > 1 and o.sp_attention == "ring"
 
 
 def layer_terms(stack: Stack, micro_batch: int, o: ActivationOptions) -> dict[str, float]:
     """Bytes one layer keeps for `micro_batch` samples, itemised (without checkpointing)."""
-    s, b, h, f, a = stack.tokens, micro_batch, stack.width, stack.mlp_hidden, stack.heads
+    s, b, h, f, a = local_tokens(stack, o), micro_batch, stack.width, stack.mlp_hidden, stack.heads
     sb = s * b
     t = o.tp
     rep = t if o.sp else 1  # replicated terms are divided only under sequence parallelism
@@ -118,22 +157,24 @@ def layer_terms(stack: Stack, micro_batch: int, o: ActivationOptions) -> dict[st
             if o.act_bytes >= o.residual_bytes:
                 terms["modulation"] -= b * (stack.adaln_streams - 1) * h * o.act_bytes
             terms["attention_merged"] = sb * inner * o.act_bytes / t
-    if o.attention == "flash":
+    if o.attention == "flash" or _ring(stack, o):
         terms["attention_lse"] = a * sb * FP32 / t
     else:
-        keys = stack.attention_span or s  # windows: the keys of each query's group
+        # windows: the keys of each query's group; else the whole row (all-to-all: full T)
+        keys = stack.attention_span or stack.tokens
         terms["attention_softmax"] = a * keys * sb * o.act_bytes / t
         if o.dropout:
             terms["attention_softmax"] *= 2.5  # mask (1 byte) and dropout output (2 bytes)
     if stack.key_mask:
         terms["attention_mask"] = sb * FP32
-    if stack.document_mask and o.dense_packed_mask:
-        # SDPA turns the boolean block-diagonal mask into an fp32 additive one and keeps it.
-        terms["attention_mask"] = sb * s * FP32
+    if stack.document_mask and o.dense_packed_mask and not _ring(stack, o):
+        # SDPA turns the boolean block-diagonal mask into an fp32 additive one and keeps it
+        # (under all-to-all over the full row: it broadcasts over the heads).
+        terms["attention_mask"] = b * stack.tokens**2 * FP32
     if o.dropout:
         terms["dropout_masks"] = 2 * sb * h / rep
     if stack.mode == "lora":
-        _lora_terms(terms, stack, sb, o)
+        _lora_terms(terms, stack, b, s, o)
     return terms
 
 
@@ -165,18 +206,22 @@ def _lora_first_layer_unsaved(stack: Stack, micro_batch: int, o: ActivationOptio
         return one_norm
     if o.ac == "selective":
         rep = o.tp if o.sp else 1
-        return 2 * one_norm + stack.tokens * micro_batch * stack.width * o.act_bytes / rep
+        return 2 * one_norm + local_tokens(stack, o) * micro_batch * stack.width * o.act_bytes / rep
     attention = ("qkv", "attention_output", "attention_gathered", "attention_lse",
                  "attention_softmax", "attention_mask")  # fmt: skip
     return 2 * one_norm + sum(terms.get(k, 0.0) for k in attention)
 
 
-def _lora_terms(terms: dict[str, float], stack: Stack, sb: int, o: ActivationOptions) -> None:
+def _lora_terms(
+    terms: dict[str, float], stack: Stack, b: float, s: float, o: ActivationOptions
+) -> None:
     """A LoRA layer (train/lora.py) keeps what a trained one does, less the inputs of frozen
     linears that have no adapter (a frozen weight's backward needs only the weight), plus each
     adapter's rank-r intermediate A x, which B's matmul saves. An adapted linear's input is
     kept all the same: A's weight gradient reads it. (The attention output stays: the
-    attention kernel keeps it for its own backward, and the output projection reads a view.)"""
+    attention kernel keeps it for its own backward, and the output projection reads a view.)
+    `b` samples of `s` tokens on this rank."""
+    sb = b * s
     adapted = 0
     if "attn" not in stack.lora_targets:
         terms["qkv_input"] = 0.0
@@ -186,7 +231,7 @@ def _lora_terms(terms: dict[str, float], stack: Stack, sb: int, o: ActivationOpt
     terms.pop("norm_copies", None)  # a frozen norm weight's backward needs no normalised copy
     if stack.adaln:  # frozen modulation: the gates and scales need no gradient
         terms.pop("gated_outputs")
-        terms["modulation"] -= sb / stack.tokens * stack.width * o.act_bytes  # SiLU(c)
+        terms["modulation"] -= b * stack.width * o.act_bytes  # SiLU(c)
     if "mlp" not in stack.lora_targets:
         terms["mlp_input"] = 0.0
         terms["mlp_hidden"] -= sb * stack.mlp_hidden * o.act_bytes / o.tp  # fc2's input
@@ -208,19 +253,19 @@ _SELECTIVE_DROPS = (
 
 def layer_bytes(stack: Stack, micro_batch: int, o: ActivationOptions) -> float:
     """Bytes one layer keeps under the checkpointing mode `o.ac`."""
+    sb = local_tokens(stack, o) * micro_batch
     if o.ac == "full":
-        return stack.tokens * micro_batch * stack.width * o.residual_bytes / (o.tp if o.sp else 1)
+        return sb * stack.width * o.residual_bytes / (o.tp if o.sp else 1)
     terms = layer_terms(stack, micro_batch, o)
     if o.ac == "selective":
         kept = {k: v for k, v in terms.items() if k not in _SELECTIVE_DROPS}
         if stack.mode == "lora":
             # The checkpointed attention keeps its input, adapted or not, and recomputes its
             # adapters' rank-r intermediates (q/k/v and output projection).
-            kept["qkv_input"] = stack.tokens * micro_batch * stack.width * o.act_bytes
-            kept["qkv_input"] /= o.tp if o.sp else 1
+            kept["qkv_input"] = sb * stack.width * o.act_bytes / (o.tp if o.sp else 1)
             if "attn" in stack.lora_targets:
                 r = stack.lora_rank
-                kept["lora_intermediate"] -= 2 * stack.tokens * micro_batch * r * o.act_bytes / o.tp
+                kept["lora_intermediate"] -= 2 * sb * r * o.act_bytes / o.tp
         return sum(kept.values())
     return sum(terms.values())
 
@@ -234,8 +279,9 @@ def _pre_only_saving(stack: Stack, micro_batch: float, o: ActivationOptions) -> 
     output projection reads a view of it (no merged copy)."""
     if o.ac == "full":
         return 0.0  # every block keeps its input: image and text tokens alike
-    n, b, h, f = stack.pre_only_tokens, micro_batch, stack.width, stack.mlp_hidden
-    t, rep = stack.tokens - n, o.tp if o.sp else 1
+    split = split_degree(stack, o)  # the per-token terms at this rank's share of the tokens
+    n, b, h, f = stack.pre_only_tokens / split, micro_batch, stack.width, stack.mlp_hidden
+    t, rep = (stack.tokens - stack.pre_only_tokens) / split, o.tp if o.sp else 1
     text = n * b * (2 * h * o.residual_bytes + 2 * FP32) / rep  # second norm: input, stats, copy
     text += n * b * (h / rep + 2 * f / o.tp + 2 * h / rep) * o.act_bytes  # MLP input, MLP, gates
     text += b * 7 * h * o.act_bytes  # its modulation's 6h and one (1 + scale)
@@ -254,7 +300,7 @@ def _loss_bytes(stack: Stack, micro_batch: float, o: ActivationOptions) -> float
     (models/token_loss.py); what they keep is the head's input, counted with the stem. One
     chunk's working set is live at a time (`loss_chunk_bytes`)."""
     rows = (stack.logit_rows or stack.tokens) - 1
-    return micro_batch * rows * 8
+    return micro_batch * rows * 8 / split_degree(stack, o)
 
 
 def loss_chunk_bytes(stack: Stack, micro_batch: float, o: ActivationOptions) -> float:
@@ -264,6 +310,7 @@ def loss_chunk_bytes(stack: Stack, micro_batch: float, o: ActivationOptions) -> 
     `token_loss.CHUNK_ELEMENTS` logits (fewer when the micro-batch has fewer)."""
     chunk_elements = 2**26  # models/token_loss.py's CHUNK_ELEMENTS (the planner imports no torch)
     scored = micro_batch * ((stack.logit_rows or stack.tokens) - 1) * stack.vocab
+    scored /= split_degree(stack, o)
     return min(chunk_elements, scored) * (o.act_bytes + 3 * FP32) / o.tp
 
 
@@ -285,12 +332,31 @@ def _frozen_layer_with_input_grad(stack: Stack, micro_batch: float, o: Activatio
     q, k, v, output and statistics, the MLP activation's input (and, gated, its output); not
     the inputs of its frozen linears or the normalised copies its frozen norm weights scale."""
     terms = layer_terms(stack, micro_batch, o)
-    f = micro_batch * stack.tokens * stack.mlp_hidden * o.act_bytes / o.tp
+    f = micro_batch * local_tokens(stack, o) * stack.mlp_hidden * o.act_bytes / o.tp
     terms["mlp_hidden"] = 3 * f if stack.gated else (2 * f if stack.quick_gelu else f)
     for name in ("qkv_input", "mlp_input", "norm_copies", "lora_intermediate",
                  "attention_gathered"):  # fmt: skip
         terms.pop(name, None)
     return sum(terms.values())
+
+
+def _per_sample_stem_bytes(stack: Stack, micro_batch: float, o: ActivationOptions) -> float:
+    """Of what a split stack keeps outside its blocks, the per-sample part every sequence-
+    parallel rank keeps whole: a denoiser's conditioning (the timestep and pooled-text MLPs'
+    tensors and c, unless its stem is frozen; c alone under full checkpointing then), its
+    final layer's SiLU(c) (not when LoRA freezes the layer) and (1 + scale), and its class ids.
+    A decoder keeps nothing per row that is not per position."""
+    if not stack.adaln:
+        return 0.0
+    frozen_stem = stack.mode == "lora" or stack.frozen_blocks is not None
+    floats = stack.width if stack.mode == "lora" else 2 * stack.width  # the final layer
+    ints = stack.stem_int64
+    if frozen_stem:
+        floats += stack.width if o.ac == "full" else 0
+        ints -= stack.stem_input_int64
+    else:
+        floats += stack.conditioning_elements
+    return micro_batch * (floats * o.act_bytes + ints * 8)
 
 
 def stack_activations(
@@ -333,13 +399,16 @@ def stack_activations(
     if stack.group_index_int64 and o.ac == "none" and (trained or stack.mode == "lora"):
         ints += stack.group_index_int64  # the gathers' indices, kept once for all blocks
     stem = micro_batch * (floats * o.act_bytes + ints * 8 + stack.stem_fp32 * FP32)
-    if stack.document_mask and o.dense_packed_mask and o.ac != "none":
-        # the boolean [b, 1, s, s] mask is an input of every checkpointed block (kept once)
-        stem += micro_batch * stack.tokens**2
     if stack.mode == "lora":
         stem -= micro_batch * stack.proj_input_elements * o.act_bytes  # a frozen projection
         if o.ac != "full" and not input_grad:
             layers -= _lora_first_layer_unsaved(stack, micro_batch, o) * in_flight
+    if split_degree(stack, o) > 1:  # each rank keeps its share of the per-token tensors
+        whole = _per_sample_stem_bytes(stack, micro_batch, o)
+        stem = whole + (stem - whole) / split_degree(stack, o)
+    if stack.document_mask and o.dense_packed_mask and o.ac != "none":
+        # the boolean [b, 1, s, s] mask is an input of every checkpointed block (kept once)
+        stem += micro_batch * stack.tokens**2
     logits = _loss_bytes(stack, micro_batch, o) if stack.vocab else 0.0
     recompute = working if o.ac != "none" else 0
     if stack.vocab:  # the loss's chunk is live before any block is recomputed: the larger

@@ -57,6 +57,14 @@ gradient reduction with the last micro-batch's backward, ZeRO-3 gathers with eac
 tensor-parallel all-reduces (4 per layer per micro-batch, 6 with full recompute) and the
 ZeRO-1/2 parameter all-gather after the optimizer step are exposed. Overlap is capped at 80%
 of the compute they hide behind.
+
+Sequence parallelism over N ranks: each rank computes 1/N of the split stacks' FLOPs (their
+tokens, attention included: T/N queries against all T keys) and all of the rest (vision
+towers and projector, which every rank of the group runs whole); the data-parallel gradient
+reduction spans dp x N ranks. Its communication (comm.py: all-to-alls, ring passes, a
+denoiser's output gather) is counted per layer and micro-batch like tensor parallelism's
+(again for the recomputed forward under full checkpointing), and its exposed part is on the
+step's critical path beside the compute.
 """
 
 from __future__ import annotations
@@ -64,8 +72,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from mmtrain.hardware import CURRENCY, GPU, Catalog, default_catalog
-from mmtrain.plan.comm import all_gather_s, all_reduce_s, group_link, reduce_scatter_s
+from mmtrain.hardware import CURRENCY, GPU, Catalog, Interconnect, default_catalog
+from mmtrain.plan.comm import (
+    Traffic,
+    all_gather_s,
+    all_reduce_s,
+    group_link,
+    output_gather,
+    reduce_scatter_s,
+    ring_layer,
+    ulysses_layer,
+)
 from mmtrain.plan.config import PlanConfig
 from mmtrain.plan.model import PlanModel, Stack
 from mmtrain.plan.states import state_bytes
@@ -188,9 +205,11 @@ def _attention_block_forward(stack: Stack) -> float:
 
 
 @lru_cache(maxsize=256)
-def flops_per_sample(model: PlanModel, ac: str) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) per training sample."""
-    forward = {s.name: float(s.forward_flops) for s in model.stacks}
+def flops_per_sample(model: PlanModel, ac: str, sequence_parallel: int = 1) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) per training sample; with `sequence_parallel` N, what one
+    rank of the group computes of it: the split stacks' share 1/N, the other stacks whole."""
+    n = {s.name: sequence_parallel if s.sequence_split else 1 for s in model.stacks}
+    forward = {s.name: s.forward_flops / n[s.name] for s in model.stacks}
     modes = {s.name: PartTraining(s.mode, s.trained_layer_share()) for s in model.stacks}
     if model.head_flops:
         forward[FUSION_PART] = float(model.head_flops)  # the fusion head trains
@@ -199,7 +218,9 @@ def flops_per_sample(model: PlanModel, ac: str) -> tuple[float, float]:
     if ac == "full":
         hardware = train_flops(forward, modes, chained=chained, recompute=list(forward))
     elif ac == "selective":
-        redone = [_attention_block_forward(s) for s in model.stacks if s.mode != "frozen"]
+        redone = [
+            _attention_block_forward(s) / n[s.name] for s in model.stacks if s.mode != "frozen"
+        ]
         hardware = model_flops + sum(redone)
     else:
         hardware = model_flops
@@ -236,6 +257,10 @@ class TimeEstimate:
     tp_comm_s: float
     dp_comm_s: float
     dp_exposed_s: float
+    sp_comm_bytes: float  # sequence-parallel traffic one rank sends per step
+    sp_comm_s: float  # its link time per step
+    sp_exposed_s: float  # of which compute hides none (in the step time)
+    sp_comm_share: float  # sp_exposed_s / step_time_s (the run's measured comm share beside it)
     bubble_s: float
     step_time_s: float
     samples_per_s: float
@@ -249,6 +274,7 @@ class TimeEstimate:
     price_source: str  # the catalog's indicative list price, the flag, or a user file
     intra_node: str
     dp_link: str
+    sp_link: str  # the sequence-parallel group's link ("" without sequence parallelism)
 
     def to_dict(self) -> dict:
         out = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
@@ -256,12 +282,13 @@ class TimeEstimate:
 
 
 def training_time(model: PlanModel, cfg: PlanConfig, gpu: GPU, catalog: Catalog) -> TimeEstimate:
-    model_flops, hw_flops = flops_per_sample(model, cfg.ac)
+    model_flops = flops_per_sample(model, cfg.ac)[0]
+    hw_flops = flops_per_sample(model, cfg.ac, cfg.sequence_parallel)[1]  # one rank's share
     eff = efficiency(model, gpu, cfg)
     fraction = eff.fraction
     rate = gpu.peak_flops(cfg.precision) * fraction
     m = cfg.accumulation
-    # One micro-batch on one GPU: TP splits each layer, PP splits the layers.
+    # One micro-batch on one GPU: TP splits each layer, PP splits the layers, SP the tokens.
     micro_compute = hw_flops * cfg.micro_batch / (rate * cfg.tp * cfg.pp)
     gpn = cfg.gpus_per_node or gpu.gpus_per_node
     tp_link = group_link(catalog, gpu, cfg.tp, gpn, cfg.network)
@@ -270,7 +297,8 @@ def training_time(model: PlanModel, cfg: PlanConfig, gpu: GPU, catalog: Catalog)
     if cfg.tp > 1:
         per_layer = 6 if cfg.ac == "full" else 4
         for s in model.stacks:
-            size = cfg.micro_batch * s.per_sample * s.tokens * s.width * act_bytes
+            tokens = s.tokens / (cfg.sequence_parallel if s.sequence_split else 1)
+            size = cfg.micro_batch * s.per_sample * tokens * s.width * act_bytes
             calls = per_layer if s.mode != "frozen" else 2
             tp_comm += s.layers / cfg.pp * calls * all_reduce_s(size, cfg.tp, tp_link)
     dp_link = group_link(catalog, gpu, cfg.gpus, gpn, cfg.network)
@@ -279,23 +307,27 @@ def training_time(model: PlanModel, cfg: PlanConfig, gpu: GPU, catalog: Catalog)
     grads = shard_params * min(b.grads, 4)
     weights = shard_params * b.weights
     backward = micro_compute * 2 / 3
+    ranks = cfg.shard_ranks  # gradients are reduced (and ZeRO shards) over dp x sp
     if cfg.zero == 0:
-        dp_comm = all_reduce_s(grads, cfg.dp, dp_link)
+        dp_comm = all_reduce_s(grads, ranks, dp_link)
         exposed = max(0.0, dp_comm - OVERLAP * backward)
     elif cfg.zero in (1, 2):
-        rs = reduce_scatter_s(grads, cfg.dp, dp_link)
-        ag = all_gather_s(weights, cfg.dp, dp_link)
+        rs = reduce_scatter_s(grads, ranks, dp_link)
+        ag = all_gather_s(weights, ranks, dp_link)
         dp_comm = rs + ag
         exposed = max(0.0, rs - OVERLAP * backward) + ag
     else:  # ZeRO-3: gather weights for forward and backward, reduce-scatter grads, per micro-batch
         frozen = model.frozen_params() / (cfg.tp * cfg.pp) * b.weights
-        per_micro = 2 * all_gather_s(weights + frozen, cfg.dp, dp_link) + reduce_scatter_s(
-            grads, cfg.dp, dp_link
+        per_micro = 2 * all_gather_s(weights + frozen, ranks, dp_link) + reduce_scatter_s(
+            grads, ranks, dp_link
         )
         dp_comm = m * per_micro
         exposed = m * max(0.0, per_micro - OVERLAP * micro_compute)
-    bubble = (cfg.pp - 1) * (micro_compute + tp_comm) if cfg.pp > 1 else 0.0
-    step = m * (micro_compute + tp_comm) + exposed + bubble
+    sp_link = group_link(catalog, gpu, cfg.sequence_parallel * cfg.tp, gpn, cfg.network)
+    sp = sequence_comm(model, cfg, sp_link, rate)
+    micro_step = micro_compute + tp_comm + sp.exposed_s
+    bubble = (cfg.pp - 1) * micro_step if cfg.pp > 1 else 0.0
+    step = m * micro_step + exposed + bubble
     global_batch = cfg.effective_global_batch
     samples_per_s = global_batch / step
     peak_total = gpu.peak_flops(cfg.precision) * cfg.gpus
@@ -312,6 +344,10 @@ def training_time(model: PlanModel, cfg: PlanConfig, gpu: GPU, catalog: Catalog)
         tp_comm_s=m * tp_comm,
         dp_comm_s=dp_comm,
         dp_exposed_s=exposed,
+        sp_comm_bytes=m * sp.sent_bytes,
+        sp_comm_s=m * sp.seconds,
+        sp_exposed_s=m * sp.exposed_s,
+        sp_comm_share=m * sp.exposed_s / step,
         bubble_s=bubble,
         step_time_s=step,
         samples_per_s=samples_per_s,
@@ -325,4 +361,38 @@ def training_time(model: PlanModel, cfg: PlanConfig, gpu: GPU, catalog: Catalog)
         price_source=price_source,
         intra_node=tp_link.key if cfg.tp > 1 else gpu.intra_node,
         dp_link=dp_link.key,
+        sp_link=sp_link.key if cfg.sequence_parallel > 1 else "",
     )
+
+
+def sequence_comm(
+    model: PlanModel, cfg: PlanConfig, link: Interconnect, rate_flops: float
+) -> Traffic:
+    """One rank's sequence-parallel traffic for one micro-batch (comm.py's formulas): per
+    layer of each split stack (q, k, v and output all-to-alls, or ring passes of k and v),
+    and a denoiser's output gather. TP splits the heads, so each TP rank moves 1/tp of them.
+    A frozen stack runs its forward only; full checkpointing runs a trained one's twice."""
+    n = cfg.sequence_parallel
+    if n == 1:
+        return Traffic()
+    act_bytes = 4 if cfg.precision == "fp32" else 2
+    mode = cfg.sp_attention(model.split_heads())
+    total = Traffic()
+    for s in (s for s in model.stacks if s.sequence_split):
+        trained = s.mode != "frozen"
+        forwards = 2 if cfg.ac == "full" and trained else 1
+        local = cfg.micro_batch * s.tokens / n  # this rank's positions of the micro-batch
+        heads, kv = s.heads / cfg.tp, s.kv_heads / cfg.tp
+        if mode == "all_to_all":
+            qkvo_bytes = local * s.head_dim * (2 * heads + 2 * kv) * act_bytes
+            layer = ulysses_layer(qkvo_bytes, n, link, forwards + trained)
+        else:
+            kv_bytes = local * 2 * kv * s.head_dim * act_bytes
+            # one T/N x T/N block: QK^T and PV, 2 FLOPs per multiply-add each
+            block_s = 4 * local * (s.tokens / n) * heads * s.head_dim / rate_flops
+            layer = ring_layer(kv_bytes, n, link, block_s, forwards, trained)
+        total += layer.scaled(s.layers / cfg.pp)
+        if s.output_elements:
+            gathered = cfg.micro_batch * s.output_elements * act_bytes
+            total += output_gather(gathered, n, link, trained)
+    return total

@@ -14,11 +14,13 @@ OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
 AC_MODES = ("none", "selective", "full")
 ATTENTION = ("flash", "math")
 BYTES_CONVENTIONS = (16, 18, 20)
+SP_ATTENTION = ("auto", "all_to_all", "ring")  # train.sequence_parallel_attention's choices
 
 
 @dataclass(frozen=True)
 class PlanConfig:
-    """A training strategy. `gpus` is the total count; data-parallel size = gpus / (tp * pp).
+    """A training strategy. `gpus` is the total count; data-parallel size = gpus / (tp * pp *
+    sequence_parallel); ZeRO shards over dp x sequence_parallel ranks (`shard_ranks`).
 
     precision (what each keeps: states.py for the model states, activations.py for the rest):
     - fp32: fp32 weights, grads, optimizer states and activations.
@@ -36,6 +38,10 @@ class PlanConfig:
       (Transformer Engine keeps bf16/fp32 weights, so fp8 saves compute time, not memory).
     bytes_per_param: the mixed-precision AdamW convention (16: 16-bit grads, ZeRO paper; 18: fp32
     grads, Megatron/DeepSpeed/HF; 20: 16-bit grads plus an fp32 accumulation buffer, nanotron).
+    sp: Megatron-LM's sequence parallelism inside a TP group (the norm inputs split over --tp).
+    sequence_parallel: context parallelism (train.sequence_parallel): N consecutive ranks split
+    each row of a decoder's or denoiser's sequence, T/N positions each, attending through
+    all-to-alls (`all_to_all`, DeepSpeed-Ulysses) or a ring of key/value blocks (`ring`).
     """
 
     gpu: str = "h100"
@@ -46,7 +52,7 @@ class PlanConfig:
     bytes_per_param: int = 16
     zero: int = 0
     tp: int = 1
-    sp: bool = False
+    sp: bool = False  # Megatron-LM sequence parallelism (with tp); not `sequence_parallel`
     pp: int = 1
     ac: str = "none"
     attention: str = "flash"
@@ -57,9 +63,18 @@ class PlanConfig:
     mfu: float | None = None  # achievable fraction of peak; default: see compute.py
     headroom: float = 0.07
     network: str | None = None  # inter-node interconnect key; default: the GPU's
+    sequence_parallel: int = 1  # ranks splitting each row's sequence (context parallelism)
+    sequence_parallel_attention: str = "auto"  # auto | all_to_all | ring
 
     @property
     def dp(self) -> int:
+        """Data-parallel replicas: the ranks that see different rows."""
+        return self.gpus // (self.tp * self.pp * self.sequence_parallel)
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks ZeRO/FSDP shards over and gradients are reduced over: every data-parallel and
+        sequence-parallel rank (torchtitan's dp_shard_cp), i.e. gpus / (tp x pp)."""
         return self.gpus // (self.tp * self.pp)
 
     @property
@@ -70,8 +85,20 @@ class PlanConfig:
     def effective_global_batch(self) -> int:
         return self.global_batch or self.micro_batch * self.dp
 
-    def validate(self, heads: list[int] | None = None) -> None:
-        """Raise FieldError (path = the flag) for impossible strategies."""
+    def sp_attention(self, split_heads: list[int]) -> str:
+        """The attention layout of sequence parallelism for split stacks with `split_heads`
+        heads, as the trainer resolves `auto`: all-to-all (DeepSpeed-Ulysses) when
+        `sequence_parallel` divides every split stack's heads, else ring attention."""
+        if self.sequence_parallel_attention != "auto":
+            return self.sequence_parallel_attention
+        n = self.sequence_parallel
+        return "all_to_all" if all(h % n == 0 for h in split_heads) else "ring"
+
+    def validate(
+        self, heads: list[int] | None = None, split_heads: list[int] | None = None
+    ) -> None:
+        """Raise FieldError (path = the flag) for impossible strategies. `split_heads`: the
+        heads of the stacks sequence parallelism splits (None: not checked)."""
         check_choice("--precision", self.precision, PRECISIONS)
         check_choice("--optimizer", self.optimizer, OPTIMIZERS)
         check_choice("--ac", self.ac, AC_MODES)
@@ -85,6 +112,7 @@ class PlanConfig:
             ("--tp", self.tp),
             ("--pp", self.pp),
             ("--micro-batch", self.micro_batch),
+            ("--sequence-parallel", self.sequence_parallel),
         ):
             if value < 1:
                 raise FieldError(flag, f"must be at least 1, got {value}")
@@ -94,13 +122,16 @@ class PlanConfig:
             raise FieldError(
                 "--tp", f"tp x pp = {self.tp * self.pp} does not divide --gpus {self.gpus}"
             )
-        if self.zero and self.dp == 1:
+        self._validate_sequence_parallel(split_heads)
+        if self.zero and self.shard_ranks == 1:
             raise FieldError(
                 "--zero",
                 f"ZeRO-{self.zero} shards over data-parallel ranks, but there is only one (gpus {self.gpus} / (tp {self.tp} x pp {self.pp})); use --zero 0 or more GPUs",
             )
         if self.sp and self.tp == 1:
-            raise FieldError("--sp", "sequence parallelism needs --tp > 1")
+            raise FieldError(
+                "--sp", "Megatron sequence parallelism needs --tp > 1 (see --sequence-parallel)"
+            )
         for h in heads or []:
             if h % self.tp:
                 raise FieldError(
@@ -127,3 +158,32 @@ class PlanConfig:
             raise FieldError("--mfu", f"must be in (0, 1], got {self.mfu}")
         if self.samples < 0:
             raise FieldError("--samples", f"must be >= 0, got {self.samples}")
+
+    def _validate_sequence_parallel(self, split_heads: list[int] | None) -> None:
+        n = self.sequence_parallel
+        check_choice(
+            "--sequence-parallel-attention", self.sequence_parallel_attention, SP_ATTENTION
+        )
+        replicas = self.gpus // (self.tp * self.pp)
+        if replicas % n:
+            raise FieldError(
+                "--sequence-parallel",
+                f"{n} does not divide gpus / (tp x pp) = {self.gpus} / ({self.tp} x {self.pp})"
+                f" = {replicas}",
+            )
+        if n == 1 or split_heads is None:
+            return
+        if not split_heads:
+            raise FieldError(
+                "--sequence-parallel",
+                "the model has no stack that sequence parallelism splits (a decoder LM or a "
+                "denoiser); use 1",
+            )
+        if self.sequence_parallel_attention == "all_to_all":
+            for h in split_heads:
+                if h % n:
+                    raise FieldError(
+                        "--sequence-parallel-attention",
+                        f"all_to_all needs --sequence-parallel {n} to divide the {h} attention "
+                        "heads of every split stack; use ring (or auto)",
+                    )

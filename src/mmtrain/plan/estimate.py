@@ -63,7 +63,10 @@ def make_plan(model: PlanModel, cfg: PlanConfig, catalog: Catalog) -> Plan:
     gpu = catalog.gpu(cfg.gpu)
     if cfg.gpus_per_node is None:
         cfg = replace(cfg, gpus_per_node=gpu.gpus_per_node)
-    cfg.validate([s.heads for s in model.stacks if s.mode != "frozen" or cfg.tp > 1])
+    heads = [s.heads for s in model.stacks if s.mode != "frozen" or cfg.tp > 1]
+    cfg.validate(heads, model.split_heads())
+    if cfg.sequence_parallel > 1:  # the plan names the layout `auto` resolves to
+        cfg = replace(cfg, sequence_parallel_attention=cfg.sp_attention(model.split_heads()))
     gpu.peak_flops(cfg.precision)  # raises for a precision the GPU lacks
     return Plan(
         model, cfg, gpu, training_memory(model, cfg, gpu), training_time(model, cfg, gpu, catalog)

@@ -1,7 +1,7 @@
 """Memory per GPU during training, itemised, against the GPU's usable (not nominal) memory.
 
-Items: weights, gradients, optimizer states (ZeRO-sharded over the data-parallel degree,
-divided by tensor x pipeline parallel), activations (activations.py), communication buffers,
+Items: weights, gradients, optimizer states (ZeRO-sharded over the data-parallel x
+sequence-parallel ranks, divided by tensor x pipeline parallel), activations (activations.py), communication buffers,
 CUDA context, allocator fragmentation. Overheads, stated:
 - CUDA context and kernels: 1000 MiB flat (vram.asmirnov.xyz's constant; PyTorch's first CUDA
   use takes 300 MiB to 2 GiB).
@@ -99,9 +99,16 @@ class MemoryEstimate:
 
 
 def model_states(model: PlanModel, cfg: PlanConfig) -> tuple[float, float, float, str]:
-    """(weights, gradients, optimizer) bytes per GPU and the convention used."""
+    """(weights, gradients, optimizer) bytes per GPU and the convention used. ZeRO shards over
+    every rank of a replica's data and sequence parallel groups (FSDP over dp x sp)."""
     return _model_states(
-        model, cfg.precision, cfg.optimizer, cfg.bytes_per_param, cfg.tp * cfg.pp, cfg.zero, cfg.dp
+        model,
+        cfg.precision,
+        cfg.optimizer,
+        cfg.bytes_per_param,
+        cfg.tp * cfg.pp,
+        cfg.zero,
+        cfg.shard_ranks,
     )
 
 
@@ -127,7 +134,7 @@ def _model_states(
 
 
 def comm_buffers(model: PlanModel, cfg: PlanConfig) -> float:
-    if cfg.dp == 1:
+    if cfg.shard_ranks == 1:
         return 0.0
     if cfg.zero == 0:
         return DDP_BUCKETS_BYTES
@@ -176,7 +183,14 @@ def training_memory(
     weights, grads, optimizer, convention = model_states(model, cfg)
     # On the CPU packed rows attend through a dense mask (models/attention.py's fallback).
     o = activation_options(
-        cfg.precision, cfg.attention, cfg.ac, cfg.tp, cfg.sp, dense_packed_mask=gpu is None
+        cfg.precision,
+        cfg.attention,
+        cfg.ac,
+        cfg.tp,
+        cfg.sp,
+        dense_packed_mask=gpu is None,
+        sequence_parallel=cfg.sequence_parallel,
+        sp_attention=cfg.sp_attention(model.split_heads()),
     )
     acts = _activations(model, o, cfg.micro_batch, cfg.pp, cfg.accumulation if cfg.pp > 1 else 1)
     saved, recompute = acts.saved, acts.recompute

@@ -30,6 +30,9 @@ from mmtrain.spec import (
 from mmtrain.structured import FieldError, check_choice
 
 MODES = ("train", "frozen", "lora")
+# Stacks whose token sequence sequence parallelism (train.sequence_parallel) splits: a
+# decoder's positions (images spliced in) and a denoiser's patches (and an MMDiT's text).
+SEQUENCE_SPLIT_KINDS = ("decoder", "diffusion")
 LORA_TARGETS = ("attn", "mlp")  # as train/lora.py's TARGET_LAYERS (plan imports no torch)
 
 
@@ -97,6 +100,16 @@ class Stack:
     quick_gelu: bool = False
     stem_fp32: int = 0
     group_index_int64: int = 0
+    # A denoiser under sequence parallelism: of stem_input_elements, the per-sample
+    # conditioning (timestep and pooled-text MLPs, c) every rank keeps whole, and the elements
+    # of its output patches per sample, which the ranks all-gather once per forward.
+    conditioning_elements: int = 0
+    output_elements: int = 0
+
+    @property
+    def sequence_split(self) -> bool:
+        """Whether sequence parallelism splits this stack's tokens over its ranks."""
+        return self.kind in SEQUENCE_SPLIT_KINDS
 
     def block_params(self) -> int:
         """Parameters of one block (what ZeRO-3 gathers at a time)."""
@@ -198,6 +211,10 @@ class PlanModel:
 
     def tokens_per_sample(self) -> dict[str, int]:
         return {s.name: s.tokens for s in self.stacks}
+
+    def split_heads(self) -> list[int]:
+        """Attention heads of the stacks sequence parallelism splits (empty: none)."""
+        return [s.heads for s in self.stacks if s.sequence_split]
 
     def stack(self, name: str) -> Stack:
         for s in self.stacks:
@@ -649,6 +666,7 @@ def denoiser_model(spec: ModelSpec) -> PlanModel:
     pixels = math.prod(d.sample_shape())  # [C, H, W], a video's [C, T, H, W]
     text = d.pooled_width + 2 * w + d.text_tokens * d.text_width if d.is_mmdit() else 0
     stem_inputs = pixels + TIMESTEP_FREQUENCIES + 3 * w + text  # patch input, time MLP, c
+    pooled = d.pooled_width + 2 * w if d.is_mmdit() else 0  # the pooled text's MLP
     final = w + (t * w + 2 * t) + t * w + w + t * w
     classes = 1 if d.num_classes else 0
     stack = Stack(
@@ -678,6 +696,8 @@ def denoiser_model(spec: ModelSpec) -> PlanModel:
         # the last block's text queries do not attend: their q norm never runs (mmdit.py)
         unused_params=d.head_dim() if d.qk_norm == "rms_norm" else 0,
         pre_only_tokens=d.text_tokens,
+        conditioning_elements=TIMESTEP_FREQUENCIES + 3 * w + pooled,
+        output_elements=t * d.out_channels() * d.patch_volume(),
         source=f"denoiser of {spec.name}",
     )
     return PlanModel(

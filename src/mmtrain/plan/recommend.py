@@ -1,5 +1,5 @@
-"""Search strategies (GPU type and count, ZeRO stage, tensor parallel, checkpointing, micro-batch)
-for a model and global batch; rank those that fit by cost or by time.
+"""Search strategies (GPU type and count, ZeRO stage, tensor and sequence parallel,
+checkpointing, micro-batch) for a model and global batch; rank those that fit by cost or by time.
 
 Ranking policy (stated in every answer, see `Recommendation.policy`):
 - by cost (the default when a sample count is given): the cheapest per sample among the
@@ -11,13 +11,18 @@ Scores equal to three significant figures tie, and the tie goes to the faster (b
 cheaper (by time) strategy: 4 GPUs for 2,700 h and 128 GPUs for 85 h at the same cost are not
 equally good.
 
-Search: for each (GPU count, TP, ZeRO, checkpointing) the memory of each power-of-two
+Search: for each (GPU count, TP, SP, ZeRO, checkpointing) the memory of each power-of-two
 micro-batch is computed once and shared by every GPU type (only the budget differs); each GPU
 takes the largest micro-batch that fits (the time model gives the same FLOPs per sample at any
 micro-batch, and fewer, larger micro-batches mean fewer per-micro-batch collectives). Pruned
 without loss: configurations whose model states alone exceed every GPU; a checkpointing mode
 that reaches no larger micro-batch than a lighter one (same work plus recompute); ZeRO-2 where
-it reaches the same micro-batch as ZeRO-1 (the time model gives them the same communication).
+it reaches the same micro-batch as ZeRO-1 (the time model gives them the same communication);
+sequence parallel N at a micro-batch b >= 2, or wherever N/2 fits, when N/2 attends the same way
+and there is no pipeline (`_halves_alike`).
+Sequence parallelism (1, 2, 4, 8 ranks, TP x SP within a node) is tried only for models with a
+stack it splits (a decoder, a denoiser), so every other model's search is unchanged: it is
+what lets rows too long for one GPU's activations fit.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from mmtrain.structured import FieldError
 
 GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 TP_SIZES = (1, 2, 4, 8)
+SP_SIZES = (1, 2, 4, 8)  # sequence-parallel ranks per row (within a node, with TP)
 AC_ORDER = ("none", "selective", "full")
 DEFAULT_DEADLINE_H = 720.0  # 30 days: about the longest single run teams plan for
 TIE_DIGITS = 3  # scores equal to this many significant figures tie
@@ -105,17 +111,22 @@ def _search(
     closest: tuple[float, PlanConfig] | None = None
     searched = 0
     for count in (c for c in GPU_COUNTS if c <= max_gpus):
-        for tp in TP_SIZES:
-            if tp > count or count % tp or any(h % tp for h in heads):
+        fits: set[tuple[int, int, str, str, int]] = set()  # (tp, zero, ac, gpu, sp) that fit
+        for tp, sp in _parallel_sizes(model, base, count):
+            if any(h % tp for h in heads):
                 continue
-            dp = count // tp
+            dp = count // (tp * sp)
             if base.global_batch % dp:
                 continue
-            on_node = [g for g in gpus if tp <= g.gpus_per_node]
+            on_node = [g for g in gpus if tp * sp <= g.gpus_per_node]
             sizes = _micro_batches(base.global_batch // dp)
+            alike = _halves_alike(model, base, sp)
+            sizes = sizes[:1] if alike else sizes
             zero1: dict[tuple[str, str], int] = {}  # (gpu, ac) -> ZeRO-1's micro-batch
-            for zero in (0, 1, 2, 3) if dp > 1 else (0,):
-                cfg = replace(base, gpus=count, tp=tp, zero=zero, micro_batch=1)
+            for zero in (0, 1, 2, 3) if count // tp > 1 else (0,):
+                cfg = replace(
+                    base, gpus=count, tp=tp, zero=zero, micro_batch=1, sequence_parallel=sp
+                )
                 states = sum(model_states(model, cfg)[:3]) + CUDA_CONTEXT_BYTES
                 if states > biggest:
                     continue
@@ -127,6 +138,9 @@ def _search(
                         budget = budgets[gpu.key]
                         if states > budget:
                             continue
+                        if alike and (tp, zero, ac, gpu.key, sp // 2) in fits:
+                            fits.add((tp, zero, ac, gpu.key, sp))  # uses less memory
+                            continue  # dominated by sequence parallel sp / 2
                         searched += 1
                         i = _largest_fitting(total, budget, len(sizes))
                         if i < 0:
@@ -134,6 +148,7 @@ def _search(
                             if closest is None or over < closest[0]:
                                 closest = (over, _on(acfg, gpu, sizes[0]))
                             continue
+                        fits.add((tp, zero, ac, gpu.key, sp))
                         if sizes[i] <= lighter.get(gpu.key, 0):
                             continue  # a lighter mode already reaches this micro-batch
                         lighter[gpu.key] = sizes[i]
@@ -143,6 +158,39 @@ def _search(
                             continue  # same micro-batch and communication as ZeRO-1
                         fitting.append(make_plan(model, _on(acfg, gpu, sizes[i]), catalog))
     return fitting, closest, searched
+
+
+def _parallel_sizes(model: PlanModel, base: PlanConfig, count: int) -> list[tuple[int, int]]:
+    """(TP, SP) sizes to try on `count` GPUs: TP x SP dividing the count; SP > 1 only for a
+    model with a stack it splits, and, under `--sequence-parallel-attention all_to_all`, only
+    where SP divides every split stack's heads."""
+    split = model.split_heads()
+    sp_sizes = SP_SIZES if split else (1,)
+    if base.sequence_parallel_attention == "all_to_all":
+        sp_sizes = [n for n in sp_sizes if all(h % n == 0 for h in split)]
+    return [
+        (tp, sp)
+        for tp in TP_SIZES
+        for sp in sp_sizes
+        if tp * sp <= count and count % (tp * sp) == 0
+    ]
+
+
+def _halves_alike(model: PlanModel, base: PlanConfig, n: int) -> bool:
+    """Whether sequence parallel `n` is dominated by `n / 2` wherever that fits, at the same
+    GPUs, TP, ZeRO and checkpointing: true when both attend the same way (or n / 2 is 1) and
+    there is no pipeline. SP n/2 at micro-batch b/2 (or 1 where SP n runs 1) holds the same
+    or more tokens per GPU in the same or fewer micro-steps, keeps no more memory than SP n
+    at b (its unsplit stacks see half the rows), computes less (the unsplit stacks run on half
+    as many ranks) and sends less ((n/2 - 1)/(n/2) of the same local bytes; its ring passes
+    hide behind blocks twice as long). So SP n needs micro-batch 1 only, and only where SP
+    n/2 does not fit. Where the layout changes (auto: all_to_all at n/2, ring at n) or a
+    pipeline's bubble grows with the micro-step, nothing is pruned."""
+    if n == 1 or base.pp > 1:
+        return False
+    split = model.split_heads()
+    layout = replace(base, sequence_parallel=n).sp_attention(split)
+    return n == 2 or replace(base, sequence_parallel=n // 2).sp_attention(split) == layout
 
 
 def _memory_by_size(
@@ -212,7 +260,7 @@ def recommend(
         ranked=ranked,
         closest=closest,
         by=order,
-        explanation=explain(ranked, order),
+        explanation=explain(ranked, order) + _sequence_note(ranked, fitting, order),
         searched=searched,
         policy=policy,
         deadline_h=deadline_h,
@@ -254,6 +302,30 @@ def _policy(by: str, deadline_h, samples: int, fitting: int, meeting: int, met: 
     )
 
 
+def _sequence_note(ranked: list[Plan], fitting: list[Plan], by: str) -> str:
+    """Why the winner splits its rows over sequence-parallel ranks, when it does: nothing
+    without that split fits (or qualifies), or by how much it beats the best that does not."""
+    if not ranked or ranked[0].config.sequence_parallel == 1:
+        return ""
+    win = ranked[0]
+    c, t = win.config, win.time
+    tokens = max(s.tokens for s in win.model.stacks if s.sequence_split)
+    line = (
+        f"; sequence parallel {c.sequence_parallel} ({c.sequence_parallel_attention}) splits "
+        f"each row's {tokens:,} positions, {t.sp_comm_share:.1%} of its step exposed SP "
+        "communication"
+    )
+    if not any(p.config.sequence_parallel == 1 for p in fitting):
+        return line + ": no strategy without sequence parallelism fits in memory"
+    unsplit = [p for p in ranked if p.config.sequence_parallel == 1]
+    if not unsplit:
+        return line + ": no strategy without sequence parallelism meets the deadline"
+    best = min(unsplit, key=lambda p: _rank_key(p, by))
+    ratio = _per_sample(best, by) / _per_sample(win, by) - 1
+    worse = "dearer" if by == "cost" else "slower"
+    return line + f": the best without it ({describe(best)}) is {ratio:.1%} {worse} per sample"
+
+
 def _overshoot(plan: Plan) -> float:
     return plan.memory.total_bytes / plan.memory.budget_bytes
 
@@ -270,7 +342,9 @@ def _closest_states(
             for t in TP_SIZES
             if t <= min(gpu.gpus_per_node, count) and all(s.heads % t == 0 for s in model.stacks)
         )
-        dp = count // tp
+        within = min(gpu.gpus_per_node, count)  # the largest split a node holds beside TP
+        sp = max(n for t, n in _parallel_sizes(model, base, count) if t == 1 and tp * n <= within)
+        dp = count // (tp * sp)
         gb = base.global_batch if base.global_batch % dp == 0 else dp
         try:
             plan = make_plan(
@@ -280,7 +354,8 @@ def _closest_states(
                     gpu=key,
                     gpus=count,
                     tp=tp,
-                    zero=3 if dp > 1 else 0,
+                    sequence_parallel=sp,
+                    zero=3 if count // tp > 1 else 0,
                     ac="full",
                     micro_batch=1,
                     global_batch=gb,
@@ -297,7 +372,9 @@ def _closest_states(
 
 def describe(plan: Plan) -> str:
     c = plan.config
-    return f"{c.gpus} x {plan.gpu.key}, ZeRO-{c.zero}, TP {c.tp}, AC {c.ac}, micro-batch {c.micro_batch} (accumulation {c.accumulation})"
+    sp = c.sequence_parallel
+    seq = f", SP {sp} ({c.sequence_parallel_attention})" if sp > 1 else ""
+    return f"{c.gpus} x {plan.gpu.key}, ZeRO-{c.zero}, TP {c.tp}{seq}, AC {c.ac}, micro-batch {c.micro_batch} (accumulation {c.accumulation})"
 
 
 def explain(ranked: list[Plan], by: str) -> str:
@@ -338,8 +415,8 @@ def _why(win: Plan, run: Plan, by: str) -> str:
         if run.config.ac != win.config.ac:
             return f"activation checkpointing '{run.config.ac}' recomputes more of the forward pass"
         return "it computes more per sample (lower achievable FLOP rate)"
-    comm_r = (r.tp_comm_s + r.dp_exposed_s + r.bubble_s) / r.step_time_s
-    comm_w = (w.tp_comm_s + w.dp_exposed_s + w.bubble_s) / w.step_time_s
+    comm_r = (r.tp_comm_s + r.dp_exposed_s + r.sp_exposed_s + r.bubble_s) / r.step_time_s
+    comm_w = (w.tp_comm_s + w.dp_exposed_s + w.sp_exposed_s + w.bubble_s) / w.step_time_s
     if comm_r > comm_w:
         return f"{comm_r:.0%} of its step is exposed communication or pipeline bubble (winner {comm_w:.0%})"
     if by == "time":

@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 # How much of an interval the step waited for (see the module docstring).
 EXPOSED_ALL = distributed.EXPOSED_ALL  # blocking: the caller (or compute stream) waited throughout
 EXPOSED_AFTER_LAST_LAUNCH = "tail"  # DDP bucket: waited from the last bucket's launch on
-EXPOSED_UNKNOWN = "none"  # overlapped on a side stream where waiting cannot be observed
+EXPOSED_UNKNOWN = distributed.EXPOSED_HIDDEN  # overlapped: its waiting is not observed here
 
 Stamp = float | torch.cuda.Event
 

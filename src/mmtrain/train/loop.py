@@ -64,6 +64,7 @@ from mmtrain.train.precision import make_precision
 from mmtrain.train.recorder import MetricsRecorder
 from mmtrain.train.resolution import check_schedules, spec_at
 from mmtrain.train.rng import restore_rank_rng_state, seed_everything
+from mmtrain.train.sequence_parallel import apply_sequence_parallel, unsplit
 from mmtrain.train.signals import StopOnSignal
 from mmtrain.train.state import TrainState
 from mmtrain.train.step import forward_backward, inject_nan, move_batch, optimizer_step
@@ -72,6 +73,8 @@ from mmtrain.train.validator import Validator
 __all__ = ["TrainResult", "Trainer", "forward_backward", "optimizer_step", "train"]
 
 log = logging.getLogger(__name__)
+# The exposed communication share of a step above which the log says so (once per run).
+COMM_SHARE_WARNING = 0.2
 
 
 @dataclass
@@ -127,6 +130,11 @@ class Trainer:
         self.rank, self.world = env.rank, env.world_size
         config.validate(world_size=self.world)
         t = config.train
+        # The ranks of a sequence-parallel group read the same samples (data rank); only its
+        # first counts what they read (corrupt samples), once.
+        sequence = t.sequence_parallel
+        self.data_rank, self.data_world = self.rank // sequence, self.world // sequence
+        self.counts_data = self.rank % sequence == 0
         self.spec = spec = load_spec(config.model)
         check_schedules(spec, t.resolution_schedule, t.frames_schedule)
         # Fails early where it cannot run; fp32 on CUDA uses TF32 unless train.tf32 is false.
@@ -135,8 +143,8 @@ class Trainer:
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
         parallel.barrier()
-        self.micro_batch = config.micro_batch_for(self.world)
-        self.accumulation = config.accumulation_steps(self.world)
+        self.micro_batch = config.micro_batch_for(self.data_world)
+        self.accumulation = config.accumulation_steps(self.data_world)
 
         self.checkpointer = Checkpointer(config, spec, self.out, self.rank, self.world)
         ckpt = self.checkpointer.latest()
@@ -145,7 +153,8 @@ class Trainer:
         on_cuda = env.device.type == "cuda"
         uint8 = config.data.normalise_on_device
         self.data = TrainData(
-            config, spec, rank=self.rank, world_size=self.world, micro_batch=self.micro_batch,
+            config, spec, rank=self.data_rank, world_size=self.data_world,
+            micro_batch=self.micro_batch,
             uint8_pixels=on_cuda if uint8 is None else uint8, pin_memory=on_cuda,
         )  # fmt: skip
         # Per-channel values of the pixels normalised on the device, put there once.
@@ -161,12 +170,18 @@ class Trainer:
         self.model = model = built.model  # the plain module (FSDP shards it in place)
         self.trained = built.trained  # DDP's wrapper, or the model itself
         self.lora_scale, self.recompute = built.lora_scale, built.recompute
+        self.sequence_attention = None
+        if sequence > 1:
+            self.sequence_attention = apply_sequence_parallel(
+                model, spec, sequence, t.sequence_parallel_attention
+            )
         # FSDP replaced the parameters by their shards: the optimizer comes after.
         self.optimizer = make_optimizer(model, t, env.device)
         self.scheduler = make_scheduler(self.optimizer, t)
         self.objectives = objectives_for(
             model, spec, fusion_weight=t.fusion_weight, world_size=self.world,
-            diffusion=t.diffusion, seed=config.seed, rank=self.rank,
+            diffusion=t.diffusion, seed=config.seed, rank=self.data_rank,
+            sequence_parallel=sequence,
         )  # fmt: skip
         self.ema = Ema(model, t.ema) if t.ema else None
         self.validator = (
@@ -188,17 +203,20 @@ class Trainer:
         self.stop = StopOnSignal()
         self.stopped_by_signal = False
         self.injected: set[int] = set()  # fault injection: each step corrupted once
+        self.warned_comm_share = False
         self.recorder = self._open_recorder(on_step)
         # Times DDP's/FSDP's collectives and the loss's gathers per step.
         self.comm = CommTimer(env.device, self.world if config.metrics.comm_timing else 1)
         if config.metrics.comm_timing:
             self.comm.attach(self.trained)
         log.info(
-            "training %s: %d ranks x %d micro-batch x %d accumulation = %d per step, %d steps, "
-            "%s on %s (%d frozen parameters)",
-            spec.name, self.world, self.micro_batch, self.accumulation, t.batch_size, t.steps,
-            t.precision, env.device,
+            "training %s: %d data ranks x %d micro-batch x %d accumulation = %d per step, "
+            "%d steps, %s on %s (%d frozen parameters)%s",
+            spec.name, self.data_world, self.micro_batch, self.accumulation, t.batch_size,
+            t.steps, t.precision, env.device,
             sum(p.numel() for p in model.parameters() if not p.requires_grad),
+            f"; sequence parallel over {sequence} ranks ({self.sequence_attention})"
+            if sequence > 1 else "",
         )  # fmt: skip
 
     @property
@@ -284,7 +302,7 @@ class Trainer:
             keys += self.data.last_keys
         flops = step_model_flops(
             step_spec, micro_batches, self.part_modes, batch_size=self.t.batch_size,
-            world=self.world,
+            world=self.data_world,
         )  # fmt: skip
         dtype = self.precision.param_dtype
         micro_batches = [move_batch(b, self.env.device, dtype, self.pixels) for b in micro_batches]
@@ -319,13 +337,31 @@ class Trainer:
         }
         if step_spec is not self.spec:
             host.update({f"input_size/{k}": v for k, v in _input_sizes(step_spec).items()})
+        self._warn_communication_share(host)
         validate = self.validator is not None and self.validator.due(state.step, t.steps)
         if validate:
-            with self.precision.autocast():
+            # unsplit: the evaluators deal their data by rank, not by sequence-parallel group
+            with self.precision.autocast(), unsplit(self.model, self.spec):
                 host.update(self.validator.run(self.trained, state.step))
-        self.recorder.add(state.step, host, mean, local, self.data.corrupt_samples(), keys)
+        self.recorder.add(state.step, host, mean, local, self._corrupt_now(), keys)
         if validate or self.recorder.due(state.step) or state.step == t.steps:
             self.recorder.flush()
+
+    def _warn_communication_share(self, host: dict[str, Any]) -> None:
+        """Say once when the step waited for communication more than COMM_SHARE_WARNING of
+        its time: past it, another layout (or more intra-node bandwidth) pays."""
+        share = host.get("comm_exposed_fraction", 0.0)
+        if self.warned_comm_share or share <= COMM_SHARE_WARNING:
+            return
+        self.warned_comm_share = True
+        if self.rank == 0:
+            log.warning(
+                "step %d waited for communication %.0f%% of its %.3f s (%.3f s exposed of "
+                "%.3f s of collectives); above %.0f%%, change the parallel layout: see "
+                "`mmtrain plan --recommend` for this model and GPU count",
+                self.state.step, 100 * share, host["step_s"], host["comm_exposed_s"],
+                host["comm_s"], 100 * COMM_SHARE_WARNING,
+            )  # fmt: skip
 
     def _model_values(self) -> dict[str, torch.Tensor]:
         """What only some models have, as device tensors: the contrastive temperature, the
@@ -369,9 +405,13 @@ class Trainer:
         }
         return state
 
+    def _corrupt_now(self) -> int:
+        """Corrupt samples this rank counts (a sequence-parallel group's first rank only)."""
+        return self.data.corrupt_samples() if self.counts_data else 0
+
     def _corrupt_total(self) -> int:
         """Corrupt samples of the whole run over all ranks (a collective)."""
-        (now,) = sum_over_ranks([float(self.data.corrupt_samples())])
+        (now,) = sum_over_ranks([float(self._corrupt_now())])
         return self.state.corrupt_before + int(round(now))
 
     def _restore(self, ckpt: Checkpoint) -> None:

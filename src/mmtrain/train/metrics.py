@@ -254,7 +254,8 @@ def planned_memory(
     from mmtrain.plan.model import from_spec
 
     plan_model = _planned_model(from_spec(spec, _planned_rows(spec, config)), spec, config)
-    micro = config.micro_batch_for(world_size)
+    sequence = config.train.sequence_parallel
+    micro = config.micro_batch_for(config.data_ranks(world_size))
     precision = config.train.precision
     sharded = config.train.parallel == "fsdp" and world_size > 1
     cfg = PlanConfig(
@@ -263,13 +264,16 @@ def planned_memory(
         micro_batch=micro,
         global_batch=config.train.batch_size,
         zero=3 if sharded else 0,
+        sequence_parallel=sequence,
+        sequence_parallel_attention=config.train.sequence_parallel_attention,
     )
     weights, grads, optimizer, convention = model_states(plan_model, cfg)
     # Packed rows attend through flex attention on CUDA, through a dense mask elsewhere
     # (models/attention.py): the planner counts the mask where it exists.
     options = activation_options(
-        precision, "flash", "none", 1, False, dense_packed_mask=device.type != "cuda"
-    )
+        precision, "flash", "none", 1, False, dense_packed_mask=device.type != "cuda",
+        sequence_parallel=sequence, sp_attention=cfg.sp_attention(plan_model.split_heads()),
+    )  # fmt: skip
     saved = recompute_bytes = 0.0
     by_tower = {}
     upstream = False  # a language model's stacks feed each other (image -> text), as in plan
@@ -296,6 +300,7 @@ def planned_memory(
         "activations_by_tower": by_tower,
         "micro_batch": micro,
         "world_size": world_size,
+        "sequence_parallel": sequence,
         "precision": precision,
         "zero": cfg.zero,
         "recompute": list(recompute),

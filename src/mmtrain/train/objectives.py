@@ -179,10 +179,14 @@ def fusion_loss(output: torch.Tensor, labels: torch.Tensor, task: str) -> torch.
 class NextTokenObjective:
     """Cross-entropy of a decoder's logits at position t against `labels[t + 1]` (labels are
     aligned with the ids, -100 where nothing is predicted), summed over target tokens and
-    divided by the step's target tokens on all ranks: the mean over the step's tokens."""
+    divided by the step's target tokens on all ranks: the mean over the step's tokens.
 
-    def __init__(self, world_size: int = 1):
-        self.world = world_size
+    Under sequence parallelism (`sequence_parallel` ranks share each row, each scoring the
+    targets at its positions) every rank of a group holds the same labels: the targets summed
+    over ranks count each one `sequence_parallel` times."""
+
+    def __init__(self, world_size: int = 1, sequence_parallel: int = 1):
+        self.world, self.sequence_parallel = world_size, sequence_parallel
 
     def prepare(
         self, trained: nn.Module, micro_batches: Sequence[Batch], precision: Any, step: int = 0
@@ -190,7 +194,7 @@ class NextTokenObjective:
         # Counted and summed over ranks on the device (one all-reduce, no host read): the
         # step's target tokens, int64 [].
         local = sum(count_targets(b[LABELS_KEY]) for b in micro_batches)
-        self.targets = sum_tensor_over_ranks(local)
+        self.targets = sum_tensor_over_ranks(local) // self.sequence_parallel
         self.total: torch.Tensor | None = None
 
     def inputs(self, batch: Batch, j: int) -> Batch:
@@ -244,12 +248,14 @@ def objectives_for(
     diffusion: DiffusionConfig | None = None,
     seed: int = 0,
     rank: int = 0,
+    sequence_parallel: int = 1,
 ) -> list[Objective]:
     """The objectives a spec trains with: next-token for a decoder; flow matching or DDPM for
-    a denoiser (`diffusion`: its settings; `seed`, `rank`: what its draws are seeded by);
+    a denoiser (`diffusion`: its settings; `seed`, `rank`: what its draws are seeded by, the
+    data rank: a sequence-parallel group draws alike); `sequence_parallel`: ranks per row;
     otherwise contrastive over its pairs and/or the fusion head's loss."""
     if spec.decoder is not None:
-        return [NextTokenObjective(world_size)]
+        return [NextTokenObjective(world_size, sequence_parallel)]
     if spec.denoiser is not None:
         return [DiffusionObjective(spec, diffusion or DiffusionConfig(), seed=seed, rank=rank)]
     found: list[Objective] = []
