@@ -210,12 +210,12 @@ class Trainer:
         if config.metrics.comm_timing:
             self.comm.attach(self.trained)
         log.info(
-            "training %s: %d data ranks x %d micro-batch x %d accumulation = %d per step, "
+            "training %s: %d ranks x %d micro-batch x %d accumulation = %d per step, "
             "%d steps, %s on %s (%d frozen parameters)%s",
             spec.name, self.data_world, self.micro_batch, self.accumulation, t.batch_size,
             t.steps, t.precision, env.device,
             sum(p.numel() for p in model.parameters() if not p.requires_grad),
-            f"; sequence parallel over {sequence} ranks ({self.sequence_attention})"
+            f"; each a group of {sequence} ranks splitting the sequence ({self.sequence_attention})"
             if sequence > 1 else "",
         )  # fmt: skip
 
