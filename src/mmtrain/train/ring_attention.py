@@ -198,12 +198,15 @@ class _Setting:
     dtype: torch.dtype  # the block math's: at least float32
 
 
-def _key_block(k: Tensor, v: Tensor, documents: Tensor | None, valid: Tensor | None) -> list:
+def _key_block(
+    k: Tensor, v: Tensor, documents: Tensor | None, valid: Tensor | None
+) -> list[Tensor]:
     """What travels the ring with a key block: k, v and the key masks that are given."""
     return [k, v] + [m for m in (documents, valid) if m is not None]
 
 
 def _unpack(block: list[Tensor], documents: bool, valid: bool) -> tuple:
+    """(k, v, key documents or None, key valid or None) of a block `_key_block` packed."""
     k, v, rest = block[0], block[1], list(block[2:])
     key_documents = rest.pop(0) if documents else None
     key_valid = rest.pop(0) if valid else None
@@ -211,7 +214,13 @@ def _unpack(block: list[Tensor], documents: bool, valid: bool) -> tuple:
 
 
 def _ring_forward(
-    s: _Setting, q5: Tensor, k: Tensor, v: Tensor, q_docs: Tensor | None, docs, valid
+    s: _Setting,
+    q5: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_docs: Tensor | None,
+    docs: Tensor | None,
+    valid: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     """(output [B, Hkv, G, Tq, dv], lse [B, Hkv, G, Tq]) in the block math's dtype."""
     group = s.group
