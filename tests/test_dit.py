@@ -546,3 +546,30 @@ def test_the_init_zeroes_the_modulations_and_the_output_layer_only():
     assert zero == expected
     w = model.denoiser.blocks[0].attn.out.weight
     assert w.std().item() == pytest.approx((2 / (2 * w.shape[0])) ** 0.5, rel=0.1)
+
+
+def _losses_on_rank(rank: int, world: int, config) -> list[float]:
+    return [row["loss"] for row in train(config).history]
+
+
+@pytest.mark.slow
+def test_a_video_dit_splitting_its_tokens_over_two_ranks_trains_as_one_rank(tmp_path):
+    """Sequence parallelism of 2 (all-to-all over the clip's frames x patches tokens, one data
+    rank) and 1 rank: the same losses, weights and EMA in float64."""
+    from dist_helpers import run_distributed
+
+    shards = video_shards(tmp_path / "clips")
+    spec_file = tmp_path / "spec.yaml"
+    video_spec().save(spec_file)
+    settings = {"steps": 3, "micro_batch": 2, "batch_size": 4, "precision": "fp64"}
+    one = train(_config(tmp_path / "one", shards, spec_file, **settings))
+    split = _config(tmp_path / "sp", shards, spec_file, **settings, sequence_parallel=2,
+                    sequence_parallel_attention="all_to_all")  # fmt: skip
+    for losses in run_distributed(_losses_on_rank, world_size=2, args=(split,)):
+        torch.testing.assert_close(torch.tensor(losses),
+                                   torch.tensor([r["loss"] for r in one.history]),
+                                   rtol=1e-9, atol=1e-12)  # fmt: skip
+    for name in ("model.safetensors", "ema/model.safetensors"):
+        a, b = (load_file(str(tmp_path / run / name)) for run in ("one", "sp"))
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], rtol=1e-9, atol=1e-12, msg=key)

@@ -249,3 +249,63 @@ def test_bf16_and_a_rollback(tmp_path, shards):
     assert result.step == 6 and result.rollbacks == 1 and result.skipped_steps == 2
     weights = _weights(tmp_path / "bf16")
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def _train_rank_halting(rank: int, world: int, config, halt: int) -> int | None:
+    return train(config, halt_after_step=halt).resumed_from
+
+
+def _sequence_parallel(attention: str, size: int) -> dict:
+    return {"sequence_parallel": size, "sequence_parallel_attention": attention}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("attention", "pack"),
+    [("ring", True), ("all_to_all", False)],
+    ids=["ring-packed", "a2a-padded"],
+)
+def test_sequence_parallel_follows_one_rank(tmp_path, shards, attention, pack):
+    """2 ranks splitting every row's sequence (one data rank) and 1 rank: the same losses and
+    weights in float64, packed rows (documents and images) and right-padded rows."""
+    data = {"pack": pack}
+    one = train(_config(tmp_path / "one", shards, data=data))
+    config = _config(tmp_path / "sp", shards, data=data, train=_sequence_parallel(attention, 2))
+    losses = run_distributed(_train_rank, world_size=2, args=(config,))
+    for got in losses:
+        torch.testing.assert_close(
+            torch.tensor(got), torch.tensor([r["loss"] for r in one.history]), **EXACT
+        )
+    a, b = _weights(tmp_path / "one"), _weights(tmp_path / "sp")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], **EXACT, msg=name)
+
+
+@pytest.mark.slow
+def test_resume_across_sequence_parallel_sizes(tmp_path, shards):
+    """Checkpoints written by 4 ranks splitting each row four ways resume on 2 ranks splitting
+    it two ways, whose checkpoint resumes on 1 rank: the losses and weights of a run never
+    stopped (the data world is 1 throughout, so the loader replays the same rows). Each run
+    stops dead after a step, as a crash would, so it resumes from the step before."""
+    data, every_step = {"pack": True}, {"every_steps": 1, "keep": 2}
+
+    def run(out: Path, **sequence_parallel):
+        steps = {"steps": 6, **sequence_parallel}
+        return _config(out, shards, data=data, train=steps, checkpoint=every_step)
+
+    whole = train(run(tmp_path / "whole"))
+    out = tmp_path / "moved"
+    four = run(out, **_sequence_parallel("all_to_all", 4))
+    assert run_distributed(_train_rank_halting, world_size=4, args=(four, 2)) == [None] * 4
+    two = run(out, **_sequence_parallel("ring", 2))
+    assert run_distributed(_train_rank_halting, world_size=2, args=(two, 4)) == [1, 1]
+    resumed = train(run(out))
+    assert resumed.resumed_from == 3
+    torch.testing.assert_close(
+        torch.tensor([r["loss"] for r in resumed.history]),
+        torch.tensor([r["loss"] for r in whole.history[3:]]),
+        **EXACT,
+    )
+    a, b = _weights(tmp_path / "whole"), _weights(out)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], **EXACT, msg=name)
