@@ -12,7 +12,12 @@ import pytest
 from mmtrain.cli import main
 from mmtrain.denoiser_spec import TIMESTEP_FREQUENCIES
 from mmtrain.hardware import default_catalog
-from mmtrain.plan.activations import ActivationOptions, layer_terms, stack_activations
+from mmtrain.plan.activations import (
+    ActivationOptions,
+    layer_bytes,
+    layer_terms,
+    stack_activations,
+)
 from mmtrain.plan.comm import group_link
 from mmtrain.plan.compute import flops_per_sample
 from mmtrain.plan.config import PlanConfig
@@ -36,17 +41,29 @@ def _options(n: int, mode: str, **kw) -> ActivationOptions:
 @pytest.mark.parametrize("ac", ["none", "selective", "full"])
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_decoder_activations_scale_as_one_over_n_and_the_vision_tower_not(mode, ac, n):
+    spec = load_spec("tiny-vlm")
     model = load_model("tiny-vlm")  # image tower, projector, 512-position decoder
+    b, t, w = 2, spec.decoder.max_positions, spec.decoder.width
+    text = t - (spec.image_tokens() - 1)  # one image per row
     upstream = False
     for stack in model.stacks:
-        one = stack_activations(stack, 2, ActivationOptions(ac=ac), input_grad=upstream)
-        split = stack_activations(stack, 2, _options(n, mode, ac=ac), input_grad=upstream)
+        one = stack_activations(stack, b, ActivationOptions(ac=ac), input_grad=upstream)
+        split = stack_activations(stack, b, _options(n, mode, ac=ac), input_grad=upstream)
         upstream = True
-        k = n if stack.kind == "decoder" else 1  # each rank holds T/N positions of the LM
-        assert split.layers_bytes == pytest.approx(one.layers_bytes / k, rel=1e-12)
-        assert split.stem_bytes == pytest.approx(one.stem_bytes / k, rel=1e-12)
-        assert split.logits_bytes == pytest.approx(one.logits_bytes / k, rel=1e-12)
-        assert split.recompute_bytes == pytest.approx(one.recompute_bytes / k, rel=1e-12)
+        if stack.kind != "decoder":
+            assert split == one
+            continue
+        # each rank holds T/N positions; its head scores all of them (their targets travel as
+        # int64) and reads the final norm's output, not a 16-bit copy of the text ids' rows
+        assert split.layers_bytes == pytest.approx(one.layers_bytes / n, rel=1e-12)
+        head_copy = b * (text - 1) * w * 2
+        assert split.stem_bytes == pytest.approx((one.stem_bytes - head_copy) / n, rel=1e-12)
+        assert split.logits_bytes == one.logits_bytes * t / (text - 1) / n == b * t / n * 8
+        # live in backward: a recomputed block, or the loss's chunk of logits (16-bit, fp32
+        # copy, log-softmax and gradient) over this rank's positions, the larger
+        block = layer_bytes(stack, b, ActivationOptions()) / n if ac != "none" else 0
+        chunk = b * t / n * spec.decoder.vocab_size * (2 + 3 * 4)
+        assert split.recompute_bytes == pytest.approx(max(block, chunk), rel=1e-12)
 
 
 def test_all_to_all_math_softmax_is_heads_over_n_of_the_full_row_and_ring_keeps_the_lse():
@@ -71,9 +88,11 @@ def test_denoiser_splits_its_tokens_but_not_its_conditioning():
     assert split["modulation"] == one["modulation"] == b * 9 * w * 2  # per sample: whole
     for name in ("norm_inputs", "qkv", "attention_output", "mlp_hidden", "gated_outputs"):
         assert split[name] == one[name] / n
-    # outside the blocks: the timestep MLP (256 features, hidden before and after SiLU), c,
-    # the final layer's SiLU(c) and (1 + scale), and the class ids stay whole
-    whole = b * ((TIMESTEP_FREQUENCIES + 3 * w + 2 * w) * 2 + 8)
+    # outside the blocks: the noisy sample the patch projection reads (before the split), the
+    # timestep MLP (256 features, hidden before and after SiLU), c, the final layer's SiLU(c)
+    # and (1 + scale), and the class ids stay whole
+    pixels = d.channels * d.sample_size**2
+    whole = b * ((pixels + TIMESTEP_FREQUENCIES + 3 * w + 2 * w) * 2 + 8)
     stem_1 = stack_activations(stack, b, ActivationOptions()).stem_bytes
     stem_n = stack_activations(stack, b, _options(n, "all_to_all")).stem_bytes
     assert stem_n == pytest.approx(whole + (stem_1 - whole) / n, rel=1e-12)
@@ -86,7 +105,10 @@ def test_plan_memory_splits_the_decoder_and_shards_states_over_dp_times_sp():
     four = make_plan(model, replace(base, sequence_parallel=4), catalog)
     assert four.config.dp == 2 and four.config.shard_ranks == 8
     by = four.memory.activations_by_stack
-    assert by["text"] == pytest.approx(one.activations_by_stack["text"] / 4, rel=1e-9)
+    # a quarter of the positions, less the head input's gathered copy (the terms: above)
+    quarter = one.activations_by_stack["text"] / 4
+    head_copy = model.stack("text").logit_rows * model.stack("text").width * 2 / 4
+    assert quarter - head_copy <= by["text"] < quarter
     assert by["vision"] == one.activations_by_stack["vision"]  # every rank encodes every image
     assert four.memory.model_state_bytes == one.model_state_bytes  # ZeRO-3 over all 8 ranks
     assert not one.fits and four.memory.fits
@@ -179,6 +201,32 @@ def test_step_time_holds_the_exposed_sp_communication_and_its_share():
     assert t.step_time_s == pytest.approx(parts)
     assert t.sp_exposed_s > 0 and t.sp_comm_share == pytest.approx(t.sp_exposed_s / t.step_time_s)
     assert t.sp_link == "nvlink4"  # 4 consecutive GPUs: inside one node
+
+
+# ----------------------------------------------------------------------------- --measure
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--model", "tiny-vlm", "--context", "512", "--micro-batch", "2", "--packed",
+         "--images", "2", "--gpus", "2", "--sequence-parallel", "2"],
+        ["--model", "tiny-vlm", "--context", "512", "--micro-batch", "2", "--ac", "full",
+         "--gpus", "4", "--sequence-parallel", "4", "--sequence-parallel-attention", "ring"],
+        ["--model", "tiny-qwen2-vl", "--context", "512", "--gpus", "2", "--sequence-parallel", "2"],
+        ["--model", "tiny-dit", "--micro-batch", "4", "--gpus", "2", "--sequence-parallel", "2",
+         "--sequence-parallel-attention", "ring"],
+        ["--model", "tiny-mmdit", "--micro-batch", "2", "--ac", "full", "--gpus", "2",
+         "--sequence-parallel", "2"],
+    ],
+    ids=["vlm-packed-a2a", "vlm-full-ac-ring4", "native-vlm", "dit-ring", "mmdit-full-ac"],
+)  # fmt: skip
+def test_measure_on_sequence_parallel_ranks_agrees_with_the_plan(capsys, argv):
+    """--measure runs the step on N gloo ranks splitting each row as the trainer does; the
+    rank that keeps the most is within 10% of the plan (as tests/test_plan_measure.py)."""
+    assert main(["plan", *argv, "--measure", "--json"]) == 0
+    measured = json.loads(capsys.readouterr().out)["measured"]
+    assert abs(measured["activations_error"]) < 0.10
+    assert abs(measured["model_state_error"]) < 0.01
+    assert measured["activations_bytes"] > 0
 
 
 # ----------------------------------------------------------------------------- validation

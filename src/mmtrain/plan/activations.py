@@ -299,8 +299,17 @@ def _loss_bytes(stack: Stack, micro_batch: float, o: ActivationOptions) -> float
     cross-entropy run a chunk of positions at a time and are recomputed in backward
     (models/token_loss.py); what they keep is the head's input, counted with the stem. One
     chunk's working set is live at a time (`loss_chunk_bytes`)."""
-    rows = (stack.logit_rows or stack.tokens) - 1
-    return micro_batch * rows * 8 / split_degree(stack, o)
+    return micro_batch * scored_rows(stack, o) * 8
+
+
+def scored_rows(stack: Stack, o: ActivationOptions) -> float:
+    """Per sample, the positions one rank's LM head scores: each text id but the last or,
+    when the stack is split over ranks, every position this rank holds (models/vlm.py's
+    `_split_nll_sum`: the positions that predict an id are not evenly spread over the ranks,
+    so the head runs on each and the non-targets are ignored)."""
+    if split_degree(stack, o) > 1:
+        return local_tokens(stack, o)
+    return (stack.logit_rows or stack.tokens) - 1
 
 
 def loss_chunk_bytes(stack: Stack, micro_batch: float, o: ActivationOptions) -> float:
@@ -309,8 +318,7 @@ def loss_chunk_bytes(stack: Stack, micro_batch: float, o: ActivationOptions) -> 
     copy and log-softmax, and the fp32 gradient of the logits, for
     `token_loss.CHUNK_ELEMENTS` logits (fewer when the micro-batch has fewer)."""
     chunk_elements = 2**26  # models/token_loss.py's CHUNK_ELEMENTS (the planner imports no torch)
-    scored = micro_batch * ((stack.logit_rows or stack.tokens) - 1) * stack.vocab
-    scored /= split_degree(stack, o)
+    scored = micro_batch * scored_rows(stack, o) * stack.vocab
     return min(chunk_elements, scored) * (o.act_bytes + 3 * FP32) / o.tp
 
 
@@ -342,8 +350,9 @@ def _frozen_layer_with_input_grad(stack: Stack, micro_batch: float, o: Activatio
 
 def _per_sample_stem_bytes(stack: Stack, micro_batch: float, o: ActivationOptions) -> float:
     """Of what a split stack keeps outside its blocks, the per-sample part every sequence-
-    parallel rank keeps whole: a denoiser's conditioning (the timestep and pooled-text MLPs'
-    tensors and c, unless its stem is frozen; c alone under full checkpointing then), its
+    parallel rank keeps whole: a denoiser's stem inputs, unless its stem is frozen (the noisy
+    sample and an MMDiT's text, read by the projections before the tokens are split; the
+    timestep and pooled-text MLPs' tensors and c; c alone under full checkpointing then), its
     final layer's SiLU(c) (not when LoRA freezes the layer) and (1 + scale), and its class ids.
     A decoder keeps nothing per row that is not per position."""
     if not stack.adaln:
@@ -355,7 +364,7 @@ def _per_sample_stem_bytes(stack: Stack, micro_batch: float, o: ActivationOption
         floats += stack.width if o.ac == "full" else 0
         ints -= stack.stem_input_int64
     else:
-        floats += stack.conditioning_elements
+        floats += stack.stem_input_elements
     return micro_batch * (floats * o.act_bytes + ints * 8)
 
 
@@ -403,11 +412,20 @@ def stack_activations(
         stem -= micro_batch * stack.proj_input_elements * o.act_bytes  # a frozen projection
         if o.ac != "full" and not input_grad:
             layers -= _lora_first_layer_unsaved(stack, micro_batch, o) * in_flight
-    if split_degree(stack, o) > 1:  # each rank keeps its share of the per-token tensors
+    split = split_degree(stack, o) > 1
+    if split:  # each rank keeps its share of the per-token tensors
         whole = _per_sample_stem_bytes(stack, micro_batch, o)
         stem = whole + (stem - whole) / split_degree(stack, o)
-    if stack.document_mask and o.dense_packed_mask and o.ac != "none":
-        # the boolean [b, 1, s, s] mask is an input of every checkpointed block (kept once)
+        if stack.vocab:  # the head reads the final norm's output itself, not a gathered copy
+            stem -= (
+                micro_batch
+                * ((stack.logit_rows or stack.tokens) - 1)
+                * stack.width
+                * (o.act_bytes / split_degree(stack, o))
+            )
+    if stack.document_mask and o.dense_packed_mask and o.ac != "none" and not split:
+        # the boolean [b, 1, s, s] mask is an input of every checkpointed block (kept once);
+        # a split stack's attention kernel holds it instead (train/sequence_parallel.py)
         stem += micro_batch * stack.tokens**2
     logits = _loss_bytes(stack, micro_batch, o) if stack.vocab else 0.0
     recompute = working if o.ac != "none" else 0

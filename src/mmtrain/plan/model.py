@@ -100,10 +100,8 @@ class Stack:
     quick_gelu: bool = False
     stem_fp32: int = 0
     group_index_int64: int = 0
-    # A denoiser under sequence parallelism: of stem_input_elements, the per-sample
-    # conditioning (timestep and pooled-text MLPs, c) every rank keeps whole, and the elements
-    # of its output patches per sample, which the ranks all-gather once per forward.
-    conditioning_elements: int = 0
+    # A denoiser under sequence parallelism: the elements of its output patches per sample,
+    # which the ranks all-gather once per forward.
     output_elements: int = 0
 
     @property
@@ -666,7 +664,6 @@ def denoiser_model(spec: ModelSpec) -> PlanModel:
     pixels = math.prod(d.sample_shape())  # [C, H, W], a video's [C, T, H, W]
     text = d.pooled_width + 2 * w + d.text_tokens * d.text_width if d.is_mmdit() else 0
     stem_inputs = pixels + TIMESTEP_FREQUENCIES + 3 * w + text  # patch input, time MLP, c
-    pooled = d.pooled_width + 2 * w if d.is_mmdit() else 0  # the pooled text's MLP
     final = w + (t * w + 2 * t) + t * w + w + t * w
     classes = 1 if d.num_classes else 0
     stack = Stack(
@@ -696,7 +693,6 @@ def denoiser_model(spec: ModelSpec) -> PlanModel:
         # the last block's text queries do not attend: their q norm never runs (mmdit.py)
         unused_params=d.head_dim() if d.qk_norm == "rms_norm" else 0,
         pre_only_tokens=d.text_tokens,
-        conditioning_elements=TIMESTEP_FREQUENCIES + 3 * w + pooled,
         output_elements=t * d.out_channels() * d.patch_volume(),
         source=f"denoiser of {spec.name}",
     )

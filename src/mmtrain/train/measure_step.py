@@ -42,10 +42,12 @@ from mmtrain.plan.estimate import Plan
 from mmtrain.plan.memory import training_memory
 from mmtrain.spec import ModelSpec, load_spec, with_input_sizes
 from mmtrain.train.diffusion import DiffusionObjective
+from mmtrain.train.local_ranks import run_on_local_ranks
 from mmtrain.train.lora import apply_lora
 from mmtrain.train.objectives import count_targets, token_nll_sum
 from mmtrain.train.optim import freeze_parameters, make_optimizer
 from mmtrain.train.parallel import apply_activation_checkpointing
+from mmtrain.train.sequence_parallel import apply_sequence_parallel
 
 
 @dataclass(frozen=True)
@@ -268,7 +270,20 @@ def measure_training_step(
     """One training step of the real module at the plan's micro-batch and checkpointing mode,
     with `freeze` towers frozen and `lora` towers LoRA-adapted as the trainer does it. A
     native-resolution VLM's rows hold `visual_inputs` (at the tower's size; default: `images`
-    default pages, as the planner's `native_rows` spells them out)."""
+    default pages, as the planner's `native_rows` spells them out).
+
+    Under the plan's sequence parallelism (N > 1) the step runs on N gloo ranks of this
+    machine, each splitting every row as the trainer does (train/sequence_parallel.py); the
+    rank that saves the most is the measurement (the ranks differ only by padding)."""
+    split = plan.config.sequence_parallel
+    if split > 1 and not torch.distributed.is_initialized():
+        options = dict(image_size=image_size, frames=frames, context=context, images=images,
+                       packed=packed, freeze=freeze, lora=lora, lora_rank=lora_rank,
+                       lora_targets=lora_targets, freeze_blocks=freeze_blocks,
+                       unlocked_blocks=unlocked_blocks, visual_inputs=visual_inputs,
+                       seed=seed)  # fmt: skip
+        ranks = run_on_local_ranks(_measure_on_rank, split, args=(model_name, plan, options))
+        return max(ranks, key=lambda m: m.activations_bytes)
     spec = spec_with_overrides(
         model_name, image_size, frames, None if _is_lm(model_name) else context
     )
@@ -283,6 +298,8 @@ def measure_training_step(
     # recompute: a checkpointed frozen block would still keep its input.
     trained = [n for n, t in model.towers.items() if any(p.requires_grad for p in t.parameters())]
     apply_activation_checkpointing(model, plan.config.ac, trained)
+    if split > 1:
+        apply_sequence_parallel(model, spec, split, plan.config.sequence_parallel_attention)
     generator = torch.Generator().manual_seed(seed)
     if spec.vision is not None:
         positions = context or spec.decoder.max_positions
@@ -348,6 +365,10 @@ def measure_training_step(
         optimizer_state_params=sum(p.numel() for p in optimizer.state if optimizer.state[p]),
         predicted_trainable_params=plan.model.trainable_params(),
     )
+
+
+def _measure_on_rank(model_name: str | ModelSpec, plan: Plan, options: dict) -> Measured:
+    return measure_training_step(model_name, plan, **options)
 
 
 def _native_inputs(
