@@ -309,3 +309,44 @@ def test_resume_across_sequence_parallel_sizes(tmp_path, shards):
     a, b = _weights(tmp_path / "whole"), _weights(out)
     for name in a:
         torch.testing.assert_close(b[name], a[name], **EXACT, msg=name)
+
+
+def _train_with_slow_all_to_all(rank: int, world: int, config) -> tuple[list[dict], list[str]]:
+    """Train with every all-to-all 50 ms late (a slow link); the rows and the run's warnings."""
+    import logging
+    import time
+
+    import torch.distributed as dist
+
+    all_to_all = dist.all_to_all_single
+
+    def slow(*args, **kwargs):
+        time.sleep(0.05)
+        return all_to_all(*args, **kwargs)
+
+    dist.all_to_all_single = slow
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("mmtrain").addHandler(handler)
+    return train(config).history, warnings
+
+
+@pytest.mark.slow
+def test_sequence_parallel_steps_report_their_communication_and_warn_once(tmp_path, shards):
+    """With metrics.comm_timing, each step's all-to-alls count in comm_s and, waited for, in
+    comm_exposed_s; past 20% of the step the run says so once, on rank 0, with the numbers."""
+    config = _config(tmp_path / "sp", shards, train=_sequence_parallel("all_to_all", 2))
+    config.metrics.comm_timing = True
+    (rows, warned), (other_rows, other_warned) = run_distributed(
+        _train_with_slow_all_to_all, world_size=2, args=(config,)
+    )
+    # 2 layers x (q, k, v there and the output back) x 2 micro-batches, forward and backward
+    least = 2 * 4 * 2 * 2 * 0.05
+    for row in rows:
+        assert least <= row["comm_exposed_s"] <= row["comm_s"] <= row["step_s"]
+        assert row["comm_exposed_fraction"] == pytest.approx(row["comm_exposed_s"] / row["step_s"])
+    assert len(warned) == 1 and "waited for communication" in warned[0]
+    step = rows[int(warned[0].split()[1]) - 1]  # "step N waited for communication P% ..."
+    assert f"{100 * step['comm_exposed_fraction']:.0f}% of its {step['step_s']:.3f} s" in warned[0]
+    assert other_warned == [] and len(other_rows) == len(rows)
