@@ -43,6 +43,10 @@ LAYOUTS = (CONTIGUOUS, ZIGZAG)
 _FULL = "full"  # every (query, key) pair of the block may attend (before the doc / key masks)
 _DIAGONAL = "diagonal"  # the block on the causal diagonal: its lower triangle
 
+# The most score elements one block computes at once (fp32: 64 MiB; the block math holds a
+# few tensors of that size): longer local rows are cut into blocks of fewer queries.
+SCORE_ELEMENTS = 2**24
+
 # Tags of the two kinds of ring pass that may be in flight together in the backward
 # (RingPass: gloo matches messages by tag). The key/value pass uses at most 4.
 _KV_TAG = 0
@@ -73,32 +77,60 @@ def local_indices(layout: str, rank: int, size: int, length: int) -> Tensor:
 # ----------------------------------------------------------------------------- block plan
 @dataclass(frozen=True)
 class _Pair:
-    """One (query chunk, key chunk) block a rank computes: local slices and its kind."""
+    """One (query rows, key rows) block a rank computes: local slices and its kind. A diagonal
+    block's queries start `offset` rows into their chunk, its keys at the chunk's start."""
 
     queries: slice
     keys: slice
     kind: str
+    offset: int = 0
 
 
 def _block_pairs(
-    causal: bool, layout: str, rank: int, source: int, size: int, t_q: int, t_k: int
+    causal: bool,
+    layout: str,
+    rank: int,
+    source: int,
+    size: int,
+    t_q: int,
+    t_k: int,
+    max_rows: int,
 ) -> list[_Pair]:
     """The blocks of this rank's queries against the key block of group rank `source`, with the
     causal skipping: a key chunk after the query chunk is skipped, the same chunk is cut to its
-    lower triangle, an earlier one is full. Without a causal mask: one full block."""
+    lower triangle, an earlier one is full. Without a causal mask: one full block. Each block
+    holds at most `max_rows` queries (its score matrix is the block math's memory); a diagonal
+    one's keys stop at its last query."""
     if not causal:
-        return [_Pair(slice(0, t_q), slice(0, t_k), _FULL)]
+        return [_Pair(rows, slice(0, t_k), _FULL) for rows in _row_slices(0, t_q, max_rows)]
     query_chunks = local_chunks(layout, rank, size)
     key_chunks = local_chunks(layout, source, size)
     chunk = t_q // len(query_chunks)
     pairs = []
     for i, qc in enumerate(query_chunks):
         for j, kc in enumerate(key_chunks):
-            if kc <= qc:
-                kind = _DIAGONAL if kc == qc else _FULL
-                queries = slice(i * chunk, (i + 1) * chunk)
-                pairs.append(_Pair(queries, slice(j * chunk, (j + 1) * chunk), kind))
+            if kc > qc:
+                continue
+            keys = slice(j * chunk, (j + 1) * chunk)
+            for rows in _row_slices(i * chunk, (i + 1) * chunk, max_rows):
+                if kc < qc:
+                    pairs.append(_Pair(rows, keys, _FULL))
+                    continue
+                offset = rows.start - i * chunk
+                last_key = keys.start + offset + (rows.stop - rows.start)
+                pairs.append(_Pair(rows, slice(keys.start, last_key), _DIAGONAL, offset))
     return pairs
+
+
+def _row_slices(start: int, stop: int, max_rows: int) -> list[slice]:
+    return [slice(a, min(a + max_rows, stop)) for a in range(start, stop, max_rows)]
+
+
+def _max_rows(q5: Tensor, t_k: int) -> int:
+    """Query rows per block so that one block's scores [B, Hkv, G, rows, Tk] hold at most
+    SCORE_ELEMENTS."""
+    per_row = q5.shape[0] * q5.shape[1] * q5.shape[2] * t_k
+    return max(1, SCORE_ELEMENTS // max(per_row, 1))
 
 
 def _allowed(
@@ -117,14 +149,16 @@ def _allowed(
         valid = key_valid[:, None, pair.keys]
         mask = valid if mask is None else mask & valid
     if pair.kind == _DIAGONAL:
-        size = pair.queries.stop - pair.queries.start
-        lower = torch.ones(size, size, dtype=torch.bool, device=device).tril()
+        # query i sits at key row offset + i of the block: it sees the keys up to itself
+        rows = pair.offset + torch.arange(pair.queries.stop - pair.queries.start, device=device)
+        keys = torch.arange(pair.keys.stop - pair.keys.start, device=device)
+        lower = keys[None] <= rows[:, None]
         if mask is None:
             mask = lower
         else:
             # A query always sees itself, as the unsplit path does (`mask | eye`): a padding
             # query whose every key is masked would otherwise have no key at all.
-            mask = (mask & lower) | torch.eye(size, dtype=torch.bool, device=device)
+            mask = (mask & lower) | (keys[None] == rows[:, None])
     if mask is None:
         return None
     return mask[:, None, None] if mask.dim() == 3 else mask
@@ -232,8 +266,9 @@ def _ring_forward(
         hop = RingPass(block, group, _KV_TAG) if step < group.size - 1 else None
         k_b, v_b, k_docs, k_valid = _unpack(block, docs is not None, valid is not None)
         k_b, v_b = k_b.to(s.dtype), v_b.to(s.dtype)
+        t_q, t_k = q5.shape[-2], k_b.shape[-2]
         pairs = _block_pairs(
-            s.causal, s.layout, group.rank, source, group.size, q5.shape[-2], k_b.shape[-2]
+            s.causal, s.layout, group.rank, source, group.size, t_q, t_k, _max_rows(q5, t_k)
         )
         for pair in pairs:
             allowed = _allowed(pair, q_docs, k_docs, k_valid, q5.device)
@@ -266,8 +301,9 @@ def _ring_backward(s: _Setting, saved: tuple, dout5: Tensor) -> tuple[Tensor, Te
         k_b, v_b = k_b.to(s.dtype), v_b.to(s.dtype)
         dk = torch.zeros_like(k_b)
         dv = torch.zeros_like(v_b)
+        t_q, t_k = q5.shape[-2], k_b.shape[-2]
         pairs = _block_pairs(
-            s.causal, s.layout, group.rank, source, group.size, q5.shape[-2], k_b.shape[-2]
+            s.causal, s.layout, group.rank, source, group.size, t_q, t_k, _max_rows(q5, t_k)
         )
         for pair in pairs:
             rows, keys = pair.queries, pair.keys
