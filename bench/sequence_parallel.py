@@ -111,7 +111,8 @@ def main() -> None:
         f"{args.length} positions per step, fp32, AdamW, {args.steps} timed steps after one "
         "warm-up; N gloo ranks on this machine (2 threads in all for N <= 2, 1 per rank for "
         "N = 4). tokens/s: the group's row positions per second. Peak RSS: VmHWM per rank at "
-        "the end; step: peak less the resident set before the first step (largest rank; gradients and AdamW states included, ~36 MiB).",
+        "the end; step: peak less the resident set before the first step (largest rank; "
+        "gradients and AdamW states included, ~36 MiB).",
         f"Load average before: {load}.",
     ]
     print("\n".join(rows))
