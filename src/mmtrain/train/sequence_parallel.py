@@ -42,7 +42,13 @@ from mmtrain.models.splice import PAD_DOCUMENT
 from mmtrain.models.token_loss import IGNORE_INDEX
 from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
-from mmtrain.train.ring_attention import CONTIGUOUS, ZIGZAG, local_chunks, ring_attention
+from mmtrain.train.ring_attention import (
+    CONTIGUOUS,
+    ZIGZAG,
+    local_chunks,
+    local_indices,
+    ring_attention,
+)
 from mmtrain.train.sequence_comm import SequenceGroup, heads_to_sequence, sequence_to_heads
 
 ALL_TO_ALL, RING = "all_to_all", "ring"
@@ -125,10 +131,10 @@ class SequenceShard(SequenceSplit):
         self.row_layout = ZIGZAG if attention == RING else CONTIGUOUS
 
     def local(self, x: Tensor, dim: int, layout: str = CONTIGUOUS) -> Tensor:
-        """This rank's chunks of `x` along `dim` (`ring_attention.local_chunks`)."""
-        chunks = local_chunks(layout, self.rank, self.size)
-        pieces = x.chunk(self.size * (2 if layout == ZIGZAG else 1), dim=dim)
-        return torch.cat([pieces[c] for c in chunks], dim=dim)
+        """This rank's positions of `x` along `dim`, in local order (`ring_attention.
+        local_indices`: the one definition of the layouts)."""
+        index = local_indices(layout, self.rank, self.size, x.shape[dim])
+        return x.index_select(dim, index.to(x.device))
 
     # ------------------------------------------------------------------------- a decoder
     def split_rows(
