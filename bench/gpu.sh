@@ -6,7 +6,8 @@
 # beside), device->host syncs per step (torch.cuda.set_sync_debug_mode), a 1B LM's tokens/s,
 # MFU and peak memory, Qwen2.5-VL-7B's vision tower on letter pages at their own size (pages/s,
 # MFU, peak memory vs the planner), DiT-XL/2's images/s (flow matching, bf16), checkpoint save time, and the
-# data path (pinned uint8 pixels normalised on the GPU, equal to the workers' float32).
+# data path (pinned uint8 pixels normalised on the GPU, equal to the workers' float32), and
+# sequence parallelism's CUDA path on one GPU (all-to-all and ring kernels vs the unsplit step).
 #
 #   bash bench/gpu.sh                 # results in $OUT (default /tmp/mmtrain-gpu-bench): gpu_results.{md,json}
 #   bash bench/gpu.sh --dry-run       # tiny sizes on the CPU: proves the script runs

@@ -408,6 +408,49 @@ def data_path_note(device: torch.device) -> str:
     )
 
 
+def sequence_parallel_note(device: torch.device) -> str:
+    """Sequence parallelism's path on this device, on one GPU: tiny-vlm's packed rows (an image
+    in each) split by a group of one rank (train/sequence_parallel.py: the all-to-all kernel
+    with the unsplit path's mask over the padded row, flex's BlockMask on CUDA; the ring's
+    block math), loss and gradients against the unsplit model in fp32, TF32 off."""
+    from mmtrain.models.build import create_model
+    from mmtrain.train.measure_step import language_batch
+    from mmtrain.train.sequence_comm import SequenceGroup
+    from mmtrain.train.sequence_parallel import ALL_TO_ALL, RING, SequenceShard
+
+    spec = load_spec("tiny-vlm")
+    model = create_model(spec, seed=0).to(device)
+    rows = language_batch(spec, 2, 512, 1, torch.Generator().manual_seed(0), packed=True)
+    batch = {k: v.to(device) for k, v in rows.items()}
+
+    def loss_and_grads(split) -> tuple[float, list[torch.Tensor]]:
+        model.sequence_split = split
+        model.zero_grad(set_to_none=True)
+        loss = model(batch)["nll_sum"]
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        whole_loss, whole = loss_and_grads(None)
+        parts = []
+        for attention in (ALL_TO_ALL, RING):
+            loss, grads = loss_and_grads(SequenceShard(SequenceGroup.single(), attention))
+            worst = max(
+                ((g - w).abs().max() / w.abs().max().clamp(min=1e-30)).item()
+                for g, w in zip(grads, whole, strict=True)
+            )
+            parts.append(f"{attention} loss {abs(loss / whole_loss - 1):.1e}, grads {worst:.1e}")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+        model.sequence_split = None
+    return (
+        f"sequence parallelism on {device.type} (a 1-rank group, tiny-vlm packed rows, fp32): "
+        "relative difference to the unsplit step: " + "; ".join(parts)
+    )
+
+
 def _or_dash(value, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
@@ -498,6 +541,11 @@ def main() -> int:
         notes.append(data_path_note(device))
     except Exception as err:  # noqa: BLE001 - report and go on
         notes.append(f"data path: failed: {type(err).__name__}: {err}")
+    print(notes[-1], flush=True)
+    try:
+        notes.append(sequence_parallel_note(device))
+    except Exception as err:  # noqa: BLE001 - report and go on
+        notes.append(f"sequence parallelism: failed: {type(err).__name__}: {err}")
     print(notes[-1], flush=True)
     import importlib.util
 
