@@ -6,7 +6,8 @@ all-to-all and with ring attention, in float64, with every weight random (adaLN-
 would hide the attention's gradients):
 - a decoder's NLL: the parts of a group sum to the unsplit rows' NLL and their gradients to
   its gradient (text-only packed rows; a VLM's packed rows with images, and its right-padded
-  rows, whose lengths N does not divide);
+  rows, whose lengths N does not divide; a native-resolution VLM's packed rows with a page and
+  a clip, M-RoPE positions);
 - a denoiser's prediction (a video DiT, an MMDiT): every rank of a group gets the unsplit
   prediction, and the group's gradients of one loss per rank sum to N times its gradient (what
   DDP's mean over the ranks turns into the data-parallel gradient).
@@ -98,7 +99,20 @@ def decoder_batches() -> dict[str, tuple[ModelSpec, dict[str, torch.Tensor]]]:
         "lm-packed": (vlm_spec(images=False), packed),
         "vlm-packed": (vlm_spec(), with_images),
         "vlm-padded": (vlm_spec(), padded),
+        "native-vlm-packed": native_vlm_case(g),
     }
+
+
+def native_vlm_case(g: torch.Generator) -> tuple[ModelSpec, dict]:
+    """tiny-qwen2-vl's packed rows, a 16 x 24 page (6 tokens) and a 2 x 16 x 16 clip (4) in
+    each: M-RoPE positions [3, R, L] split with the rows (measure_step's batch, in float64)."""
+    from mmtrain.train.measure_step import native_language_batch
+
+    spec = load_spec("tiny-qwen2-vl")
+    batch = native_language_batch(spec, 2, 30, ((1, 16, 24), (2, 16, 16)), g, packed=True)
+    for key in ("image", "video"):
+        batch[key] = [x.double() for x in batch[key]]
+    return spec, batch
 
 
 def denoiser_batches() -> dict[str, tuple[ModelSpec, dict[str, torch.Tensor]]]:
@@ -156,7 +170,9 @@ def split_results():
 
 @pytest.mark.parametrize("attention", [ALL_TO_ALL, RING])
 @pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("case", ["lm-packed", "vlm-packed", "vlm-padded", "video-dit", "mmdit"])
+@pytest.mark.parametrize(
+    "case", ["lm-packed", "vlm-packed", "vlm-padded", "native-vlm-packed", "video-dit", "mmdit"]
+)
 def test_a_split_sequence_gives_the_unsplit_loss_and_gradients(
     split_results, case, size, attention
 ):
