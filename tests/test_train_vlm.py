@@ -214,6 +214,18 @@ def test_lora_and_frozen_decoder_blocks(tmp_path, shards):
     assert _changed(start, after, "towers.text.blocks.1.")
 
 
+def _assert_follows(runs: list[list[float]], rows, folder: Path, other: Path) -> None:
+    """Each of `runs` has the losses of `rows` (a result or its history), and the weights in
+    `other` are those in `folder`, up to float64 rounding."""
+    expected = torch.tensor([r["loss"] for r in getattr(rows, "history", rows)])
+    for got in runs:
+        torch.testing.assert_close(torch.tensor(got), expected, **EXACT)
+    a, b = _weights(folder), _weights(other)
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], **EXACT, msg=name)
+
+
 def _train_rank(rank: int, world: int, config) -> list[float]:
     return [row["loss"] for row in train(config).history]
 
@@ -227,13 +239,7 @@ def test_two_ranks_with_checkpointing_follow_one(tmp_path, shards, parallel):
     one = train(_config(tmp_path / "one", shards, train={"towers": towers}))
     config = _config(tmp_path / "two", shards, train={"towers": towers, "parallel": parallel})
     losses = run_distributed(_train_rank, world_size=2, args=(config,))
-    for got in losses:
-        torch.testing.assert_close(
-            torch.tensor(got), torch.tensor([r["loss"] for r in one.history]), **EXACT
-        )
-    a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], **EXACT, msg=name)
+    _assert_follows(losses, one, tmp_path / "one", tmp_path / "two")
 
 
 def test_bf16_and_a_rollback(tmp_path, shards):
@@ -272,13 +278,7 @@ def test_sequence_parallel_follows_one_rank(tmp_path, shards, attention, pack):
     one = train(_config(tmp_path / "one", shards, data=data))
     config = _config(tmp_path / "sp", shards, data=data, train=_sequence_parallel(attention, 2))
     losses = run_distributed(_train_rank, world_size=2, args=(config,))
-    for got in losses:
-        torch.testing.assert_close(
-            torch.tensor(got), torch.tensor([r["loss"] for r in one.history]), **EXACT
-        )
-    a, b = _weights(tmp_path / "one"), _weights(tmp_path / "sp")
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], **EXACT, msg=name)
+    _assert_follows(losses, one, tmp_path / "one", tmp_path / "sp")
 
 
 @pytest.mark.slow
@@ -301,14 +301,8 @@ def test_resume_across_sequence_parallel_sizes(tmp_path, shards):
     assert run_distributed(_train_rank_halting, world_size=2, args=(two, 4)) == [1, 1]
     resumed = train(run(out))
     assert resumed.resumed_from == 3
-    torch.testing.assert_close(
-        torch.tensor([r["loss"] for r in resumed.history]),
-        torch.tensor([r["loss"] for r in whole.history[3:]]),
-        **EXACT,
-    )
-    a, b = _weights(tmp_path / "whole"), _weights(out)
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], **EXACT, msg=name)
+    resumed_losses = [r["loss"] for r in resumed.history]
+    _assert_follows([resumed_losses], whole.history[3:], tmp_path / "whole", out)
 
 
 def _train_with_slow_all_to_all(rank: int, world: int, config) -> tuple[list[dict], list[str]]:
