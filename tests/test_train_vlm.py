@@ -29,6 +29,8 @@ from mmtrain.data.storage.manifest import write_manifest
 from mmtrain.data.storage.shard_writer import ShardWriter
 from mmtrain.data.stream.tokenizer import train_bpe
 from mmtrain.models import LanguageModel
+from mmtrain.report.doctor import diagnose
+from mmtrain.report.rundata import load_run
 from mmtrain.spec import load_spec
 from mmtrain.train.loop import train
 
@@ -344,3 +346,9 @@ def test_sequence_parallel_steps_report_their_communication_and_warn_once(tmp_pa
     step = rows[int(warned[0].split()[1]) - 1]  # "step N waited for communication P% ..."
     assert f"{100 * step['comm_exposed_fraction']:.0f}% of its {step['step_s']:.3f} s" in warned[0]
     assert other_warned == [] and len(other_rows) == len(rows)
+    # `mmtrain doctor` names it from the run folder, with the steps and the command to run
+    (finding,) = [f for f in diagnose(load_run(tmp_path / "sp")) if f.kind == "communication"]
+    assert finding.steps == [r["step"] for r in rows[1:]]  # after the warm-up step
+    assert finding.evidence["comm_exposed_fraction_mean"] > 0.2
+    assert finding.evidence["train.sequence_parallel"] == 2
+    assert "mmtrain plan" in finding.advice and "--gpus 2 --recommend" in finding.advice

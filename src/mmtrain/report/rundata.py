@@ -33,6 +33,9 @@ from mmtrain.folders import CHECKPOINT_DIR, CONFIG_FILE, EVAL_FILE, METRICS_FILE
 log = logging.getLogger(__name__)
 
 
+# the trainer's records besides the plan: its ranks ("layout", at each start) and the
+# recorder's steps worth tracing ("non_finite", "loss_spike": loss and sample keys)
+EVENT_KINDS = ("layout", "non_finite", "loss_spike")
 EVAL_PARTS = ("val", "eval", "retrieval", "zeroshot", "clip_score", "probe", "fusion")
 GIB = 2**30
 
@@ -50,6 +53,8 @@ class RunData:
     spec: Any = None  # mmtrain.spec.ModelSpec when it could be read
     checkpoints: list[int] = field(default_factory=list)  # steps of finished checkpoint folders
     notes: list[str] = field(default_factory=list)  # what is missing or unreadable, and why
+    # records by kind (EVENT_KINDS), in the order written
+    events: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def series(self, key: str, rows: list[dict[str, Any]] | None = None) -> tuple[list, list]:
         """(steps, values) of `key` over the training rows (or `rows`), finite numbers only."""
@@ -122,6 +127,9 @@ def _read_metrics(path: Path, run: RunData) -> None:
 
 
 def _sort_row(row: dict[str, Any], run: RunData) -> None:
+    if row.get("kind") in EVENT_KINDS:
+        run.events.setdefault(row["kind"], []).append(row)
+        return
     step = row.get("step")
     plan = {k[len("plan/") :]: v for k, v in row.items() if k.startswith("plan/")}
     kind = row.get("kind")

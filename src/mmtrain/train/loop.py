@@ -236,8 +236,12 @@ class Trainer:
             tensorboard=config.metrics.tensorboard,
             resume_step=self.state.step,
             corrupt_before=self.state.corrupt_before,
+            skipped_before=self.state.skipped,
             on_step=on_step,
         )
+        layout = {"world_size": self.world, "data_ranks": self.data_world,
+                  "sequence_parallel": self.t.sequence_parallel}  # fmt: skip
+        recorder.record("layout", self.state.step, layout)  # what the run folder cannot say
         if self.t.precision != "fp64":  # the planner knows the training precisions only
             plan = planned_memory(
                 self.spec, config, world_size=self.world, recompute=self.recompute,

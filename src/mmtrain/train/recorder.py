@@ -13,6 +13,7 @@ per logging interval instead of several times per step.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,7 @@ class MetricsRecorder:
         tensorboard: bool,
         resume_step: int,
         corrupt_before: int,
+        skipped_before: int = 0,
         on_step: Callable[[dict[str, Any]], None] | None = None,
     ):
         self.writer = MetricsWriter(
@@ -58,6 +60,7 @@ class MetricsRecorder:
         self.rank, self.log_every, self.on_step = rank, log_every, on_step
         self.corrupt_before = corrupt_before
         self.spikes = LossSpikes()
+        self.skipped_before = skipped_before  # the run's skipped steps at the last row written
         self.pending: list[_Pending] = []
         self.history: list[dict[str, Any]] = []
 
@@ -84,13 +87,24 @@ class MetricsRecorder:
             row = {**mean, **local, **pending.host, "corrupt_samples": corrupt}
             if "target_tokens" in row and row.get("step_s"):
                 row["target_tokens_per_s"] = row["target_tokens"] / row["step_s"]
-            if self.spikes.check(row["loss"]):
-                log.warning(
-                    "step %d: loss spike %.4f; samples: %s",
-                    pending.step, row["loss"], ", ".join(pending.keys),
-                )  # fmt: skip
+            self._record_events(pending, row)
             self._write(pending.step, row)
         self.pending.clear()
+
+    def _record_events(self, pending: _Pending, row: dict[str, Any]) -> None:
+        """A skipped (non-finite) step or a loss spike becomes a record of its own with the
+        batch's sample keys (`mmtrain doctor` traces dirty data by them)."""
+        skipped = row.get("skipped_steps", 0) > self.skipped_before
+        self.skipped_before = row.get("skipped_steps", self.skipped_before)
+        event = {"loss": row["loss"], "samples": list(pending.keys)}
+        if skipped or not math.isfinite(row["loss"]):
+            self.writer.record("non_finite", pending.step, event)
+        elif self.spikes.check(row["loss"]):
+            log.warning(
+                "step %d: loss spike %.4f; samples: %s",
+                pending.step, row["loss"], ", ".join(pending.keys),
+            )  # fmt: skip
+            self.writer.record("loss_spike", pending.step, event)
 
     def _read_pending(self) -> list[tuple[dict[str, float], dict[str, float], int]]:
         """The pending steps' values as numbers: means over ranks, local values and the

@@ -1,0 +1,173 @@
+"""What a run's measurements say is wrong, and what to change (`mmtrain doctor RUN_DIR`).
+
+Each check reads the run folder (report/rundata.py: the step rows, the recorder's events, the
+resolved config) and returns at most one `Finding`: its kind, the evidence (metric names,
+values and the steps they came from), why it matters and the change to make, as a config key
+and a value or a command. Findings are ordered by the step time they cost, most first.
+
+The thresholds are the field's rules of thumb, named here: a step that waits for data or for
+communication more than a fifth of its time has a cheaper fix than more GPUs; a skipped step
+or a loss spike comes with the sample keys of its batch.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mmtrain.report.rundata import RunData
+
+INPUT_BOUND_SHARE = 0.3  # mean data-wait share of a step above which the input pipeline binds
+COMM_SHARE = 0.2  # mean exposed-communication share above which the layout should change
+WARMUP_STEPS = 1  # the first step pays for start-up (workers, caches, allocator): left out
+KINDS = ("input_bound", "communication", "non_finite", "loss_spike")
+SEVERITIES = ("info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str  # one of KINDS
+    severity: str  # one of SEVERITIES
+    evidence: dict[str, Any]  # metric names -> values, and the steps they came from
+    why: str
+    advice: str
+    cost_s: float = 0.0  # step time the problem cost over the run (the findings' order)
+    steps: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("steps")
+        out["evidence"] = {**self.evidence, "steps": self.steps}
+        return out
+
+
+def diagnose(run: RunData) -> list[Finding]:
+    """Every finding the run's measurements support, the costliest first."""
+    checks = (_input_bound, _communication, _non_finite, _loss_spikes)
+    findings = [f for check in checks if (f := check(run)) is not None]
+    return sorted(findings, key=lambda f: -f.cost_s)
+
+
+def _steady_rows(run: RunData, key: str) -> list[dict[str, Any]]:
+    """The training rows after the warm-up that carry `key` and a step time."""
+    return [r for r in run.train_rows[WARMUP_STEPS:] if key in r and r.get("step_s")]
+
+
+def _config(run: RunData, section: str, key: str, default: Any) -> Any:
+    return (run.config.get(section) or {}).get(key, default)
+
+
+def _input_bound(run: RunData) -> Finding | None:
+    rows = _steady_rows(run, "data_wait_s")
+    if not rows:
+        return None
+    shares = [r["data_wait_s"] / r["step_s"] for r in rows]
+    share = statistics.fmean(shares)
+    if share <= INPUT_BOUND_SHARE:
+        return None
+    workers = int(_config(run, "data", "workers", 0))
+    evidence = {
+        "data_wait_fraction_mean": round(share, 4),
+        "data_wait_fraction_max": round(max(shares), 4),
+        "data_wait_s_total": round(sum(r["data_wait_s"] for r in rows), 4),
+        "data.workers": workers,
+    }
+    if any("cache_hit_rate" in r for r in rows):
+        evidence["cache_hit_rate_mean"] = round(
+            statistics.fmean(r["cache_hit_rate"] for r in rows if "cache_hit_rate" in r), 4
+        )
+    return Finding(
+        kind="input_bound",
+        severity="warning",
+        evidence=evidence,
+        why=(
+            f"the step waited for its batch {share:.0%} of its time (above "
+            f"{INPUT_BOUND_SHARE:.0%}): the accelerator idles while samples are read and decoded"
+        ),
+        advice=(
+            f"decode in more processes: data.workers={max(2, 2 * workers)} (now {workers}); "
+            "if the cache hit rate is low, give data.cache_max_gb room for the epoch's shards"
+        ),
+        cost_s=evidence["data_wait_s_total"],
+        steps=[r["step"] for r in rows],
+    )
+
+
+def _communication(run: RunData) -> Finding | None:
+    rows = _steady_rows(run, "comm_exposed_s")
+    if not rows:
+        return None
+    share = statistics.fmean(r["comm_exposed_s"] / r["step_s"] for r in rows)
+    if share <= COMM_SHARE:
+        return None
+    layouts = run.events.get("layout", [])
+    world = int(layouts[-1]["world_size"]) if layouts else int(run.plan.get("world_size", 1))
+    evidence = {
+        "comm_exposed_fraction_mean": round(share, 4),
+        "comm_s_total": round(sum(r["comm_s"] for r in rows), 4),
+        "comm_exposed_s_total": round(sum(r["comm_exposed_s"] for r in rows), 4),
+        "world_size": world,
+        "train.parallel": _config(run, "train", "parallel", "auto"),
+        "train.sequence_parallel": _config(run, "train", "sequence_parallel", 1),
+    }
+    model = run.config.get("model", "MODEL")
+    return Finding(
+        kind="communication",
+        severity="warning",
+        evidence=evidence,
+        why=(
+            f"the step waited for communication {share:.0%} of its time (above "
+            f"{COMM_SHARE:.0%}): past that, another parallel layout or more intra-node "
+            "bandwidth is cheaper than more GPUs"
+        ),
+        advice=f"compare layouts: mmtrain plan --model {model} --gpus {world} --recommend",
+        cost_s=evidence["comm_exposed_s_total"],
+        steps=[r["step"] for r in rows],
+    )
+
+
+def _mean_step_s(run: RunData) -> float:
+    times = [r["step_s"] for r in run.train_rows if r.get("step_s")]
+    return statistics.fmean(times) if times else 0.0
+
+
+def _events_finding(run: RunData, kind: str, why: str, advice: str) -> Finding | None:
+    events = run.events.get(kind, [])
+    if not events:
+        return None
+    samples = sorted({key for e in events for key in e.get("samples", [])})
+    evidence = {"count": len(events), "loss": [e.get("loss") for e in events],
+                "samples": samples}  # fmt: skip
+    return Finding(
+        kind=kind,
+        severity="error" if kind == "non_finite" else "warning",
+        evidence=evidence,
+        why=why,
+        advice=advice,
+        cost_s=len(events) * _mean_step_s(run),  # each such step trained nothing useful
+        steps=[int(e["step"]) for e in events],
+    )
+
+
+def _non_finite(run: RunData) -> Finding | None:
+    return _events_finding(
+        run,
+        "non_finite",
+        "steps had a non-finite loss or gradient and were skipped (after "
+        "guards.max_nonfinite_in_a_row in a row the run rolls back)",
+        "check the listed samples (`mmtrain data inspect`); under fp16/fp8 keep the unstable "
+        "towers in bf16 (train.precision: bf16) or lower train.lr",
+    )
+
+
+def _loss_spikes(run: RunData) -> Finding | None:
+    return _events_finding(
+        run,
+        "loss_spike",
+        "the loss jumped far above its recent level (more than 4 standard deviations of its "
+        "moving average): often a batch of dirty samples",
+        "inspect the listed samples and rebuild the shards with filters (`mmtrain data build "
+        "... --min-side`, relevance thresholds); a spike without bad samples: lower train.lr "
+        "or lower train.grad_clip",
+    )

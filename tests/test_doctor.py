@@ -1,0 +1,84 @@
+"""`mmtrain doctor`: on runs that really have a problem it names it with its evidence and the
+change to make; a healthy run gets no finding.
+
+Real runs of the micro CLIP model on real shards: NaN inputs injected into two steps
+(`guards.inject_nan_steps`), a decoder that sleeps 50 ms per image (a slow disk or codec), and
+a plain run. The communication finding is asserted on a sequence-parallel run with a slow
+all-to-all (tests/test_train_vlm.py). The data-wait share of the slow decoder's steps is
+~0.9 against ~0.08 for the healthy run (a wider model), on either side of the 0.3 threshold
+whatever the load."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from micro import MICRO_SPEC, make_shards, micro_run
+from mmtrain.cli import main
+from mmtrain.data.stream.transforms import ImageTransform
+from mmtrain.report.doctor import INPUT_BOUND_SHARE, diagnose
+from mmtrain.report.rundata import load_run
+from mmtrain.train.loop import train
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return make_shards(tmp_path_factory.mktemp("doctor-shards"), 32)
+
+
+def _run(tmp_path, shards, spec=MICRO_SPEC, **sections):
+    config = micro_run(tmp_path, shards, spec=spec, **sections)
+    result = train(config)
+    return load_run(tmp_path / "run"), result
+
+
+def _computing_spec() -> dict:
+    """The micro CLIP with towers of width 128, 4 blocks and 64 image tokens: its step computes
+    long enough for reading 8 small PNGs to be a small part of it (a micro model's step is so
+    short that it is input-bound)."""
+    spec = json.loads(json.dumps(MICRO_SPEC))
+    for tower in spec["towers"].values():
+        tower.update(width=128, layers=4, heads=4)
+    spec["towers"]["image"]["stem"].update(image_size=32, patch_size=4)
+    return spec
+
+
+def test_a_healthy_run_gets_no_finding(tmp_path, shards, capsys):
+    run, _ = _run(tmp_path, shards, spec=_computing_spec(), train={"steps": 4})
+    assert diagnose(run) == []
+    assert main(["doctor", str(tmp_path / "run")]) == 0
+    assert "no finding in 4 steps" in capsys.readouterr().out
+
+
+def test_skipped_steps_are_named_with_their_batches_sample_keys(tmp_path, shards, capsys):
+    run, result = _run(tmp_path, shards, train={"steps": 5}, guards={"inject_nan_steps": [2, 4]})
+    assert result.skipped_steps == 2
+    (finding,) = [f for f in diagnose(run) if f.kind == "non_finite"]
+    assert finding.steps == [2, 4] and finding.severity == "error"
+    keys = finding.evidence["samples"]
+    # every key of the two batches of 8 (the shards' keys are s00000 .. s00031)
+    assert len(keys) == 2 * 8 and set(keys) <= {f"s{i:05d}" for i in range(32)}
+    assert main(["doctor", str(tmp_path / "run"), "--json"]) == 0
+    findings = json.loads(capsys.readouterr().out)["findings"]
+    (printed,) = [f for f in findings if f["kind"] == "non_finite"]
+    assert printed["kind"] == "non_finite" and printed["evidence"]["steps"] == [2, 4]
+    assert set(printed) == {"kind", "severity", "evidence", "why", "advice", "cost_s"}
+
+
+def test_a_slow_decoder_is_an_input_bound_run(tmp_path, shards, monkeypatch):
+    decode = ImageTransform.decode
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.05)
+        return decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(ImageTransform, "decode", slow)
+    run, _ = _run(tmp_path, shards, train={"steps": 3})
+    (finding,) = diagnose(run)
+    assert finding.kind == "input_bound" and finding.steps == [2, 3]
+    assert finding.evidence["data_wait_fraction_mean"] > INPUT_BOUND_SHARE
+    assert finding.evidence["data.workers"] == 0
+    assert "data.workers=2" in finding.advice
+    assert finding.cost_s >= 2 * 8 * 0.05  # 8 images a step slept at least this long
