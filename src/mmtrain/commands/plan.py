@@ -15,6 +15,7 @@ from mmtrain.cli import UsageError
 from mmtrain.commands._args import count
 from mmtrain.commands._data_args import add_budget_argument
 from mmtrain.hardware import GIB, PRICE_SOURCE, load_catalog
+from mmtrain.plan.comm import COMM_SHARE_LIMIT
 from mmtrain.plan.config import (
     AC_MODES,
     ATTENTION,
@@ -561,7 +562,8 @@ def _print_plan(plan: Plan, measured: dict | None, visual: dict | None = None) -
             f"sequence parallel {c.sequence_parallel} ({c.sequence_parallel_attention}) over "
             f"{t.sp_link}: {t.sp_comm_bytes / 1e9:,.3g} GB sent per GPU per step, "
             f"{t.sp_comm_s:.3g} s on the link, {t.sp_exposed_s:.3g} s exposed: "
-            f"{t.sp_comm_share:.1%} of the step (the run warns above 20% measured)"
+            f"{t.sp_comm_share:.1%} of the step (the run warns above "
+            f"{COMM_SHARE_LIMIT:.0%} measured)"
         )
     console.print(
         f"achievable fraction {t.achievable_fraction:.3f} of peak, family {t.efficiency_family}: {t.efficiency_source}"

@@ -23,6 +23,10 @@ from dataclasses import dataclass
 
 from mmtrain.hardware import GPU, Catalog, Interconnect
 
+# Past this share of a step spent waiting for communication another parallel layout (or more
+# intra-node bandwidth) pays: the run warns (train/loop.py), `mmtrain doctor` and the plan say so.
+COMM_SHARE_LIMIT = 0.2
+
 
 def all_reduce_s(size_bytes: float, n: int, link: Interconnect) -> float:
     return 0.0 if n <= 1 else size_bytes / link.bytes_per_s() * 2 * (n - 1) / n

@@ -16,19 +16,18 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mmtrain.plan.comm import COMM_SHARE_LIMIT
 from mmtrain.report.rundata import RunData
 
 INPUT_BOUND_SHARE = 0.3  # mean data-wait share of a step above which the input pipeline binds
-COMM_SHARE = 0.2  # mean exposed-communication share above which the layout should change
+# (communication: plan/comm.py's COMM_SHARE_LIMIT, the threshold the run warns at)
 WARMUP_STEPS = 1  # the first step pays for start-up (workers, caches, allocator): left out
-KINDS = ("input_bound", "communication", "non_finite", "loss_spike")
-SEVERITIES = ("info", "warning", "error")
 
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # one of KINDS
-    severity: str  # one of SEVERITIES
+    kind: str  # input_bound, communication, non_finite or loss_spike (so far)
+    severity: str  # info | warning | error
     evidence: dict[str, Any]  # metric names -> values, and the steps they came from
     why: str
     advice: str
@@ -99,7 +98,7 @@ def _communication(run: RunData) -> Finding | None:
     if not rows:
         return None
     share = statistics.fmean(r["comm_exposed_s"] / r["step_s"] for r in rows)
-    if share <= COMM_SHARE:
+    if share <= COMM_SHARE_LIMIT:
         return None
     layouts = run.events.get("layout", [])
     world = int(layouts[-1]["world_size"]) if layouts else int(run.plan.get("world_size", 1))
@@ -118,7 +117,7 @@ def _communication(run: RunData) -> Finding | None:
         evidence=evidence,
         why=(
             f"the step waited for communication {share:.0%} of its time (above "
-            f"{COMM_SHARE:.0%}): past that, another parallel layout or more intra-node "
+            f"{COMM_SHARE_LIMIT:.0%}): past that, another parallel layout or more intra-node "
             "bandwidth is cheaper than more GPUs"
         ),
         advice=f"compare layouts: mmtrain plan --model {model} --gpus {world} --recommend",

@@ -40,6 +40,7 @@ from mmtrain.config import RunConfig, diff_configs, parse_yaml
 from mmtrain.distributed import sum_over_ranks
 from mmtrain.folders import CONFIG_FILE
 from mmtrain.losses import logit_scale_value
+from mmtrain.plan.comm import COMM_SHARE_LIMIT
 from mmtrain.spec import ModelSpec, load_spec
 from mmtrain.train import parallel
 from mmtrain.train.checkpointer import Checkpointer
@@ -74,7 +75,6 @@ __all__ = ["TrainResult", "Trainer", "forward_backward", "optimizer_step", "trai
 
 log = logging.getLogger(__name__)
 # The exposed communication share of a step above which the log says so (once per run).
-COMM_SHARE_WARNING = 0.2
 
 
 @dataclass
@@ -352,10 +352,10 @@ class Trainer:
             self.recorder.flush()
 
     def _warn_communication_share(self, host: dict[str, Any]) -> None:
-        """Say once when the step waited for communication more than COMM_SHARE_WARNING of
+        """Say once when the step waited for communication more than COMM_SHARE_LIMIT of
         its time: past it, another layout (or more intra-node bandwidth) pays."""
         share = host.get("comm_exposed_fraction", 0.0)
-        if self.warned_comm_share or share <= COMM_SHARE_WARNING:
+        if self.warned_comm_share or share <= COMM_SHARE_LIMIT:
             return
         self.warned_comm_share = True
         if self.rank == 0:
@@ -364,7 +364,7 @@ class Trainer:
                 "%.3f s of collectives); above %.0f%%, change the parallel layout: see "
                 "`mmtrain plan --recommend` for this model and GPU count",
                 self.state.step, 100 * share, host["step_s"], host["comm_exposed_s"],
-                host["comm_s"], 100 * COMM_SHARE_WARNING,
+                host["comm_s"], 100 * COMM_SHARE_LIMIT,
             )  # fmt: skip
 
     def _model_values(self) -> dict[str, torch.Tensor]:
