@@ -11,13 +11,16 @@ whatever the load."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
+import yaml
 
 from micro import MICRO_SPEC, make_shards, micro_run
 from mmtrain.cli import main
 from mmtrain.data.stream.transforms import ImageTransform
+from mmtrain.report import build_report
 from mmtrain.report.doctor import INPUT_BOUND_SHARE, diagnose
 from mmtrain.report.rundata import load_run
 from mmtrain.train.loop import train
@@ -65,9 +68,15 @@ def test_skipped_steps_are_named_with_their_batches_sample_keys(tmp_path, shards
     (printed,) = [f for f in findings if f["kind"] == "non_finite"]
     assert printed["kind"] == "non_finite" and printed["evidence"]["steps"] == [2, 4]
     assert set(printed) == {"kind", "severity", "evidence", "why", "advice", "cost_s"}
+    # the report opens with the same finding, before its summary
+    html = build_report(tmp_path / "run", gallery=False).html.read_text(encoding="utf-8")
+    headings = re.findall(r"<h2>(.*?)</h2>", html)
+    assert headings[0].startswith("Diagnosis") and headings[1] == "Summary"
+    diagnosis = html[html.index("Diagnosis") : html.index("<h2>Summary")]
+    assert "non_finite" in diagnosis and "steps 2, 4" in diagnosis and keys[0] in diagnosis
 
 
-def test_a_slow_decoder_is_an_input_bound_run(tmp_path, shards, monkeypatch):
+def test_a_slow_decoder_is_an_input_bound_run(tmp_path, shards, monkeypatch, capsys):
     decode = ImageTransform.decode
 
     def slow(self, *args, **kwargs):
@@ -75,8 +84,14 @@ def test_a_slow_decoder_is_an_input_bound_run(tmp_path, shards, monkeypatch):
         return decode(self, *args, **kwargs)
 
     monkeypatch.setattr(ImageTransform, "decode", slow)
-    run, _ = _run(tmp_path, shards, train={"steps": 3})
-    (finding,) = diagnose(run)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(micro_run(tmp_path, shards, train={"steps": 3}).to_dict()))
+    assert main(["train", str(recipe)]) == 0
+    # the training log names it once, with the change
+    hints = [line for line in capsys.readouterr().err.splitlines() if "hint:" in line]
+    assert len(hints) == 1 and "input_bound (steps 2-3)" in hints[0]
+    assert "data.workers=2" in hints[0]
+    (finding,) = diagnose(load_run(tmp_path / "run"))
     assert finding.kind == "input_bound" and finding.steps == [2, 3]
     assert finding.evidence["data_wait_fraction_mean"] > INPUT_BOUND_SHARE
     assert finding.evidence["data.workers"] == 0

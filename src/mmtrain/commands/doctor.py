@@ -45,9 +45,7 @@ def run(args: argparse.Namespace) -> int:
     elif not findings:
         print(f"{run_dir}: no finding in {len(data.train_rows)} steps")
     for i, finding in enumerate(findings, 1):
-        steps = finding.steps
-        span = f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
-        print(f"{i}. [{finding.severity}] {finding.kind} ({span}): {finding.why}")
+        print(f"{i}. [{finding.severity}] {finding.kind} ({finding.span()}): {finding.why}")
         for name, value in finding.evidence.items():
             print(f"     {name}: {value}")
         print(f"   change: {finding.advice}")

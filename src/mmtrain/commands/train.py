@@ -41,15 +41,22 @@ def run(args: argparse.Namespace) -> int:
     from mmtrain.train.loop import train
 
     progress = _Progress(config.train.steps, config.metrics.log_every)
+    hints = _Hints(config.out, tty=progress.tty)
+
+    def on_step(row: dict[str, Any]) -> None:
+        progress(row)
+        hints(row)
+
     try:
-        result = train(config, on_step=progress)
+        result = train(config, on_step=on_step)
     except Exception as err:
         if isinstance(err, FieldError) or distributed.world_size() == 1:
             raise
         _exit_rank(err, config.out)
     progress.close()
     if int(os.environ.get("RANK", "0")) != 0:
-        return 0  # the summary is rank 0's to print (every rank has the same)
+        return 0  # the summary and hints are rank 0's to print (every rank has the same)
+    hints.close()
     if result.resumed_from is not None and result.resumed_from >= config.train.steps:
         print(f"already finished: {result.step} steps; weights in {result.out}/model.safetensors")
         return 0
@@ -129,6 +136,42 @@ class _Progress:
     def close(self) -> None:
         if self.tty:
             sys.stderr.write("\n")
+
+
+class _Hints:
+    """A line in the training log when `mmtrain doctor` would first name a problem: the run
+    folder is diagnosed at most once every HINT_EVERY_S seconds (reading metrics.jsonl is
+    milliseconds to a second, between steps) and once at the end; each kind is named once."""
+
+    HINT_EVERY_S = 60.0
+
+    def __init__(self, out: str, *, tty: bool):
+        self.out, self.tty = out, tty
+        self.named: set[str] = set()
+        self.last_check = -self.HINT_EVERY_S
+
+    def __call__(self, row: dict[str, Any]) -> None:
+        if time.monotonic() - self.last_check >= self.HINT_EVERY_S:
+            self.check()
+
+    def check(self) -> None:
+        from mmtrain.report.doctor import diagnose
+        from mmtrain.report.rundata import load_run
+
+        self.last_check = time.monotonic()
+        for finding in diagnose(load_run(self.out)):
+            if finding.kind not in self.named:
+                self.named.add(finding.kind)
+                start = "\r\033[K" if self.tty else ""  # over the progress bar, which redraws
+                print(
+                    f"{start}hint: {finding.kind} ({finding.span()}): {finding.why}; "
+                    f"change: {finding.advice} (evidence: mmtrain doctor {self.out})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+    def close(self) -> None:
+        self.check()
 
 
 def _duration(seconds: float) -> str:

@@ -88,6 +88,7 @@ def build_report(
         title=f"Training report: {run.run_dir.resolve().name} ({name})",
         subtitle=str(run.run_dir.resolve()),
         summary=summary_rows(run),
+        diagnosis=diagnosis_table(run),
         tables=eval_tables(run.eval_report),
         sections=sections,
         notes=run.notes,
@@ -114,6 +115,23 @@ def sample_grids(run: RunData) -> list[Plot]:
         plots.append(Plot(f"samples_{step}", f"Samples at step {step}", path.read_bytes(),
                           "a row per class, the same noise at every step"))  # fmt: skip
     return plots
+
+
+def diagnosis_table(run: RunData) -> Table | None:
+    """`mmtrain doctor`'s findings, the costliest first (a row saying so when there is none);
+    None before the first training step."""
+    from mmtrain.report.doctor import diagnose
+
+    if not run.train_rows:
+        return None
+    findings = diagnose(run)
+    title = f"Diagnosis (mmtrain doctor, {len(run.train_rows)} steps)"
+    header = ["finding", "severity", "evidence", "why", "change", "cost"]
+    rows = [
+        [f.kind, f.severity, f.evidence_text(), f.why, f.advice, f"{f.cost_s:.3g} s"]
+        for f in findings
+    ]
+    return Table(title, header, rows or [["none", "", "", "", "", ""]], numeric=(5,))
 
 
 def eval_tables(report: Mapping[str, Any]) -> list[Table]:

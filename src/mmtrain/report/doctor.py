@@ -34,6 +34,23 @@ class Finding:
     cost_s: float = 0.0  # step time the problem cost over the run (the findings' order)
     steps: list[int] = field(default_factory=list)
 
+    def span(self) -> str:
+        """The steps in a few words: `step 3`, `steps 2-9`, `steps 2, 4`, `12 steps in 2-90`."""
+        steps = self.steps
+        if not steps:
+            return "no step"
+        if len(steps) == 1:
+            return f"step {steps[0]}"
+        if steps == list(range(steps[0], steps[-1] + 1)):
+            return f"steps {steps[0]}-{steps[-1]}"
+        if len(steps) <= 6:
+            return "steps " + ", ".join(map(str, steps))
+        return f"{len(steps)} steps in {steps[0]}-{steps[-1]}"
+
+    def evidence_text(self) -> str:
+        """The evidence on one line, its steps included."""
+        return "; ".join([*(f"{k}: {v}" for k, v in self.evidence.items()), self.span()])
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out.pop("steps")

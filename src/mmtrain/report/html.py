@@ -54,11 +54,12 @@ class Table:
 
 @dataclass
 class Page:
-    """What the report shows, in order: summary, tables, plot sections, notes."""
+    """What the report shows, in order: the diagnosis, summary, tables, plot sections, notes."""
 
     title: str
     subtitle: str
     summary: Sequence[tuple[str, str]]
+    diagnosis: Table | None = None  # mmtrain doctor's findings: what to change first
     tables: Sequence[Table] = ()
     sections: Sequence[tuple[str, Sequence[Plot], bool]] = ()  # (heading, plots, full width)
     notes: Sequence[str] = ()
@@ -84,8 +85,10 @@ def render_html(page: Page) -> str:
         "<body><main>",
         f"<h1>{escape(page.title)}</h1>",
         f'<p class="sub">{escape(page.subtitle)}</p>',
-        _summary(page.summary),
     ]
+    if page.diagnosis is not None:
+        parts.append(_table(page.diagnosis))
+    parts.append(_summary(page.summary))
     parts += [_table(table) for table in page.tables]
     for heading, plots, wide in page.sections:
         if plots:
