@@ -52,9 +52,15 @@ def micro_spec(
 MICRO_SPEC = micro_spec()
 
 
-def make_shards(folder: Path | str, samples: int = 48, corrupt: tuple[int, ...] = ()) -> str:
+def make_shards(
+    folder: Path | str,
+    samples: int = 48,
+    corrupt: tuple[int, ...] = (),
+    mismatched: tuple[int, ...] = (),
+) -> str:
     """PNG + caption shards of noisy coloured 20x24 squares, 16 samples per shard; samples
-    listed in `corrupt` get a truncated PNG (the decoder refuses it)."""
+    listed in `corrupt` get a truncated PNG (the decoder refuses it), those in `mismatched`
+    the caption of the next colour (a dirty pair that decodes fine)."""
     rng = np.random.default_rng(0)
     with ShardWriter(folder, max_samples=16) as writer:
         for i in range(samples):
@@ -67,9 +73,8 @@ def make_shards(folder: Path | str, samples: int = 48, corrupt: tuple[int, ...] 
             png = buffer.getvalue()
             if i in corrupt:
                 png = png[: len(png) // 2]
-            writer.write(
-                {"__key__": f"s{i:05d}", "png": png, "txt": f"a {COLORS[c]} square".encode()}
-            )
+            caption = COLORS[(c + 1) % len(COLORS)] if i in mismatched else COLORS[c]
+            writer.write({"__key__": f"s{i:05d}", "png": png, "txt": f"a {caption} square".encode()})
     return str(folder)
 
 

@@ -76,6 +76,27 @@ def test_skipped_steps_are_named_with_their_batches_sample_keys(tmp_path, shards
     assert "non_finite" in diagnosis and "steps 2, 4" in diagnosis and keys[0] in diagnosis
 
 
+def test_a_batch_of_mismatched_pairs_is_a_loss_spike_named_by_its_keys(tmp_path, capsys):
+    """64 samples, 40 steps of 8: the loss settles at ln 2 (each batch holds two squares of each
+    colour) within 15 steps; step 30's batch is planted with captions of the wrong colour, its
+    keys found with `mmtrain data order` as a user would. A shuffle window of 8 keeps those 8
+    samples together at the same place in each epoch of 8 steps: they spike at steps 22, 30
+    and 38 (at 6 and 14 too, inside the detector's 20-step warm-up)."""
+    clean = make_shards(tmp_path / "clean", 64)
+    epoch, position = divmod((30 - 1) * 8, 64)  # step 30 reads samples 232..239: epoch 3, 40..47
+    order = ["data", "order", clean, "--seed", "1", "--epoch", str(epoch), "--shuffle-window", "8",
+             "--skip", str(position), "--limit", "8"]  # fmt: skip
+    assert main(order) == 0
+    planted = capsys.readouterr().out.split()
+    dirty = make_shards(tmp_path / "dirty", 64, mismatched=tuple(int(k[1:]) for k in planted))
+    run, _ = _run(tmp_path, dirty, train={"steps": 40}, checkpoint={"every_steps": 100})
+    (finding,) = [f for f in diagnose(run) if f.kind == "loss_spike"]  # (a micro model's step
+    # is input-bound too)
+    assert finding.kind == "loss_spike" and finding.steps == [22, 30, 38]
+    assert finding.evidence["samples"] == sorted(planted)
+    assert "mmtrain data build" in finding.advice
+
+
 def test_a_slow_decoder_is_an_input_bound_run(tmp_path, shards, monkeypatch, capsys):
     decode = ImageTransform.decode
 
