@@ -74,7 +74,9 @@ def make_shards(
             if i in corrupt:
                 png = png[: len(png) // 2]
             caption = COLORS[(c + 1) % len(COLORS)] if i in mismatched else COLORS[c]
-            writer.write({"__key__": f"s{i:05d}", "png": png, "txt": f"a {caption} square".encode()})
+            writer.write(
+                {"__key__": f"s{i:05d}", "png": png, "txt": f"a {caption} square".encode()}
+            )
     return str(folder)
 
 
