@@ -97,6 +97,17 @@ def test_a_batch_of_mismatched_pairs_is_a_loss_spike_named_by_its_keys(tmp_path,
     assert "mmtrain data build" in finding.advice
 
 
+def test_unreadable_samples_are_a_data_quality_finding(tmp_path):
+    """4 of 32 images cut in half: the loader skips them, doctor names the share and the
+    command that finds them."""
+    broken = make_shards(tmp_path / "broken", 32, corrupt=(3, 9, 17, 30))
+    run, result = _run(tmp_path, broken, train={"steps": 4})
+    (finding,) = [f for f in diagnose(run) if f.kind == "data_quality"]
+    assert finding.evidence["corrupt_samples"] == result.corrupt_samples >= 1
+    assert finding.evidence["samples_seen"] == 4 * 8
+    assert f"mmtrain data inspect {broken}" in finding.advice and finding.steps
+
+
 def test_a_slow_decoder_is_an_input_bound_run(tmp_path, shards, monkeypatch, capsys):
     decode = ImageTransform.decode
 

@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Read RUN_DIR's metrics and say what is wrong, costliest first: each finding with "
             "its evidence (metric, value, steps), why it matters and the change to make (a "
             "config key and value, or a command). Checks: input-bound steps, exposed "
-            "communication, non-finite steps and loss spikes with their batches' sample keys. "
+            "communication, undecodable samples, non-finite steps and loss spikes with their batches' sample keys. "
             "A healthy run gets no finding."
         ),
     )

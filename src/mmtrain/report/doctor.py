@@ -21,12 +21,13 @@ from mmtrain.report.rundata import RunData
 
 INPUT_BOUND_SHARE = 0.3  # mean data-wait share of a step above which the input pipeline binds
 # (communication: plan/comm.py's COMM_SHARE_LIMIT, the threshold the run warns at)
+CORRUPT_SHARE = 0.01  # unreadable samples above 1 in 100: the shards, not bad luck
 WARMUP_STEPS = 1  # the first step pays for start-up (workers, caches, allocator): left out
 
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # input_bound, communication, non_finite or loss_spike (so far)
+    kind: str  # input_bound, communication, data_quality, non_finite or loss_spike (so far)
     severity: str  # info | warning | error
     evidence: dict[str, Any]  # metric names -> values, and the steps they came from
     why: str
@@ -60,7 +61,7 @@ class Finding:
 
 def diagnose(run: RunData) -> list[Finding]:
     """Every finding the run's measurements support, the costliest first."""
-    checks = (_input_bound, _communication, _non_finite, _loss_spikes)
+    checks = (_input_bound, _communication, _data_quality, _non_finite, _loss_spikes)
     findings = [f for check in checks if (f := check(run)) is not None]
     return sorted(findings, key=lambda f: -f.cost_s)
 
@@ -140,6 +141,42 @@ def _communication(run: RunData) -> Finding | None:
         advice=f"compare layouts: mmtrain plan --model {model} --gpus {world} --recommend",
         cost_s=evidence["comm_exposed_s_total"],
         steps=[r["step"] for r in rows],
+    )
+
+
+def _data_quality(run: RunData) -> Finding | None:
+    rows = [r for r in run.train_rows if "corrupt_samples" in r and "samples_seen" in r]
+    if not rows:
+        return None
+    corrupt, seen = int(rows[-1]["corrupt_samples"]), int(rows[-1]["samples_seen"])
+    share = corrupt / (corrupt + seen) if corrupt + seen else 0.0
+    if share <= CORRUPT_SHARE:
+        return None
+    before = [0, *(int(r["corrupt_samples"]) for r in rows[:-1])]
+    steps = [r["step"] for r, b in zip(rows, before, strict=True) if r["corrupt_samples"] > b]
+    sources = _config(run, "data", "train", None) or ["SHARDS"]
+    sources = [sources] if isinstance(sources, (str, dict)) else sources
+    paths = [s["path"] if isinstance(s, dict) else str(s) for s in sources]  # resolved: dicts
+    inspect = " ; ".join(f"mmtrain data inspect {path}" for path in paths)
+    return Finding(
+        kind="data_quality",
+        severity="warning",
+        evidence={
+            "corrupt_samples": corrupt,
+            "samples_seen": seen,
+            "corrupt_fraction": round(share, 4),
+        },  # fmt: skip
+        why=(
+            f"{share:.1%} of the samples read could not be decoded and were skipped (above "
+            f"{CORRUPT_SHARE:.0%}): the run trains on a different mix than the manifest says, "
+            "and pays for reading them"
+        ),
+        advice=(
+            f"find them: {inspect} ; rebuild the shards with mmtrain data build (it refuses "
+            "files that do not decode)"
+        ),
+        cost_s=share * sum(r.get("step_s", 0.0) for r in rows),
+        steps=steps,
     )
 
 
