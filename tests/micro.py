@@ -133,8 +133,8 @@ def micro_run(
         "seed": seed,
         "out": str(folder / "run"),
     }
-    for name, values in sections.items():
-        config[name] = {**config.get(name, {}), **values}
+    for name, values in sections.items():  # a section's keys are updated; a value is set
+        config[name] = {**config.get(name, {}), **values} if isinstance(values, dict) else values
     return config_from_dict(config)
 
 

@@ -11,6 +11,7 @@ whatever the load."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 
@@ -95,6 +96,8 @@ def test_a_batch_of_mismatched_pairs_is_a_loss_spike_named_by_its_keys(tmp_path,
     assert finding.kind == "loss_spike" and finding.steps == [22, 30, 38]
     assert finding.evidence["samples"] == sorted(planted)
     assert "mmtrain data build" in finding.advice
+    # 40 steps at a sound learning rate: the loss leaves chance (ln 8) and stays away
+    assert not [f for f in diagnose(run) if f.kind == "learning_rate"]
 
 
 def test_unreadable_samples_are_a_data_quality_finding(tmp_path):
@@ -106,6 +109,32 @@ def test_unreadable_samples_are_a_data_quality_finding(tmp_path):
     assert finding.evidence["corrupt_samples"] == result.corrupt_samples >= 1
     assert finding.evidence["samples_seen"] == 4 * 8
     assert f"mmtrain data inspect {broken}" in finding.advice and finding.steps
+
+
+def test_a_too_large_learning_rate_collapses_the_loss_to_chance(tmp_path, shards):
+    """At train.lr=1 the micro CLIP's embeddings collapse within the warm-up: every pair gets
+    the same score and the loss sits at ln 8 (batch 8) to within 1e-4 from then on."""
+    run, _ = _run(tmp_path, shards, train={"steps": 16, "lr": 1.0, "warmup_steps": 2},
+                  checkpoint={"every_steps": 100})  # fmt: skip
+    (finding,) = [f for f in diagnose(run) if f.kind == "learning_rate"]
+    assert finding.severity == "error" and finding.steps[-1] == 16 and len(finding.steps) >= 10
+    assert finding.evidence["chance_loss"] == pytest.approx(math.log(8), abs=1e-6)
+    assert finding.evidence["loss_mean"] == pytest.approx(math.log(8), rel=0.01)
+    assert "train.lr=0.1 (now 1)" in finding.advice
+
+
+def test_a_vision_tower_fine_tuned_at_the_text_rate_is_named(tmp_path, shards):
+    """A run that starts from another run's weights (`init`) and trains both towers at one
+    rate gets the per-tower advice; a tenth of the rate for the image tower silences it."""
+    _run(tmp_path / "base", shards, train={"steps": 2})
+    base = str(tmp_path / "base" / "run")
+    same, _ = _run(tmp_path / "same", shards, train={"steps": 2}, init=base)
+    (finding,) = [f for f in diagnose(same) if f.kind == "learning_rate"]
+    assert finding.evidence == {"lr of image": 2e-3, "lr of text": 2e-3, "init": base}
+    assert "train.towers.image.lr=0.0002" in finding.advice
+    slower, _ = _run(tmp_path / "slower", shards, train={"steps": 2, "towers": {"image": {"lr": 2e-4}}},
+                     init=base)  # fmt: skip
+    assert not [f for f in diagnose(slower) if f.kind == "learning_rate"]
 
 
 def test_a_slow_decoder_is_an_input_bound_run(tmp_path, shards, monkeypatch, capsys):

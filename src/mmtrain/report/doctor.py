@@ -13,77 +13,41 @@ or a loss spike comes with the sample keys of its batch.
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from mmtrain.plan.comm import COMM_SHARE_LIMIT
+from mmtrain.report.finding import Finding, config_value, steady_rows
 from mmtrain.report.rundata import RunData
+from mmtrain.report.training_checks import collapsed_learning_rate, tower_learning_rates
 
 INPUT_BOUND_SHARE = 0.3  # mean data-wait share of a step above which the input pipeline binds
 # (communication: plan/comm.py's COMM_SHARE_LIMIT, the threshold the run warns at)
 CORRUPT_SHARE = 0.01  # unreadable samples above 1 in 100: the shards, not bad luck
-WARMUP_STEPS = 1  # the first step pays for start-up (workers, caches, allocator): left out
-
-
-@dataclass(frozen=True)
-class Finding:
-    kind: str  # input_bound, communication, data_quality, non_finite or loss_spike (so far)
-    severity: str  # info | warning | error
-    evidence: dict[str, Any]  # metric names -> values, and the steps they came from
-    why: str
-    advice: str
-    cost_s: float = 0.0  # step time the problem cost over the run (the findings' order)
-    steps: list[int] = field(default_factory=list)
-
-    def span(self) -> str:
-        """The steps in a few words: `step 3`, `steps 2-9`, `steps 2, 4`, `12 steps in 2-90`."""
-        steps = self.steps
-        if not steps:
-            return "no step"
-        if len(steps) == 1:
-            return f"step {steps[0]}"
-        if steps == list(range(steps[0], steps[-1] + 1)):
-            return f"steps {steps[0]}-{steps[-1]}"
-        if len(steps) <= 6:
-            return "steps " + ", ".join(map(str, steps))
-        return f"{len(steps)} steps in {steps[0]}-{steps[-1]}"
-
-    def evidence_text(self) -> str:
-        """The evidence on one line, its steps included."""
-        return "; ".join([*(f"{k}: {v}" for k, v in self.evidence.items()), self.span()])
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out.pop("steps")
-        out["evidence"] = {**self.evidence, "steps": self.steps}
-        return out
 
 
 def diagnose(run: RunData) -> list[Finding]:
     """Every finding the run's measurements support, the costliest first."""
-    checks = (_input_bound, _communication, _data_quality, _non_finite, _loss_spikes)
+    checks = (
+        _input_bound,
+        _communication,
+        _data_quality,
+        _non_finite,
+        _loss_spikes,
+        collapsed_learning_rate,
+        tower_learning_rates,
+    )
     findings = [f for check in checks if (f := check(run)) is not None]
     return sorted(findings, key=lambda f: -f.cost_s)
 
 
-def _steady_rows(run: RunData, key: str) -> list[dict[str, Any]]:
-    """The training rows after the warm-up that carry `key` and a step time."""
-    return [r for r in run.train_rows[WARMUP_STEPS:] if key in r and r.get("step_s")]
-
-
-def _config(run: RunData, section: str, key: str, default: Any) -> Any:
-    return (run.config.get(section) or {}).get(key, default)
-
-
 def _input_bound(run: RunData) -> Finding | None:
-    rows = _steady_rows(run, "data_wait_s")
+    rows = steady_rows(run, "data_wait_s")
     if not rows:
         return None
     shares = [r["data_wait_s"] / r["step_s"] for r in rows]
     share = statistics.fmean(shares)
     if share <= INPUT_BOUND_SHARE:
         return None
-    workers = int(_config(run, "data", "workers", 0))
+    workers = int(config_value(run, "data", "workers", 0))
     evidence = {
         "data_wait_fraction_mean": round(share, 4),
         "data_wait_fraction_max": round(max(shares), 4),
@@ -112,7 +76,7 @@ def _input_bound(run: RunData) -> Finding | None:
 
 
 def _communication(run: RunData) -> Finding | None:
-    rows = _steady_rows(run, "comm_exposed_s")
+    rows = steady_rows(run, "comm_exposed_s")
     if not rows:
         return None
     share = statistics.fmean(r["comm_exposed_s"] / r["step_s"] for r in rows)
@@ -125,8 +89,8 @@ def _communication(run: RunData) -> Finding | None:
         "comm_s_total": round(sum(r["comm_s"] for r in rows), 4),
         "comm_exposed_s_total": round(sum(r["comm_exposed_s"] for r in rows), 4),
         "world_size": world,
-        "train.parallel": _config(run, "train", "parallel", "auto"),
-        "train.sequence_parallel": _config(run, "train", "sequence_parallel", 1),
+        "train.parallel": config_value(run, "train", "parallel", "auto"),
+        "train.sequence_parallel": config_value(run, "train", "sequence_parallel", 1),
     }
     model = run.config.get("model", "MODEL")
     return Finding(
@@ -154,7 +118,7 @@ def _data_quality(run: RunData) -> Finding | None:
         return None
     before = [0, *(int(r["corrupt_samples"]) for r in rows[:-1])]
     steps = [r["step"] for r, b in zip(rows, before, strict=True) if r["corrupt_samples"] > b]
-    sources = _config(run, "data", "train", None) or ["SHARDS"]
+    sources = config_value(run, "data", "train", None) or ["SHARDS"]
     sources = [sources] if isinstance(sources, (str, dict)) else sources
     paths = [s["path"] if isinstance(s, dict) else str(s) for s in sources]  # resolved: dicts
     inspect = " ; ".join(f"mmtrain data inspect {path}" for path in paths)

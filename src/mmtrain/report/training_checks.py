@@ -1,0 +1,138 @@
+"""What the optimiser's numbers say (`mmtrain doctor`): learning rates per tower, and a learning
+rate so large that the model collapsed.
+
+- Per tower: a pretrained vision encoder fine-tuned at the language side's learning rate (or a
+  larger one) forgets what it knew faster than the language side learns to use it. Recipes
+  that unfreeze the vision tower give it a fifth to a tenth of the language model's rate
+  (LLaVA-NeXT / LLaVA-OneVision: `mm_vision_tower_lr` 2e-6 beside 1e-5 to 2e-5). Checked on a
+  vision-language model and on any run that starts from a checkpoint (`init`).
+- Collapse: a CLIP loss over a batch of B pairs is ln B exactly when the model gives every pair
+  the same score, whatever the images and texts (chance). Training leaves that value within a
+  few steps; a loss that sits at it, step after step past the warm-up, is a model whose
+  embeddings collapsed, most often because the learning rate was too large.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from mmtrain.report.finding import Finding, config_value
+from mmtrain.report.rundata import RunData
+from mmtrain.spec import VISION_TOWER
+
+VISION_MODALITIES = ("image", "video")
+VISION_LR_SHARE = 0.1  # the vision tower's rate as a share of the language side's (advice)
+CHANCE_BAND = 0.01  # a loss within 1% of ln B is at chance
+COLLAPSE_STEPS = 10  # steps in a row past the warm-up at chance before doctor calls it collapse
+
+
+def _tower_lr(run: RunData, tower: str) -> float:
+    towers = config_value(run, "train", "towers", {}) or {}
+    own = (towers.get(tower) or {}).get("lr")
+    return float(own if own is not None else config_value(run, "train", "lr", 0.0))
+
+
+def _trainable(run: RunData, tower: str) -> bool:
+    """A tower trains when the optimizer has a group of it (rows log `lr/TOWER/...`)."""
+    last = run.train_rows[-1] if run.train_rows else {}
+    return any(key.startswith(f"lr/{tower}/") for key in last)
+
+
+def _vision_and_language(spec: Any) -> tuple[list[str], list[str]]:
+    vision = [n for n, t in spec.towers.items() if t.modality in VISION_MODALITIES]
+    language = [n for n, t in spec.towers.items() if t.modality == "text"]
+    if getattr(spec, "vision", None) is not None:
+        vision.append(VISION_TOWER)
+    if getattr(spec, "decoder", None) is not None:
+        language.append("text")  # the decoder's name among the towers (models/vlm.py)
+    return vision, language
+
+
+def tower_learning_rates(run: RunData) -> Finding | None:
+    spec, init = run.spec, run.config.get("init")
+    if spec is None or not (init or getattr(spec, "decoder", None) is not None):
+        return None
+    vision, language = _vision_and_language(spec)
+    vision = [n for n in vision if _trainable(run, n)]
+    language = [n for n in language if _trainable(run, n)]
+    if not vision or not language:
+        return None  # a frozen vision tower (or language side) takes no learning rate
+    fastest = max(vision, key=lambda n: _tower_lr(run, n))
+    slowest = min(language, key=lambda n: _tower_lr(run, n))
+    vision_lr, language_lr = _tower_lr(run, fastest), _tower_lr(run, slowest)
+    if vision_lr < language_lr:
+        return None
+    start = "starts from a checkpoint (init)" if init else "is a vision-language model"
+    return Finding(
+        kind="learning_rate",
+        severity="warning",
+        evidence={
+            f"lr of {fastest}": vision_lr,
+            f"lr of {slowest}": language_lr,
+            "init": init,
+        },  # fmt: skip
+        why=(
+            f"the run {start} and trains the vision tower {fastest!r} at {vision_lr:g}, not "
+            f"below the language side's {language_lr:g}: a pretrained encoder at that rate "
+            "forgets its features before the language side learns to use them"
+        ),
+        advice=(
+            f"give the vision tower its own, smaller rate: train.towers.{fastest}.lr="
+            f"{language_lr * VISION_LR_SHARE:.3g} (a tenth of {language_lr:g}; recipes use a "
+            f"fifth to a tenth), or freeze it first: train.towers.{fastest}.freeze=true"
+        ),
+        steps=[run.train_rows[-1]["step"]] if run.train_rows else [],
+    )
+
+
+def _chance_loss(run: RunData) -> float | None:
+    """ln B for a CLIP loss over one pair of towers and no fusion head (nothing else added)."""
+    spec = run.spec
+    if spec is None or spec.objective != "clip" or len(spec.pairs) != 1 or spec.fusion:
+        return None
+    batch = int(config_value(run, "train", "batch_size", 0))
+    return math.log(batch) if batch > 1 else None
+
+
+def collapsed_learning_rate(run: RunData) -> Finding | None:
+    chance = _chance_loss(run)
+    if chance is None:
+        return None
+    warmup = int(config_value(run, "train", "warmup_steps", 0))
+    rows = [r for r in run.train_rows if r["step"] > warmup and math.isfinite(r.get("loss", 0))]
+    at_chance = []  # the trailing rows whose loss sits at chance
+    for row in reversed(rows):
+        if "loss" not in row or abs(row["loss"] - chance) > CHANCE_BAND * chance:
+            break
+        at_chance.append(row)
+    if len(at_chance) < COLLAPSE_STEPS:
+        return None
+    at_chance.reverse()
+    lr = float(config_value(run, "train", "lr", 0.0))
+    clip = config_value(run, "train", "grad_clip", None)
+    clipped = sum(1 for r in rows if clip and r.get("grad_norm", 0.0) > clip)
+    return Finding(
+        kind="learning_rate",
+        severity="error",
+        evidence={
+            "loss_mean": round(sum(r["loss"] for r in at_chance) / len(at_chance), 6),
+            "chance_loss": round(chance, 6),
+            "train.batch_size": int(config_value(run, "train", "batch_size", 0)),
+            "grad_norm_last": run.train_rows[-1].get("grad_norm"),
+            "clipped_steps": clipped,
+            "train.lr": lr,
+            "train.warmup_steps": warmup,
+        },
+        why=(
+            f"the loss sat at ln B = {chance:.4f} (chance: every pair scored the same) for "
+            f"{len(at_chance)} steps after the warm-up: the embeddings collapsed and the steps "
+            "train nothing; a learning rate too large for the model is the usual cause"
+        ),
+        advice=(
+            f"train again with train.lr={lr / 10:.3g} (now {lr:g}) and a longer warm-up "
+            f"(train.warmup_steps={max(2 * warmup, 10)}); keep train.grad_clip on"
+        ),
+        cost_s=sum(r.get("step_s", 0.0) for r in at_chance),
+        steps=[r["step"] for r in at_chance],
+    )
