@@ -113,7 +113,7 @@ def test_unreadable_samples_are_a_data_quality_finding(tmp_path):
 
 def test_a_too_large_learning_rate_collapses_the_loss_to_chance(tmp_path, shards):
     """At train.lr=1 the micro CLIP's embeddings collapse within the warm-up: every pair gets
-    the same score and the loss sits at ln 8 (batch 8) to within 1e-4 from then on."""
+    the same score and the loss sits at ln 8 (batch 8) to within 1e-3 from step 3 on."""
     run, _ = _run(tmp_path, shards, train={"steps": 16, "lr": 1.0, "warmup_steps": 2},
                   checkpoint={"every_steps": 100})  # fmt: skip
     (finding,) = [f for f in diagnose(run) if f.kind == "learning_rate"]
@@ -135,6 +135,23 @@ def test_a_vision_tower_fine_tuned_at_the_text_rate_is_named(tmp_path, shards):
     slower, _ = _run(tmp_path / "slower", shards, train={"steps": 2, "towers": {"image": {"lr": 2e-4}}},
                      init=base)  # fmt: skip
     assert not [f for f in diagnose(slower) if f.kind == "learning_rate"]
+
+
+def test_fp16_overflows_are_a_precision_finding_that_bf16_fixes(tmp_path, shards):
+    """Inputs scaled by 1e5 at steps 4 and 8 (`guards.inject_overflow_steps`) pass 65504 in
+    fp16: the scaler skips both steps and halves its scale twice. The same run in bf16, the
+    change doctor gives, trains every step."""
+    sections = {"guards": {"inject_overflow_steps": [4, 8]}, "checkpoint": {"every_steps": 100}}
+    run, result = _run(tmp_path / "fp16", shards, train={"steps": 10, "precision": "fp16"},
+                       **sections)  # fmt: skip
+    assert result.skipped_steps == 2
+    (finding,) = [f for f in diagnose(run) if f.kind == "precision"]
+    assert finding.steps == [4, 8] and "train.precision=bf16" in finding.advice
+    assert finding.evidence["loss_scale_min"] == 2.0**16 / 4  # halved at each overflow
+    run, result = _run(tmp_path / "bf16", shards, train={"steps": 10, "precision": "bf16"},
+                       **sections)  # fmt: skip
+    assert result.skipped_steps == 0
+    assert not [f for f in diagnose(run) if f.kind in ("precision", "non_finite")]
 
 
 def test_a_slow_decoder_is_an_input_bound_run(tmp_path, shards, monkeypatch, capsys):

@@ -265,6 +265,8 @@ class GuardConfig:
     # Fault injection (tests, issue 7's suite): at these steps the first micro-batch's float
     # inputs are overwritten with NaN, once per step number per process. Leave empty.
     inject_nan_steps: list[int] = field(default_factory=list)
+    # ... or multiplied by 1e5: finite in fp32 and bf16, past fp16's range (an fp16 overflow).
+    inject_overflow_steps: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -17,7 +17,11 @@ import statistics
 from mmtrain.plan.comm import COMM_SHARE_LIMIT
 from mmtrain.report.finding import Finding, config_value, steady_rows
 from mmtrain.report.rundata import RunData
-from mmtrain.report.training_checks import collapsed_learning_rate, tower_learning_rates
+from mmtrain.report.training_checks import (
+    collapsed_learning_rate,
+    precision,
+    tower_learning_rates,
+)
 
 INPUT_BOUND_SHARE = 0.3  # mean data-wait share of a step above which the input pipeline binds
 # (communication: plan/comm.py's COMM_SHARE_LIMIT, the threshold the run warns at)
@@ -34,6 +38,7 @@ def diagnose(run: RunData) -> list[Finding]:
         _loss_spikes,
         collapsed_learning_rate,
         tower_learning_rates,
+        precision,
     )
     findings = [f for check in checks if (f := check(run)) is not None]
     return sorted(findings, key=lambda f: -f.cost_s)

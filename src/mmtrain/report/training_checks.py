@@ -1,5 +1,5 @@
-"""What the optimiser's numbers say (`mmtrain doctor`): learning rates per tower, and a learning
-rate so large that the model collapsed.
+"""What the optimiser's numbers say (`mmtrain doctor`): learning rates per tower, a learning
+rate so large that the model collapsed, and a precision whose range the run overflows.
 
 - Per tower: a pretrained vision encoder fine-tuned at the language side's learning rate (or a
   larger one) forgets what it knew faster than the language side learns to use it. Recipes
@@ -10,6 +10,8 @@ rate so large that the model collapsed.
   the same score, whatever the images and texts (chance). Training leaves that value within a
   few steps; a loss that sits at it, step after step past the warm-up, is a model whose
   embeddings collapsed, most often because the learning rate was too large.
+- Precision: fp16 overflows past 65504 (the loss scaler skips the step and halves its scale),
+  fp8 past its scaled range; bf16 has fp32's exponent range and does not.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ VISION_MODALITIES = ("image", "video")
 VISION_LR_SHARE = 0.1  # the vision tower's rate as a share of the language side's (advice)
 CHANCE_BAND = 0.01  # a loss within 1% of ln B is at chance
 COLLAPSE_STEPS = 10  # steps in a row past the warm-up at chance before doctor calls it collapse
+LOW_PRECISION = ("fp16", "fp8")
+# GradScaler doubles its scale after 2000 clean steps and halves it on an overflow, so a healthy
+# fp16 run skips about one step in 2000; skips above 1 in 100 are a range the format lacks, and
+# a scale under 1 means even unscaled gradients do not fit.
+SKIP_SHARE = 0.01
+SCALE_FLOOR = 1.0
 
 
 def _tower_lr(run: RunData, tower: str) -> float:
@@ -135,4 +143,63 @@ def collapsed_learning_rate(run: RunData) -> Finding | None:
         ),
         cost_s=sum(r.get("step_s", 0.0) for r in at_chance),
         steps=[r["step"] for r in at_chance],
+    )
+
+
+def _skipped_steps(run: RunData) -> list[int]:
+    """The steps whose row counts one more skipped step than the row before."""
+    steps, before = [], 0
+    for row in run.train_rows:
+        count = int(row.get("skipped_steps", before))
+        if count > before:
+            steps.append(row["step"])
+        before = count
+    return steps
+
+
+def _past_settling(steps: list[int]) -> list[int]:
+    """Skips after the first step that trained: the loss scale starts at 2^16 and halves on
+    each overflow until the gradients fit, so a leading run of skips is the scaler settling."""
+    settling = 0
+    while settling < len(steps) and steps[settling] == settling + 1:
+        settling += 1
+    return steps[settling:]
+
+
+def precision(run: RunData) -> Finding | None:
+    mode = config_value(run, "train", "precision", "fp32")
+    if mode not in LOW_PRECISION:
+        return None
+    skipped = _skipped_steps(run)
+    skipped = _past_settling(skipped) if mode == "fp16" else skipped
+    scales = [r["loss_scale"] for r in run.train_rows if "loss_scale" in r]
+    collapsed = bool(scales) and min(scales) < SCALE_FLOOR
+    steps = len(run.train_rows)
+    if not collapsed and (not skipped or len(skipped) <= SKIP_SHARE * steps):
+        return None
+    evidence: dict[str, Any] = {"train.precision": mode, "skipped_steps": len(skipped),
+                                "skipped_fraction": round(len(skipped) / max(steps, 1), 4)}  # fmt: skip
+    if scales:
+        evidence |= {"loss_scale_min": min(scales), "loss_scale_last": scales[-1]}
+    why = (
+        f"{len(skipped)} of {steps} steps were not finite in {mode} and trained nothing: values "
+        "past the format's range (fp16's largest is 65504)"
+    )
+    if scales:
+        why += f"; the loss scale fell to {min(scales):g}"
+    advice = (
+        "train.precision=bf16 (fp32's exponent range, no loss scaling)"
+        if mode == "fp16"
+        else "keep the layers that overflow out of fp8: train.fp8_keep_bf16=[NAME, ...] "
+        "(module-name fragments, e.g. the first and last blocks), or train.precision=bf16"
+    )
+    step_s = [r["step_s"] for r in run.train_rows if r.get("step_s")]
+    return Finding(
+        kind="precision",
+        severity="error" if collapsed else "warning",
+        evidence=evidence,
+        why=why,
+        advice=advice,
+        cost_s=len(skipped) * (sum(step_s) / len(step_s) if step_s else 0.0),
+        steps=skipped,
     )

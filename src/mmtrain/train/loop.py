@@ -68,7 +68,7 @@ from mmtrain.train.rng import restore_rank_rng_state, seed_everything
 from mmtrain.train.sequence_parallel import apply_sequence_parallel, unsplit
 from mmtrain.train.signals import StopOnSignal
 from mmtrain.train.state import TrainState
-from mmtrain.train.step import forward_backward, inject_nan, move_batch, optimizer_step
+from mmtrain.train.step import forward_backward, inject_fault, move_batch, optimizer_step
 from mmtrain.train.validator import Validator
 
 __all__ = ["TrainResult", "Trainer", "forward_backward", "optimizer_step", "train"]
@@ -311,9 +311,12 @@ class Trainer:
         dtype = self.precision.param_dtype
         micro_batches = [move_batch(b, self.env.device, dtype, self.pixels) for b in micro_batches]
         step = self.state.step + 1
-        if step in self.config.guards.inject_nan_steps and step not in self.injected:
-            self.injected.add(step)
-            inject_nan(micro_batches[0])
+        guards = self.config.guards
+        faults = {"nan": guards.inject_nan_steps, "overflow": guards.inject_overflow_steps}
+        for fault, steps in faults.items():
+            if step in steps and step not in self.injected:
+                self.injected.add(step)
+                inject_fault(micro_batches[0], fault)
         return micro_batches, keys, flops
 
     def _record(self, step_spec, loss, parts, norm, times, comm_times, flops, keys) -> None:

@@ -148,9 +148,15 @@ def move_batch(
     return {name: move(name, value) for name, value in batch.items()}
 
 
-def inject_nan(batch: dict[str, torch.Tensor]) -> None:
-    """Fault injection (`guards.inject_nan_steps`): overwrite the float inputs with NaN."""
+OVERFLOW_FACTOR = 1e5  # inputs of a few units become ~1e5: finite in fp32/bf16, not in fp16
+
+
+def inject_fault(batch: dict[str, torch.Tensor], fault: str) -> None:
+    """Fault injection (`guards.inject_nan_steps`, `guards.inject_overflow_steps`): overwrite
+    the float inputs with NaN, or scale them past fp16's range (65504) but not bf16's."""
     for name, value in batch.items():
         if name != LABEL_KEY and isinstance(value, torch.Tensor) and value.is_floating_point():
-            batch[name] = torch.full_like(value, math.nan)
-    log.warning("fault injection: NaN inputs in this step's first micro-batch")
+            batch[name] = (
+                torch.full_like(value, math.nan) if fault == "nan" else value * OVERFLOW_FACTOR
+            )
+    log.warning("fault injection: %s inputs in this step's first micro-batch", fault)
