@@ -13,17 +13,21 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
+import statistics
 import time
 
 import pytest
 import yaml
 
+from dist_helpers import run_distributed
 from micro import MICRO_SPEC, make_shards, micro_run
 from mmtrain.cli import main
 from mmtrain.data.stream.transforms import ImageTransform
 from mmtrain.report import build_report
 from mmtrain.report.doctor import INPUT_BOUND_SHARE, diagnose
 from mmtrain.report.rundata import load_run
+from mmtrain.report.scaling import SCALING_EFFICIENCY, scaling
 from mmtrain.train.loop import train
 
 
@@ -175,3 +179,67 @@ def test_a_slow_decoder_is_an_input_bound_run(tmp_path, shards, monkeypatch, cap
     assert finding.evidence["data.workers"] == 0
     assert "data.workers=2" in finding.advice
     assert finding.cost_s >= 2 * 8 * 0.05  # 8 images a step slept at least this long
+
+
+def _train_with_slow_gathers(rank: int, world: int, config) -> int:
+    """Train with every all-gather 100 ms late (a slow link between the ranks)."""
+    import torch.distributed as dist
+
+    gather = dist.all_gather
+
+    def slow(*args, **kwargs):
+        time.sleep(0.1)
+        return gather(*args, **kwargs)
+
+    dist.all_gather = slow  # the contrastive loss gathers the batch's features through it
+    return len(train(config).history)
+
+
+def _per_rank_throughput(run) -> float:
+    """What doctor compares, from the rows: the median samples/s after step 1, per rank."""
+    rows = [r for r in run.train_rows if r["step"] > 1]
+    return (
+        statistics.median(r["samples_per_s"] for r in rows) / run.events["layout"][-1]["world_size"]
+    )
+
+
+@pytest.mark.slow
+def test_two_ranks_slowed_by_their_gathers_are_a_scaling_finding(tmp_path, shards, capsys):
+    """The same config on 1 and on 2 ranks (gloo) whose feature all-gathers wait 100 ms: each
+    step of 2 ranks waits >= 0.2 s against ~0.02 s of computing, so each rank trains a small part
+    of what one rank alone does, whatever the load; doctor says so and names communication."""
+    sections = {"train": {"steps": 6}, "metrics": {"comm_timing": True, "tensorboard": False}}
+    train(micro_run(tmp_path / "one", shards, **sections))
+    config = micro_run(tmp_path / "two", shards, **sections)
+    assert run_distributed(_train_with_slow_gathers, world_size=2, args=(config,)) == [6, 6]
+    one, two = load_run(tmp_path / "one" / "run"), load_run(tmp_path / "two" / "run")
+    finding = scaling([two, one])  # any order: the fewest ranks are the base
+    expected = _per_rank_throughput(two) / _per_rank_throughput(one)
+    assert finding.kind == "scaling" and finding.steps == [2, 3, 4, 5, 6]
+    assert finding.evidence["world_size"] == [1, 2]
+    assert finding.evidence["scaling_efficiency"][0] == 1.0
+    assert finding.evidence["scaling_efficiency"][1] == pytest.approx(expected, abs=5e-5)
+    assert expected < SCALING_EFFICIENCY
+    comm = finding.evidence["comm_exposed_fraction_mean"]
+    assert comm[0] == 0.0 and comm[1] > 0.5  # one rank has nothing to wait for
+    assert "--gpus 2 --recommend" in finding.advice and "communication" in finding.advice
+    # the command: the scaling finding, then each run's own
+    assert main(["doctor", str(tmp_path / "one" / "run"), str(tmp_path / "two" / "run"),
+                 "--json"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert [f["kind"] for f in out["findings"]] == ["scaling"]
+    assert out["findings"][0]["evidence"]["steps"] == [2, 3, 4, 5, 6]
+    assert "communication" in [
+        f["kind"] for f in out["runs"][str(tmp_path / "two" / "run")]["findings"]
+    ]
+    # runs that cannot be compared are refused, naming the run and what differs
+    assert main(["doctor", str(tmp_path / "one" / "run"), str(tmp_path / "one" / "run")]) == 2
+    assert "all 2 runs have 1 ranks" in capsys.readouterr().err
+    other = tmp_path / "fp16"
+    shutil.copytree(tmp_path / "one" / "run", other)
+    resolved = yaml.safe_load((other / "config.yaml").read_text())
+    resolved["train"]["precision"] = "fp16"
+    (other / "config.yaml").write_text(yaml.safe_dump(resolved))
+    assert main(["doctor", str(other), str(tmp_path / "two" / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'two' / 'run'}: another train.precision than {other}" in err

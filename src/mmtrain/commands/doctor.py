@@ -1,4 +1,5 @@
-"""`mmtrain doctor RUN_DIR [--json]`: what a run's measurements say is wrong, and what to change."""
+"""`mmtrain doctor RUN_DIR [RUN_DIR ...] [--json]`: what a run's measurements say is wrong, and
+what to change; given runs of one config at different GPU counts, also how well it scales."""
 
 from __future__ import annotations
 
@@ -19,34 +20,69 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Read RUN_DIR's metrics and say what is wrong, costliest first: each finding with "
             "its evidence (metric, value, steps), why it matters and the change to make (a "
             "config key and value, or a command). Checks: input-bound steps, exposed "
-            "communication, undecodable samples, non-finite steps and loss spikes with their batches' sample keys. "
-            "A healthy run gets no finding."
+            "communication, undecodable samples, non-finite steps and loss spikes with their "
+            "batches' sample keys, learning rates, fp16/fp8 overflows. Several RUN_DIRs of one "
+            "config at different GPU counts add their scaling efficiency (per-rank throughput "
+            "against the run with the fewest ranks). A healthy run gets no finding."
         ),
     )
-    p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (`out` of mmtrain train)")
-    p.add_argument("--json", action="store_true", help='print {"findings": [...]}')
+    p.add_argument(
+        "run_dirs",
+        metavar="RUN_DIR",
+        nargs="+",
+        help="the run folder (`out` of mmtrain train); several: one config at several GPU counts",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"findings": [...]}; several runs: the scaling finding there, and '
+        '{"runs": {RUN_DIR: {"findings": [...]}}}',
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from mmtrain.report.doctor import diagnose
     from mmtrain.report.rundata import load_run
+    from mmtrain.report.scaling import ScalingInputError, scaling
 
-    run_dir = Path(args.run_dir)
-    if not run_dir.is_dir():
-        raise UsageError(f"{run_dir}: not a folder (give the `out` folder of a training run)")
-    data = load_run(run_dir)
-    findings = diagnose(data)
+    for run_dir in map(Path, args.run_dirs):
+        if not run_dir.is_dir():
+            raise UsageError(f"{run_dir}: not a folder (give the `out` folder of a training run)")
+    runs = [load_run(run_dir) for run_dir in args.run_dirs]
+    together = []
+    if len(runs) > 1:
+        try:
+            together = [f for f in [scaling(runs)] if f is not None]
+        except ScalingInputError as err:
+            raise UsageError(str(err)) from None
+    each = {str(run.run_dir): diagnose(run) for run in runs}
     if args.json:
-        print(json.dumps({"findings": [f.to_dict() for f in findings]}, indent=1))
+        per_run = {name: {"findings": [f.to_dict() for f in v]} for name, v in each.items()}
+        if len(runs) == 1:
+            out = next(iter(per_run.values()))
+        else:
+            out = {"findings": [f.to_dict() for f in together], "runs": per_run}
+        print(json.dumps(out, indent=1))
         return 0
-    if not data.train_rows:
-        print(f"{run_dir}: no training steps recorded yet")
-    elif not findings:
-        print(f"{run_dir}: no finding in {len(data.train_rows)} steps")
+    if len(runs) > 1:
+        print(f"across {len(runs)} runs: " + ("scaling" if together else "no scaling finding"))
+        _print(together)
+    for run in runs:
+        findings = each[str(run.run_dir)]
+        if not run.train_rows:
+            print(f"{run.run_dir}: no training steps recorded yet")
+        elif not findings:
+            print(f"{run.run_dir}: no finding in {len(run.train_rows)} steps")
+        elif len(runs) > 1:
+            print(f"{run.run_dir}:")
+        _print(findings)
+    return 0
+
+
+def _print(findings: list) -> None:
     for i, finding in enumerate(findings, 1):
         print(f"{i}. [{finding.severity}] {finding.kind} ({finding.span()}): {finding.why}")
         for name, value in finding.evidence.items():
             print(f"     {name}: {value}")
         print(f"   change: {finding.advice}")
-    return 0
