@@ -21,9 +21,10 @@ def register(sub: argparse._SubParsersAction) -> None:
             "its evidence (metric, value, steps), why it matters and the change to make (a "
             "config key and value, or a command). Checks: input-bound steps, exposed "
             "communication, undecodable samples, non-finite steps and loss spikes with their "
-            "batches' sample keys, learning rates, fp16/fp8 overflows. Several RUN_DIRs of one "
-            "config at different GPU counts add their scaling efficiency (per-rank throughput "
-            "against the run with the fewest ranks). A healthy run gets no finding."
+            "batches' sample keys, learning rates, fp16/fp8 overflows, MFU under half the "
+            "planner's figure. Several RUN_DIRs of one config at different GPU counts add "
+            "their scaling efficiency (per-rank throughput against the run with the fewest "
+            "ranks). A healthy run gets no finding."
         ),
     )
     p.add_argument(

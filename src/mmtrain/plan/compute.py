@@ -174,6 +174,11 @@ def workload_family(model: PlanModel) -> str:
     return "contrastive" if model.pairs else "encoder"
 
 
+def published_mfu(model: PlanModel) -> PublishedMfu:
+    """The published MFU figure `model`'s workload family stands on (llm's for the unsourced)."""
+    return PUBLISHED[_FIGURE[workload_family(model)]]
+
+
 @lru_cache(maxsize=8)
 def recompute_ratio(figure: str) -> float:
     """Hardware over model FLOPs of a published run, as the planner counts its recipe."""

@@ -26,6 +26,10 @@ from mmtrain.report.training_checks import (
 INPUT_BOUND_SHARE = 0.3  # mean data-wait share of a step above which the input pipeline binds
 # (communication: plan/comm.py's COMM_SHARE_LIMIT, the threshold the run warns at)
 CORRUPT_SHARE = 0.01  # unreadable samples above 1 in 100: the shards, not bad luck
+# MFU under half what the planner expects of the workload on the device: the step spends its
+# time on something other than the model's matmuls (the planner's figures are midpoints of
+# published ranges; a run within a factor of two of one is not where the time goes)
+MFU_SHARE = 0.5
 
 
 def diagnose(run: RunData) -> list[Finding]:
@@ -33,6 +37,7 @@ def diagnose(run: RunData) -> list[Finding]:
     checks = (
         _input_bound,
         _communication,
+        _mfu,
         _data_quality,
         _non_finite,
         _loss_spikes,
@@ -111,6 +116,60 @@ def _communication(run: RunData) -> Finding | None:
         cost_s=evidence["comm_exposed_s_total"],
         steps=[r["step"] for r in rows],
     )
+
+
+def _mfu(run: RunData) -> Finding | None:
+    rows = steady_rows(run, "mfu")
+    achievable = run.plan.get("achievable_mfu")
+    if not rows or not achievable:
+        return None
+    mfu = statistics.median(r["mfu"] for r in rows)
+    if mfu >= MFU_SHARE * achievable:
+        return None
+    split = {
+        name: round(statistics.fmean(r[key] / r["step_s"] for r in rows if key in r), 4)
+        for name, key in (("data_wait_fraction_mean", "data_wait_s"),
+                          ("comm_exposed_fraction_mean", "comm_exposed_s"),
+                          ("optimizer_fraction_mean", "optimizer_s"))
+        if any(key in r for r in rows)
+    }  # fmt: skip
+    evidence = {
+        "mfu_median": round(mfu, 4),
+        "achievable_mfu": round(achievable, 4),
+        "efficiency_family": run.plan.get("efficiency_family"),
+        **split,
+        "train.compile": bool(config_value(run, "train", "compile", False)),
+        "micro_batch": run.plan.get("micro_batch"),
+    }
+    return Finding(
+        kind="mfu",
+        severity="warning",
+        evidence=evidence,
+        why=(
+            f"the model's FLOPs ran at {mfu:.1%} of the device's peak, under half the "
+            f"{achievable:.1%} the planner expects of a {evidence['efficiency_family']} run "
+            "(plan/compute.py): the step spends most of its time on something else"
+        ),
+        advice=_mfu_advice(evidence),
+        cost_s=(1.0 - mfu / achievable) * sum(r["step_s"] for r in rows),
+        steps=[r["step"] for r in rows],
+    )
+
+
+def _mfu_advice(evidence: dict) -> str:
+    """The changes the evidence calls for, in the order of the time they win back."""
+    changes = []
+    if evidence.get("data_wait_fraction_mean", 0.0) > INPUT_BOUND_SHARE:
+        changes.append("feed the step (the input_bound finding): it waits for data")
+    if evidence.get("comm_exposed_fraction_mean", 0.0) > COMM_SHARE_LIMIT:
+        changes.append("hide the communication (the communication finding)")
+    if not evidence["train.compile"]:
+        changes.append("compile the towers: train.compile=true (fuses the small kernels "
+                       "between the matmuls)")  # fmt: skip
+    larger = 2 * (evidence["micro_batch"] or 1)
+    changes.append(f"if memory allows, train.micro_batch={larger} (small matrices leave the "
+                   "cores idle)")  # fmt: skip
+    return "; then ".join(changes)
 
 
 def _data_quality(run: RunData) -> Finding | None:

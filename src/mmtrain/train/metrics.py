@@ -132,6 +132,16 @@ def detect_peak_flops(device: torch.device, precision: str) -> float | None:
     The catalog knows the names as the driver prints them (`NVIDIA H100 80GB HBM3`); a MIG
     instance gets its share of the GPU's peak. fp8 runs report MFU against the bf16 peak, the
     convention of torchtitan and of published fp8 runs (not every matmul is fp8)."""
+    found = _catalog_gpu(device)
+    if found is None:
+        return None
+    gpu, share = found
+    return gpu.peak_flops("bf16" if precision == "fp8" else precision) * share
+
+
+def _catalog_gpu(device: torch.device) -> tuple[Any, float] | None:
+    """The catalog's GPU for `device` and the share of it this process has (MIG), or None on a
+    CPU or a GPU the catalog does not know."""
     if device.type != "cuda":
         return None
     from mmtrain.hardware import default_catalog
@@ -139,8 +149,7 @@ def detect_peak_flops(device: torch.device, precision: str) -> float | None:
 
     name = torch.cuda.get_device_name(device)
     try:
-        gpu, share = default_catalog().resolve_device(name)
-        return gpu.peak_flops("bf16" if precision == "fp8" else precision) * share
+        return default_catalog().resolve_device(name)
     except FieldError as err:
         log.info(
             "no peak FLOP/s for %r (%s): MFU not reported (set metrics.peak_tflops)", name, err
@@ -306,6 +315,34 @@ def planned_memory(
         "recompute": list(recompute),
         "state_convention": convention,
         "notes": list(plan_model.notes),
+        **_planned_mfu(plan_model, cfg, recomputes=bool(recompute), device=device),
+    }
+
+
+def _planned_mfu(plan_model: Any, cfg: Any, *, recomputes: bool, device: torch.device) -> dict:
+    """The MFU the planner expects of this run's workload (`mmtrain doctor` sets the measured
+    one beside it). On a GPU of the catalog: plan/compute.py's achievable fraction of peak for
+    the workload family, times model over hardware FLOPs (MFU does not count what activation
+    checkpointing recomputes; any recomputed tower is planned as full recompute, the lower
+    figure). Elsewhere (a CPU or a GPU the catalog lacks, where MFU needs
+    metrics.peak_tflops): the family's published MFU as it is, a share of its GPU's peak."""
+    from mmtrain.plan.compute import efficiency, flops_per_sample, published_mfu, workload_family
+
+    found = _catalog_gpu(device)
+    if found is None:
+        figure = published_mfu(plan_model)
+        return {
+            "achievable_mfu": figure.point,
+            "efficiency_family": workload_family(plan_model),
+            "efficiency_source": f"{figure.source}; the published figure as it is (a device "
+            "the catalog does not know)",
+        }
+    model_flops, hardware_flops = flops_per_sample(plan_model, "full" if recomputes else "none")
+    achievable = efficiency(plan_model, found[0], cfg)
+    return {
+        "achievable_mfu": achievable.fraction * model_flops / hardware_flops,
+        "efficiency_family": achievable.family,
+        "efficiency_source": achievable.source,
     }
 
 
