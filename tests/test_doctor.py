@@ -276,3 +276,17 @@ def test_a_model_too_small_for_its_device_is_an_mfu_finding(tmp_path, shards):
     waits = finding.evidence["data_wait_fraction_mean"] > INPUT_BOUND_SHARE
     assert finding.advice.startswith("feed the step") == waits
     assert "train.compile=true" in finding.advice and "train.micro_batch=16" in finding.advice
+
+
+def test_gradients_clipped_in_most_later_steps_are_named(tmp_path, shards):
+    """The micro CLIP's gradient norm settles near 0.5 by step 10 (from ~20 at step 1): with
+    train.grad_clip=0.05 every later step is clipped; the wider model's norms settle under
+    0.5, well inside the default clip of 1, and its later steps clip none."""
+    run, _ = _run(tmp_path / "tight", shards, train={"steps": 16, "grad_clip": 0.05})
+    (finding,) = [f for f in diagnose(run) if f.kind == "learning_rate"]
+    later = run.train_rows[8:]
+    assert finding.steps == [r["step"] for r in later if r["grad_norm"] > 0.05]
+    assert finding.evidence["clipped_steps"] > 4 and finding.evidence["steps_judged"] == 8
+    assert "train.lr=0.000667" in finding.advice and "train.grad_clip" in finding.advice
+    run, _ = _run(tmp_path / "default", shards, spec=_computing_spec(), train={"steps": 16})
+    assert not [f for f in diagnose(run) if f.kind == "learning_rate"]

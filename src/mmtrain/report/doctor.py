@@ -18,6 +18,7 @@ from mmtrain.plan.comm import COMM_SHARE_LIMIT
 from mmtrain.report.finding import Finding, config_value, steady_rows
 from mmtrain.report.rundata import RunData
 from mmtrain.report.training_checks import (
+    clipped_gradients,
     collapsed_learning_rate,
     precision,
     tower_learning_rates,
@@ -42,6 +43,7 @@ def diagnose(run: RunData) -> list[Finding]:
         _non_finite,
         _loss_spikes,
         collapsed_learning_rate,
+        clipped_gradients,
         tower_learning_rates,
         precision,
     )

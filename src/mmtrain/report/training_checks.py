@@ -10,6 +10,9 @@ rate so large that the model collapsed, and a precision whose range the run over
   the same score, whatever the images and texts (chance). Training leaves that value within a
   few steps; a loss that sits at it, step after step past the warm-up, is a model whose
   embeddings collapsed, most often because the learning rate was too large.
+- Clipping: the gradient norm above `train.grad_clip` in most of the later half of the steps:
+  the clip, not the learning rate, sets the update, and the learning rate is too large for
+  the model (or the clip too tight).
 - Precision: fp16 overflows past 65504 (the loss scaler skips the step and halves its scale),
   fp8 past its scaled range; bf16 has fp32's exponent range and does not.
 """
@@ -33,6 +36,11 @@ LOW_PRECISION = ("fp16", "fp8")
 # a scale under 1 means even unscaled gradients do not fit.
 SKIP_SHARE = 0.01
 SCALE_FLOOR = 1.0
+# Gradient clipping: early steps of a run from scratch exceed the clip as a rule (norms fall by
+# an order of magnitude over the first hundreds of steps); a run whose later half still clips
+# most steps trains at the clip's step size, not at the learning rate it was given.
+CLIP_WINDOW = 8  # steps of the run's later half, at least, before clipping is judged
+CLIPPED_SHARE = 0.5
 
 
 def _tower_lr(run: RunData, tower: str) -> float:
@@ -143,6 +151,41 @@ def collapsed_learning_rate(run: RunData) -> Finding | None:
         ),
         cost_s=sum(r.get("step_s", 0.0) for r in at_chance),
         steps=[r["step"] for r in at_chance],
+    )
+
+
+def clipped_gradients(run: RunData) -> Finding | None:
+    clip = config_value(run, "train", "grad_clip", None)
+    rows = [r for r in run.train_rows if math.isfinite(r.get("grad_norm", math.nan))]
+    later = rows[len(rows) // 2 :]
+    if not clip or len(later) < CLIP_WINDOW or collapsed_learning_rate(run) is not None:
+        return None  # a collapsed run's finding counts its clipped steps already
+    clipped = [r for r in later if r["grad_norm"] > clip]
+    if len(clipped) <= CLIPPED_SHARE * len(later):
+        return None
+    lr = float(config_value(run, "train", "lr", 0.0))
+    norms = sorted(r["grad_norm"] for r in later)
+    return Finding(
+        kind="learning_rate",
+        severity="warning",
+        evidence={
+            "clipped_steps": len(clipped),
+            "steps_judged": len(later),
+            "grad_norm_median": round(norms[len(norms) // 2], 6),
+            "train.grad_clip": clip,
+            "train.lr": lr,
+        },
+        why=(
+            f"the gradient norm exceeded train.grad_clip={clip:g} in {len(clipped)} of the "
+            f"last {len(later)} steps: the clip, not the learning rate, sets each update, and "
+            "the run trains slower and less stably than its learning rate says"
+        ),
+        advice=(
+            f"lower the learning rate: train.lr={lr / 3:.3g} (now {lr:g}); a clip below the "
+            f"settled norm ({norms[len(norms) // 2]:.3g}) is too tight: raise train.grad_clip"
+        ),
+        cost_s=0.0,  # costs progress, not step time: listed after the step-time findings
+        steps=[r["step"] for r in clipped],
     )
 
 
