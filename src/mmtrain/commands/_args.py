@@ -7,6 +7,9 @@ typo, and is refused with the flag's name rather than rounded.
 
 `bucket_shapes` and `sample_size` read a denoiser's sample sizes as `data.buckets` writes them:
 `HxW`, or `TxHxW` for a clip.
+
+`add_ownership_arguments` and `ownership_given` are the rent-or-buy prices that
+`mmtrain plan --own` and `mmtrain report` both take (plan/ownership.py).
 """
 
 from __future__ import annotations
@@ -64,3 +67,42 @@ def sample_size(text: str) -> tuple[int, ...]:
     if len(shapes) != 1:
         raise argparse.ArgumentTypeError(f"{text!r}: give one size, HxW or TxHxW")
     return shapes[0]
+
+
+def add_ownership_arguments(group: argparse._ArgumentGroup, *, on_demand: bool) -> None:
+    """The figures plan/ownership.py prices GPU-hours with, shared by `mmtrain plan --own` and
+    `mmtrain report`; `on_demand=False` where the command already has --price-per-gpu-hour.
+    Each dest is a field of ownership.Given (`ownership_given` reads them by name)."""
+    group.add_argument("--currency", default="USD", help="ISO code of every price (default USD)")
+    group.add_argument("--horizon-months", type=float, default=36, help="months compared (36)")
+    default = "; default: the catalog's sourced figure, if any, in USD"
+    money = [
+        ("--monthly-server-price", "one server rented for a month"),
+        ("--purchase-price", "one server bought"),
+        ("--power-price", "one kWh"),
+        ("--hosting-per-kw-month", "colocation per kW of IT load a month, power apart"),
+    ]
+    if on_demand:
+        money.insert(0, ("--price-per-gpu-hour", "one GPU-hour on demand"))
+    for name, what in money:
+        group.add_argument(name, type=float, default=None, help=what + default)
+    for name, what in (
+        ("--depreciation-months", "straight-line depreciation period" + default),
+        ("--residual-value", "share of the purchase price left after depreciation"),
+        ("--pue", "facility power over IT power" + default),
+        ("--staff-fraction", "support and staff a year, as a share of the purchase price"),
+        ("--utilisation", "share of the owned fleet's hours doing useful work, anyone's: the "
+                          "work pays its share"),
+    ):  # fmt: skip
+        group.add_argument(name, type=float, default=None, help=what)
+
+
+def ownership_given(args: argparse.Namespace):
+    """The ownership.Given of the flags above (and of plan's --servers, --deadline-days): the
+    user's figures, None where the catalog's default is to be used."""
+    from dataclasses import fields
+
+    from mmtrain.plan.ownership import Given
+
+    names = [f.name for f in fields(Given)]
+    return Given(**{n: getattr(args, n) for n in names if getattr(args, n, None) is not None})

@@ -12,7 +12,7 @@ import json
 from dataclasses import replace
 
 from mmtrain.cli import UsageError
-from mmtrain.commands._args import count
+from mmtrain.commands._args import add_ownership_arguments, count, ownership_given
 from mmtrain.commands._data_args import add_budget_argument
 from mmtrain.hardware import GIB, PRICE_SOURCE, load_catalog
 from mmtrain.plan.comm import COMM_SHARE_LIMIT
@@ -99,7 +99,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--price-per-gpu-hour",
         type=float,
         default=None,
-        help="USD per GPU-hour (default: the catalog's indicative on-demand list price)",
+        help="USD per GPU-hour, or --currency with --own (default: the catalog's indicative "
+        "on-demand list price)",
     )
     p.add_argument(
         "--mfu",
@@ -256,7 +257,34 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--workloads", default=None, metavar="default|FILE", help="print the workload table"
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_own_arguments(p)
     p.set_defaults(func=run)
+
+
+def _add_own_arguments(p: argparse.ArgumentParser) -> None:
+    """`--own`: rent on demand vs rent servers by the month vs buy (plan/ownership.py). The
+    price flags are shared with `mmtrain report` (_args.add_ownership_arguments)."""
+    g = p.add_argument_group("--own: rent or buy (docs/PLANNER.md, Rent or buy)")
+    g.add_argument(
+        "--own",
+        action="store_true",
+        help="price the plan's GPU-hours on demand, by the month and bought",
+    )
+    g.add_argument(
+        "--projects",
+        default=None,
+        metavar="FILE.yaml",
+        help="with --own: a year's runs (model + samples, or gpu_hours) and inference services",
+    )
+    g.add_argument("--runs-per-year", type=count, default=1, help="repetitions of the run a year")
+    add_ownership_arguments(g, on_demand=False)  # --price-per-gpu-hour is the planner's
+    g.add_argument("--servers", type=count, default=None, help="servers bought (default: enough)")
+    g.add_argument(
+        "--deadline-days",
+        type=float,
+        default=None,
+        help="each training run finishes within this many days",
+    )
 
 
 def _config(args: argparse.Namespace) -> PlanConfig:
@@ -398,6 +426,8 @@ def _tower_counts(args: argparse.Namespace) -> tuple[dict[str, int], dict[str, i
 
 def run(args: argparse.Namespace) -> int:
     catalog = load_catalog(args.hardware)
+    if args.own or args.projects:
+        return _own(args, catalog)
     if args.workloads:
         return _workloads(args, catalog)
     if args.data:
@@ -1002,3 +1032,76 @@ def _workloads(args, catalog) -> int:
     if rows and rows[0][2] is not None:
         console.print(_prices_line(rows[0][2]))
     return 0
+
+
+def _own(args: argparse.Namespace, catalog) -> int:
+    """`--own`: the plan's (or `--projects`') GPU-hours on demand, by the month and bought."""
+    from mmtrain.plan import ownership as own
+
+    gpu, jobs = _own_jobs(args, catalog)
+    given = ownership_given(args)
+    decision = own.compare(jobs, own.resolve_inputs(catalog.gpu(gpu), given), given)
+    if args.json:
+        print(json.dumps(decision.to_dict(), indent=2))
+        return 0
+    _print_own(decision)
+    return 0
+
+
+def _own_jobs(args: argparse.Namespace, catalog) -> tuple[str, tuple]:
+    """(GPU key, the year's jobs): the projects file's, or one run of the usual flags (its
+    GPU-hours are the planner's time to train --samples on --gpus) --runs-per-year times."""
+    from mmtrain.plan import ownership as own
+
+    if args.projects:
+        if args.samples:  # the file says each run's samples; a second source would be ignored
+            raise FieldError("--samples", "with --projects give each run's samples in the file")
+        return own.load_projects(args.projects, args.gpu, catalog)
+    if not args.samples:
+        raise FieldError("--samples", "--own prices the GPU-hours of training N samples: "
+                         "give --samples N (or --projects FILE.yaml)")  # fmt: skip
+    if args.runs_per_year < 1:
+        raise FieldError("--runs-per-year", "must be at least 1")
+    args = replace_gpu(args, args.gpu or "h100")
+    plan = make_plan(_model(args, _visual_inputs(args)), _config(args), catalog)
+    job = own.Job(plan.model.name, args.gpus, own.plan_gpu_hours(plan), args.runs_per_year)
+    return plan.gpu.key, (job,)
+
+
+def _print_own(d) -> None:
+    """The decision as text: the work, the three totals, why the cheapest wins, when buying
+    pays back, and which figures were the catalog's defaults (with the flag to override)."""
+    from mmtrain.plan.ownership import explain
+
+    i = d.inputs
+    print(f"a year on {i.gpu}: " + "; ".join(_job_text(j) for j in d.jobs))
+    print(f"over {i.horizon_months:g} months: {d.useful_gpu_hours:,.0f} useful GPU-hours; "
+          f"bought: {d.servers_owned} x {i.gpus_per_server}-GPU server(s), "
+          f"{d.utilisation:.1%} busy")  # fmt: skip
+    if d.deadline_days:
+        print(f"deadline: each training run within {d.deadline_days:g} days")
+    print(f"  {'option':10} {'total':>18} {'per useful GPU-hour':>20}  deadline")
+    for o in d.options:
+        total = "never" if o.total is None else f"{o.total:,.0f} {i.currency}"
+        per = "never" if o.per_useful_gpu_hour is None else f"{o.per_useful_gpu_hour:,.3f}"
+        late = "-" if not d.deadline_days else ("met" if o.meets_deadline else "missed")
+        print(f"  {o.name:10} {total:>18} {per:>20}  {late}")
+    print(f"cheapest: {d.cheapest or 'none'}")
+    print(f"why: {explain(d)}")
+    be = ", ".join(f"{mode} {'never' if u is None else f'{u:.1%}'}"
+                   for mode, u in d.break_even_utilisation.items())  # fmt: skip
+    print(f"buying breaks even at a utilisation of: {be} (this plan: {d.utilisation:.1%})")
+    for mode, month in d.break_even_month.items():
+        when = "never" if month is None else f"in month {month}"
+        if month is not None and month > i.horizon_months:  # the saving outlives the horizon
+            when += f", after the {i.horizon_months:g}-month horizon"
+        print(f"buying pays back in cash against {mode} for this plan: {when}")
+    print("defaults used (flag to override):" if i.defaults_used else "defaults used: none")
+    for f in i.defaults_used:
+        print(f"  {f.name} = {f.value:g} ({f.flag}): {f.source} [as of {f.as_of}]")
+
+
+def _job_text(j) -> str:
+    if j.service_months:
+        return f"{j.name}: {j.gpus} GPUs x {j.service_months:g} months"
+    return f"{j.name}: {j.gpu_hours:,.0f} GPU-hours on {j.gpus} GPUs x {j.repetitions}"

@@ -4,6 +4,7 @@
         ──plots.make_plots──▶ training charts ─┐
         ──gallery.retrieval_gallery──▶ gallery ─┼─▶ html.render_html ─▶ report.html (+ PNGs)
         ──rundata.summary_rows──▶ summary table ┘
+    ──cost_tables──▶ its GPU-hours priced three ways (plan/ownership.py), when a GPU is named
 
 The HTML is self-contained (PNGs as data URIs, inline CSS, no script), so it opens from disk
 without a server; the same PNGs are written beside it for slides and tickets. Missing parts of a
@@ -19,15 +20,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mmtrain.plan.ownership import Given, GpuHourPrices, price_gpu_hours
 from mmtrain.report.html import Page, Table, render_html
 from mmtrain.report.plots import Plot, make_plots
-from mmtrain.report.rundata import RunData, flatten, load_run, summary_rows
+from mmtrain.report.rundata import (
+    RunData,
+    duration,
+    flatten,
+    load_run,
+    summary_rows,
+    training_seconds,
+)
 
 log = logging.getLogger(__name__)
 
 REPORT_FILE = "report.html"
 
-__all__ = ["REPORT_FILE", "Report", "RunData", "build_report", "load_run"]
+__all__ = ["REPORT_FILE", "Report", "RunData", "build_report", "cost_tables", "load_run"]
 
 
 @dataclass
@@ -38,6 +47,7 @@ class Report:
     pngs: list[Path] = field(default_factory=list)
     plots: list[Plot] = field(default_factory=list)  # drawn or not (then `note` says why)
     notes: list[str] = field(default_factory=list)
+    costs: list[Table] = field(default_factory=list)  # `cost_tables`: [] without a GPU named
 
 
 def build_report(
@@ -46,14 +56,18 @@ def build_report(
     *,
     gallery: bool = True,
     device: str = "cpu",
+    gpu: str | None = None,
+    prices: Given | None = None,
 ) -> Report:
     """Write the report of the run in `run_dir` to `out` (default RUN_DIR/report.html) and each
     chart as `<out stem>_<chart>.png` beside it. `gallery=False` skips the retrieval gallery
-    (which loads the model and embeds validation samples: seconds on a CPU for tiny models)."""
+    (which loads the model and embeds validation samples: seconds on a CPU for tiny models).
+    `gpu` (a catalog name) and `prices` price the run's measured GPU-hours (`cost_tables`)."""
     from mmtrain import __version__
     from mmtrain.atomic import atomic_write_bytes, atomic_write_text
 
     run = load_run(run_dir)
+    costs = cost_tables(run, gpu, prices or Given())  # first: a missing price is bad usage
     html_path = Path(out) if out is not None else run.run_dir / REPORT_FILE
     html_path.parent.mkdir(parents=True, exist_ok=True)
     training = make_plots(run)
@@ -89,7 +103,7 @@ def build_report(
         subtitle=str(run.run_dir.resolve()),
         summary=summary_rows(run),
         diagnosis=diagnosis_table(run),
-        tables=eval_tables(run.eval_report),
+        tables=[*costs, *eval_tables(run.eval_report)],
         sections=sections,
         notes=run.notes,
         footer=f"written by mmtrain {__version__} (mmtrain report); charts also saved as PNG "
@@ -98,7 +112,7 @@ def build_report(
     )
     atomic_write_text(html_path, render_html(page))
     log.debug("report written to %s (%d charts)", html_path, len(pngs))
-    return Report(html=html_path, pngs=pngs, plots=plots, notes=run.notes)
+    return Report(html=html_path, pngs=pngs, plots=plots, notes=run.notes, costs=costs)
 
 
 def sample_grids(run: RunData) -> list[Plot]:
@@ -132,6 +146,72 @@ def diagnosis_table(run: RunData) -> Table | None:
         for f in findings
     ]
     return Table(title, header, rows or [["none", "", "", "", "", ""]], numeric=(5,))
+
+
+def cost_tables(run: RunData, gpu: str | None, given: Given) -> list[Table]:
+    """The run's measured GPU-hours (training time, as the summary counts it, x its ranks)
+    priced on demand, by the month and bought with plan/ownership.py's arithmetic, then the
+    catalog defaults that priced them. Without `gpu`, or before the first step, no table: a
+    note in `run.notes` says why (and which flag to give). A missing or bad price raises
+    FieldError naming its flag."""
+    seconds = training_seconds(run)
+    ranks = run.world_size()
+    hours = (seconds or 0.0) / 3600 * ranks
+    if gpu is None:
+        if seconds is None:  # nothing measured: nothing to say
+            return []
+        run.notes.append(f"cost left out ({_ran_on(run)}, {hours:.3g} device-hours "
+                         "measured): give --gpu NAME and your prices (mmtrain report --help; "
+                         "an error names any the catalog lacks) to price them as on that "
+                         "GPU")  # fmt: skip
+        return []
+    p = price_gpu_hours(hours, gpu, given)  # first: bad prices are errors, steps or none
+    if seconds is None:
+        run.notes.append("cost left out: metrics.jsonl has no step times to price")
+        return []
+    rows = _cost_rows(p)
+    title = (f"Cost of the measured GPU-hours ({p.currency}): {hours:,.2f} GPU-hours = "
+             f"{duration(seconds)} x {ranks} rank(s) on {gpu}, over "
+             f"{given.horizon_months:g} months")  # fmt: skip
+    tables = [Table(title, ["option", "total", "how"], rows, numeric=(1,))]
+    if p.defaults_used:
+        used = [[f.name, f"{f.value:g}", f.flag, f.source, f.as_of] for f in p.defaults_used]
+        header = ["default", "value", "flag to override", "source", "as of"]
+        tables.append(Table("Catalog defaults in the cost", header, used, numeric=(1,)))
+    return tables
+
+
+def _ran_on(run: RunData) -> str:
+    """Where the run trained, from its layout record, with the catalog key for --gpu."""
+    from mmtrain.hardware import default_catalog
+    from mmtrain.structured import FieldError
+
+    layouts = run.events.get("layout", [])
+    device = str(layouts[-1].get("device", "")) if layouts else ""
+    if device in ("", "cpu"):
+        return "a CPU run" if device else "its device not recorded"
+    try:
+        return f"ran on {device}: --gpu {default_catalog().resolve_device(device)[0].key}"
+    except FieldError:
+        return f"ran on {device}, a GPU the catalog lacks"
+
+
+def _cost_rows(p: GpuHourPrices) -> list[list[str]]:
+    """option, total, how: buying is priced only at a given utilisation (the run does not say
+    how busy an owned fleet would be), and always shows where it breaks even."""
+    be = {k: "never" if v is None else f"{v:.1%}" for k, v in p.break_even_utilisation.items()}
+    if p.utilisation is None:
+        buy, how = "-", "give --utilisation (of the owned fleet) to price it"
+    elif p.buy is None:
+        buy, how = "never", "an idle fleet (utilisation 0) never pays for itself"
+    else:
+        buy, how = f"{p.buy:,.2f}", f"at {p.utilisation:.1%} utilisation"
+    how += f"; breaks even with on demand at {be['on_demand']}, monthly at {be['monthly']}"
+    return [
+        ["on_demand", f"{p.on_demand:,.2f}", "each GPU-hour at the hourly price"],
+        ["monthly", f"{p.monthly:,.2f}", "rented servers fully used"],
+        ["buy", buy, how],
+    ]
 
 
 def eval_tables(report: Mapping[str, Any]) -> list[Table]:

@@ -94,8 +94,7 @@ def _communication(run: RunData) -> Finding | None:
     share = statistics.fmean(r["comm_exposed_s"] / r["step_s"] for r in rows)
     if share <= COMM_SHARE_LIMIT:
         return None
-    layouts = run.events.get("layout", [])
-    world = int(layouts[-1]["world_size"]) if layouts else int(run.plan.get("world_size", 1))
+    world = run.world_size()
     evidence = {
         "comm_exposed_fraction_mean": round(share, 4),
         "comm_s_total": round(sum(r["comm_s"] for r in rows), 4),

@@ -66,6 +66,12 @@ class RunData:
                 values.append(float(value))
         return steps, values
 
+    def world_size(self) -> int:
+        """The run's ranks: its newest layout record (each start writes one), else its plan's."""
+        layouts = self.events.get("layout", [])
+        value = (layouts[-1] if layouts else self.plan).get("world_size", 1)
+        return int(value) if _is_number(value) and value >= 1 else 1
+
     def keys(self, prefix: str, rows: list[dict[str, Any]] | None = None) -> list[str]:
         """Keys starting with `prefix` in any training row (or `rows`), in first-seen order."""
         seen: dict[str, None] = {}
@@ -246,10 +252,10 @@ def summary_rows(run: RunData) -> list[tuple[str, str]]:
         first = run.train_rows[0]["loss"]
         rows.append(("final loss", f"{last['loss']:.4f}{extra}; first {first:.4f}"))
     rows += _recall_rows(run)
-    wall = _training_seconds(run)
+    wall = training_seconds(run)
     if wall is not None:
         rows.append(
-            ("training time", f"{_duration(wall)} (sum of step times and checkpoint writes)")
+            ("training time", f"{duration(wall)} (sum of step times and checkpoint writes)")
         )
     _, speeds = run.series("samples_per_s")
     if speeds:
@@ -320,7 +326,7 @@ def eval_label(key: str) -> str:
     return " ".join(f"set {p}" if p.isdigit() else p for p in parts)
 
 
-def _training_seconds(run: RunData) -> float | None:
+def training_seconds(run: RunData) -> float | None:
     _, steps = run.series("step_s")
     if not steps:
         return None
@@ -346,7 +352,7 @@ def _si(count: int) -> str:
     return str(count)
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     seconds = int(round(seconds))
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)

@@ -33,11 +33,6 @@ class ScalingInputError(ValueError):
     """Runs that cannot be compared: another model or precision, or one GPU count for all."""
 
 
-def world_size(run: RunData) -> int:
-    layouts = run.events.get("layout", [])
-    return int(layouts[-1]["world_size"]) if layouts else 1
-
-
 def _share(run: RunData, key: str) -> float:
     rows = steady_rows(run, key)
     return statistics.fmean(r[key] / r["step_s"] for r in rows) if rows else 0.0
@@ -56,9 +51,9 @@ def _same_config(runs: Sequence[RunData]) -> None:
                     f"{run.run_dir}: another {what} than {first.run_dir}; scaling compares "
                     "runs of one config at different GPU counts"
                 )
-    if len({world_size(r) for r in runs}) < 2:
+    if len({r.world_size() for r in runs}) < 2:
         raise ScalingInputError(
-            f"all {len(runs)} runs have {world_size(first)} ranks: give runs of the config at "
+            f"all {len(runs)} runs have {first.world_size()} ranks: give runs of the config at "
             "different GPU counts"
         )
 
@@ -73,8 +68,8 @@ def _throughput(run: RunData) -> float:
 def scaling(runs: Sequence[RunData]) -> Finding | None:
     """The scaling finding of runs of one config (any order), or None when it scales."""
     _same_config(runs)
-    runs = sorted(runs, key=world_size)
-    worlds = [world_size(r) for r in runs]
+    runs = sorted(runs, key=RunData.world_size)
+    worlds = [r.world_size() for r in runs]
     per_rank = [_throughput(r) / w for r, w in zip(runs, worlds, strict=True)]
     efficiency = [p / per_rank[0] for p in per_rank]
     if min(efficiency[1:]) >= SCALING_EFFICIENCY:

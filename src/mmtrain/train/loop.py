@@ -239,8 +239,10 @@ class Trainer:
             skipped_before=self.state.skipped,
             on_step=on_step,
         )
+        device = self.env.device  # its model, as the driver names it: the report prices it
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         layout = {"world_size": self.world, "data_ranks": self.data_world,
-                  "sequence_parallel": self.t.sequence_parallel}  # fmt: skip
+                  "sequence_parallel": self.t.sequence_parallel, "device": name}  # fmt: skip
         recorder.record("layout", self.state.step, layout)  # what the run folder cannot say
         if self.t.precision != "fp64":  # the planner knows the training precisions only
             plan = planned_memory(
