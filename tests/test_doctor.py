@@ -102,6 +102,20 @@ def test_a_batch_of_mismatched_pairs_is_a_loss_spike_named_by_its_keys(tmp_path,
     assert "mmtrain data build" in finding.advice
     # 40 steps at a sound learning rate: the loss leaves chance (ln 8) and stays away
     assert not [f for f in diagnose(run) if f.kind == "learning_rate"]
+    # the run's own model scores the planted captions far under the run's other pairs: the
+    # relevance filter it proposes (keeping 95% of the others) drops all of them
+    capsys.readouterr()
+    assert main(["doctor", str(tmp_path / "run"), "--relevance", "--json"]) == 0
+    (spike,) = [f for f in json.loads(capsys.readouterr().out)["findings"]
+                if f["kind"] == "loss_spike"]  # fmt: skip
+    evidence = spike["evidence"]
+    assert evidence["relevance_median_spike"] < evidence["relevance_median_others"]  # ~7 vs ~53
+    assert evidence["samples_below_threshold"] == sorted(planted)
+    threshold = evidence["relevance_threshold"]
+    assert (
+        f"--relevance-model {tmp_path / 'run'} --relevance-threshold {threshold:.1f}"
+        in (spike["advice"])
+    )
 
 
 def test_unreadable_samples_are_a_data_quality_finding(tmp_path):

@@ -39,6 +39,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help='print {"findings": [...]}; several runs: the scaling finding there, and '
         '{"runs": {RUN_DIR: {"findings": [...]}}}',
     )
+    p.add_argument(
+        "--relevance",
+        action="store_true",
+        help="score the samples of loss-spike batches with the run's own image-text model "
+        "against its other samples, and give the relevance filter that drops them (loads "
+        "the model)",
+    )
+    p.add_argument("--device", default="cpu", help="device for --relevance (default cpu)")
     p.set_defaults(func=run)
 
 
@@ -58,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
         except ScalingInputError as err:
             raise UsageError(str(err)) from None
     each = {str(run.run_dir): diagnose(run) for run in runs}
+    if args.relevance:
+        for run in runs:
+            each[str(run.run_dir)] = [_scored(run, f, args.device) for f in each[str(run.run_dir)]]
     if args.json:
         per_run = {name: {"findings": [f.to_dict() for f in v]} for name, v in each.items()}
         if len(runs) == 1:
@@ -79,6 +90,19 @@ def run(args: argparse.Namespace) -> int:
             print(f"{run.run_dir}:")
         _print(findings)
     return 0
+
+
+def _scored(run, finding, device: str):
+    """A loss spike with its samples' relevance (report/spike_samples.py); others as they are."""
+    from mmtrain.report.run_model import ModelUnavailable
+    from mmtrain.report.spike_samples import score_spike_samples
+
+    if finding.kind != "loss_spike":
+        return finding
+    try:
+        return score_spike_samples(run, finding, device)
+    except ModelUnavailable as err:
+        raise UsageError(f"{run.run_dir}: --relevance: {err}") from None
 
 
 def _print(findings: list) -> None:

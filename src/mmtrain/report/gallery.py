@@ -33,8 +33,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.transforms import IdentityTransform
 
-from mmtrain.folders import CHECKPOINT_DIR, WEIGHTS_FILE
 from mmtrain.report.plots import DPI, Plot, to_png
+from mmtrain.report.run_model import ModelUnavailable, image_text_model
 from mmtrain.report.rundata import RunData
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ THUMB_PIXELS = 112  # thumbnail side: plenty for a gallery, keeps the embedded P
 BATCH = 64
 
 
-class GallerySkipped(Exception):
+class GallerySkipped(ModelUnavailable):
     """The gallery cannot be drawn for this run; the message says why (shown in the report)."""
 
 
@@ -75,7 +75,7 @@ def retrieval_gallery(
     if run.spec is not None and run.spec.decoder is not None:
         return generation_gallery(run)
     try:
-        model, image_tower, text_tower = _model_and_towers(run)
+        model, image_tower, text_tower = image_text_model(run)
         samples = _candidates(run, model.spec, image_tower, text_tower, max_candidates)
     except GallerySkipped as why:
         return [Plot("gallery", "Retrieval gallery", None, str(why))]
@@ -109,43 +109,6 @@ def retrieval_gallery(
 
 
 # ----------------------------------------------------------------------------- inputs
-def _model_and_towers(run: RunData) -> tuple[Any, str, str]:
-    """The run's model (final weights, else the newest checkpoint's) and its image/text towers."""
-    from safetensors import SafetensorError
-
-    import mmtrain
-    from mmtrain.checkpoint import latest_checkpoint, load_weights
-    from mmtrain.models import create_model
-    from mmtrain.models.build import is_model_folder
-    from mmtrain.structured import FieldError
-
-    spec = run.spec
-    if spec is None:
-        raise GallerySkipped("no model spec in the run folder")
-    pair = next(
-        (
-            (a, b) if spec.towers[a].modality == "image" else (b, a)
-            for a, b in spec.pairs
-            if {spec.towers[a].modality, spec.towers[b].modality} == {"image", "text"}
-        ),
-        None,
-    )
-    if pair is None:
-        raise GallerySkipped(f"{spec.name} has no image-text pair; the gallery is for image-text")
-    try:
-        if is_model_folder(run.run_dir):  # final weights: one file, or shards + index
-            return mmtrain.load_model(run.run_dir), *pair
-        checkpoint = latest_checkpoint(run.run_dir / CHECKPOINT_DIR)  # the newest that verifies
-        if checkpoint is not None:
-            model = create_model(spec)
-            # full or sharded (FSDP); latest_checkpoint has just verified it
-            model.load_state_dict(load_weights(checkpoint, verify=False))
-            return model, *pair
-    except (OSError, FieldError, RuntimeError, SafetensorError) as err:
-        raise GallerySkipped(f"the model weights could not be loaded: {err}") from None
-    raise GallerySkipped(f"no {WEIGHTS_FILE} and no valid checkpoint in {run.run_dir}")
-
-
 def _val_paths(config: Mapping[str, Any]) -> list[str]:
     data = config.get("data") if isinstance(config.get("data"), Mapping) else {}
     sources = data.get("val") or []
