@@ -77,7 +77,7 @@ def retrieval_gallery(
     try:
         model, image_tower, text_tower = image_text_model(run)
         samples = _candidates(run, model.spec, image_tower, text_tower, max_candidates)
-    except GallerySkipped as why:
+    except ModelUnavailable as why:  # GallerySkipped among them
         return [Plot("gallery", "Retrieval gallery", None, str(why))]
     model = model.to(device).eval()
     with torch.no_grad():
