@@ -7,7 +7,8 @@
 # MFU and peak memory, Qwen2.5-VL-7B's vision tower on letter pages at their own size (pages/s,
 # MFU, peak memory vs the planner), DiT-XL/2's images/s (flow matching, bf16), checkpoint save time, and the
 # data path (pinned uint8 pixels normalised on the GPU, equal to the workers' float32), and
-# sequence parallelism's CUDA path on one GPU (all-to-all and ring kernels vs the unsplit step).
+# sequence parallelism's CUDA path on one GPU (all-to-all and ring kernels vs the unsplit step),
+# and `mmtrain doctor`'s memory finding on a real run beside a fragmented ballast.
 #
 #   bash bench/gpu.sh                 # results in $OUT (default /tmp/mmtrain-gpu-bench): gpu_results.{md,json}
 #   bash bench/gpu.sh --dry-run       # tiny sizes on the CPU: proves the script runs

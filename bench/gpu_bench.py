@@ -8,7 +8,7 @@ importable, peak CUDA memory beside the planner's prediction at several batch si
 (per block, `train.compile`) against eager, fp8 matmuls through torchao when importable (loss
 after the timed steps beside bf16's), the device->host synchronisations of a step (counted
 under `torch.cuda.set_sync_debug_mode("warn")`), the LM's tokens/s, MFU and peak memory, and
-the time to write a checkpoint. MFU uses the trainer's definition (`spec.train_flops`: every
+the time to write a checkpoint, and doctor's memory finding (memory_doctor.py). MFU uses the trainer's definition (`spec.train_flops`: every
 part trained here, 3x the forward; recomputation not counted). Writes OUT/gpu_results.json and
 OUT/gpu_results.md and prints the table.
 
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 from common import command, machine
+from memory_doctor import memory_doctor_note
 
 import mmtrain
 from mmtrain.checkpoint import save_checkpoint
@@ -546,6 +547,11 @@ def main() -> int:
         notes.append(sequence_parallel_note(device))
     except Exception as err:  # noqa: BLE001 - report and go on
         notes.append(f"sequence parallelism: failed: {type(err).__name__}: {err}")
+    print(notes[-1], flush=True)
+    try:
+        notes.append(memory_doctor_note(device))
+    except Exception as err:  # noqa: BLE001 - report and go on
+        notes.append(f"doctor memory: failed: {type(err).__name__}: {err}")
     print(notes[-1], flush=True)
     import importlib.util
 

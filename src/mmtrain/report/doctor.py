@@ -16,6 +16,7 @@ import statistics
 
 from mmtrain.plan.comm import COMM_SHARE_LIMIT
 from mmtrain.report.finding import Finding, config_value, steady_rows
+from mmtrain.report.memory_check import memory
 from mmtrain.report.rundata import RunData
 from mmtrain.report.training_checks import (
     clipped_gradients,
@@ -39,6 +40,7 @@ def diagnose(run: RunData) -> list[Finding]:
         _input_bound,
         _communication,
         _mfu,
+        memory,
         _data_quality,
         _non_finite,
         _loss_spikes,

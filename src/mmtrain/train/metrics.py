@@ -167,13 +167,16 @@ def memory_gib(device: torch.device) -> dict[str, float]:
     """Memory measured this step, in GiB and bytes.
 
     CUDA: the peak allocated since `reset_peak_memory` (tensors only: the planner's
-    `allocated_bytes` is the figure to compare). CPU: the process's resident set now and its
+    `allocated_bytes` is the figure to compare) and the peak the caching allocator reserved
+    from the driver (what an out-of-memory runs out of; the gap is fragmentation). CPU: the process's resident set now and its
     high-water mark (RSS also holds the Python runtime and libraries, hundreds of MiB that no
     plan of the model counts).
     """
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
-        return {"peak_memory_gib": peak / 2**30, "peak_memory_bytes": peak}
+        reserved = torch.cuda.max_memory_reserved(device)
+        return {"peak_memory_gib": peak / 2**30, "peak_memory_bytes": peak,
+                "peak_reserved_bytes": reserved}  # fmt: skip
     high = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     high *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
     row = {"peak_rss_gib": high / 2**30, "peak_memory_bytes": high}
@@ -316,7 +319,15 @@ def planned_memory(
         "state_convention": convention,
         "notes": list(plan_model.notes),
         **_planned_mfu(plan_model, cfg, recomputes=bool(recompute), device=device),
+        **_device_memory(device),
     }
+
+
+def _device_memory(device: torch.device) -> dict[str, int]:
+    """The device's memory beside the plan (`mmtrain doctor` reads the headroom from it)."""
+    if device.type != "cuda":
+        return {}
+    return {"device_memory_bytes": torch.cuda.get_device_properties(device).total_memory}
 
 
 def _planned_mfu(plan_model: Any, cfg: Any, *, recomputes: bool, device: torch.device) -> dict:
