@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from dist_helpers import run_distributed
-from micro import MICRO_SPEC, make_shards, micro_run
+from micro import MICRO_SPEC, make_shards, matmul_tflops, micro_run
 from mmtrain.cli import main
 from mmtrain.data.stream.transforms import ImageTransform
 from mmtrain.report import build_report
@@ -259,27 +259,13 @@ def test_two_ranks_slowed_by_their_gathers_are_a_scaling_finding(tmp_path, shard
     assert f"{tmp_path / 'two' / 'run'}: another train.precision than {other}" in err
 
 
-def _matmul_tflops() -> float:
-    """This CPU's dense fp32 matmul rate, the best of ten 1024 x 1024 products: the peak a user
-    of a device the catalog does not know gives as metrics.peak_tflops."""
-    import torch
-
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    best = 0.0
-    for _ in range(10):
-        start = time.perf_counter()
-        a @ b
-        best = max(best, 2 * 1024**3 / (time.perf_counter() - start))
-    return best / 1e12
-
-
 def test_a_model_too_small_for_its_device_is_an_mfu_finding(tmp_path, shards):
     """The micro CLIP (width 32, batches of 8) against this CPU's measured matmul peak runs at
     ~1-2% MFU, under half the 11.5% of published CLIP runs (OpenCLIP on A100: 11-12%), a
     factor of ~4 below the line on a quiet or a busy machine (the peak and the steps slow
     alike)."""
     run, _ = _run(tmp_path, shards, train={"steps": 6},
-                  metrics={"tensorboard": False, "peak_tflops": _matmul_tflops()})  # fmt: skip
+                  metrics={"tensorboard": False, "peak_tflops": matmul_tflops()})  # fmt: skip
     (finding,) = [f for f in diagnose(run) if f.kind == "mfu"]
     rows = [r for r in run.train_rows if r["step"] > 1]
     assert finding.steps == [r["step"] for r in rows]

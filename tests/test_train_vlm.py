@@ -16,6 +16,7 @@ import json
 import math
 import os
 import signal
+import statistics
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ import torch
 from PIL import Image
 
 from dist_helpers import run_distributed
+from micro import matmul_tflops
 from mmtrain.config import config_from_dict
 from mmtrain.data.storage.manifest import write_manifest
 from mmtrain.data.storage.shard_writer import ShardWriter
@@ -33,6 +35,7 @@ from mmtrain.report.doctor import diagnose
 from mmtrain.report.rundata import load_run
 from mmtrain.spec import load_spec
 from mmtrain.train.loop import train
+from mmtrain.train.metrics import padding_fraction
 
 EXACT = {"rtol": 1e-9, "atol": 1e-12}
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (30, 60, 220), "black": (0, 0, 0)}
@@ -352,3 +355,50 @@ def test_sequence_parallel_steps_report_their_communication_and_warn_once(tmp_pa
     assert finding.evidence["comm_exposed_fraction_mean"] > 0.2
     assert finding.evidence["train.sequence_parallel"] == 2
     assert "mmtrain plan" in finding.advice and "--gpus 2 --recommend" in finding.advice
+
+
+def _uneven_shards(folder: Path) -> Path:
+    """Text-only conversations of the shards' words, answers of 1 or 30 words alternately: a
+    padded micro-batch of a long and a short one is ~40% padding, of two alike none (over 7
+    steps of this seed's order, ~27%)."""
+    with ShardWriter(folder, max_samples=8) as writer:
+        for i in range(24):
+            name = list(COLOURS)[i % len(COLOURS)]
+            messages = [{"role": "user", "content": f"Say {name}."},
+                        {"role": "assistant", "content": f"{name} " * (1 if i % 2 else 30)}]  # fmt: skip
+            record = {"id": str(i), "messages": messages, "images": []}
+            writer.write({"__key__": f"{i:09d}", "json": json.dumps(record)})
+    write_manifest(folder, writer.shards, modalities=["image", "text"])
+    return folder
+
+
+def test_padded_rows_are_named_in_the_mfu_finding(tmp_path, shards):
+    """Rows padded to their micro-batch's longest: the loop records each step's padding share of
+    the id positions, and doctor's MFU finding (the tiny model at ~2% of this CPU's matmul peak
+    against the planner's ~35%) reads the useful part and asks for data.pack; packed, the same
+    samples fill their rows and the advice does not."""
+    data = {"train": str(_uneven_shards(tmp_path / "uneven"))}
+    metrics = {"tensorboard": False, "peak_tflops": matmul_tflops()}
+    findings = {}
+    for pack in (False, True):
+        out = tmp_path / f"pack-{pack}"
+        train(_config(out, shards, data={**data, "pack": pack}, train={"precision": "fp32", "steps": 8},
+                      metrics=metrics))  # fmt: skip
+        run = load_run(out)
+        (findings[pack],) = [f for f in diagnose(run) if f.kind == "mfu"]
+        rows = run.train_rows[1:]
+        useful = [r["mfu"] * (1 - r["padding_fraction"]) for r in rows]
+        assert findings[pack].evidence["useful_mfu_median"] == round(statistics.median(useful), 4)
+    padded, packed = findings[False].evidence, findings[True].evidence
+    assert padded["padding_fraction_mean"] > 0.2 > packed["padding_fraction_mean"]
+    assert "data.pack=true" in findings[False].advice
+    assert "data.pack" not in findings[True].advice
+
+
+def test_the_padding_share_counts_masked_ids_and_the_padding_document():
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    masked = {"text": ids, "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])}
+    packed = {"text": ids[:1], "document_ids": torch.tensor([[0, 0, 1, -1]])}
+    assert padding_fraction([masked]) == 3 / 8
+    assert padding_fraction([masked, packed]) == 4 / 12
+    assert padding_fraction([{"text": ids, "image": torch.zeros(2, 3, 8, 8)}]) is None

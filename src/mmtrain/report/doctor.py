@@ -32,6 +32,10 @@ CORRUPT_SHARE = 0.01  # unreadable samples above 1 in 100: the shards, not bad l
 # time on something other than the model's matmuls (the planner's figures are midpoints of
 # published ranges; a run within a factor of two of one is not where the time goes)
 MFU_SHARE = 0.5
+# A language model's rows more than a fifth padding: packing them (data.pack) is the change
+# (MFU counts padded positions as model work, since they are computed; the check reads the
+# useful part, MFU times the share of positions that are not padding)
+PADDING_SHARE = 0.2
 
 
 def diagnose(run: RunData) -> list[Finding]:
@@ -127,7 +131,8 @@ def _mfu(run: RunData) -> Finding | None:
     if not rows or not achievable:
         return None
     mfu = statistics.median(r["mfu"] for r in rows)
-    if mfu >= MFU_SHARE * achievable:
+    useful = statistics.median(r["mfu"] * (1.0 - r.get("padding_fraction", 0.0)) for r in rows)
+    if useful >= MFU_SHARE * achievable:
         return None
     split = {
         name: round(statistics.fmean(r[key] / r["step_s"] for r in rows if key in r), 4)
@@ -136,6 +141,7 @@ def _mfu(run: RunData) -> Finding | None:
                           ("optimizer_fraction_mean", "optimizer_s"))
         if any(key in r for r in rows)
     }  # fmt: skip
+    padding = [r["padding_fraction"] for r in rows if "padding_fraction" in r]
     evidence = {
         "mfu_median": round(mfu, 4),
         "achievable_mfu": round(achievable, 4),
@@ -144,17 +150,22 @@ def _mfu(run: RunData) -> Finding | None:
         "train.compile": bool(config_value(run, "train", "compile", False)),
         "micro_batch": run.plan.get("micro_batch"),
     }
+    if padding:
+        evidence["padding_fraction_mean"] = round(statistics.fmean(padding), 4)
+        evidence["useful_mfu_median"] = round(useful, 4)
+        evidence["data.pack"] = bool(config_value(run, "data", "pack", False))
     return Finding(
         kind="mfu",
         severity="warning",
         evidence=evidence,
         why=(
-            f"the model's FLOPs ran at {mfu:.1%} of the device's peak, under half the "
+            f"the model's FLOPs ran at {useful:.1%} of the device's peak"
+            f"{' on positions that are not padding' if padding else ''}, under half the "
             f"{achievable:.1%} the planner expects of a {evidence['efficiency_family']} run "
             "(plan/compute.py): the step spends most of its time on something else"
         ),
         advice=_mfu_advice(evidence),
-        cost_s=(1.0 - mfu / achievable) * sum(r["step_s"] for r in rows),
+        cost_s=(1.0 - useful / achievable) * sum(r["step_s"] for r in rows),
         steps=[r["step"] for r in rows],
     )
 
@@ -166,6 +177,10 @@ def _mfu_advice(evidence: dict) -> str:
         changes.append("feed the step (the input_bound finding): it waits for data")
     if evidence.get("comm_exposed_fraction_mean", 0.0) > COMM_SHARE_LIMIT:
         changes.append("hide the communication (the communication finding)")
+    padding = evidence.get("padding_fraction_mean", 0.0)
+    if padding > PADDING_SHARE and not evidence["data.pack"]:
+        changes.append(f"pack several samples per row: data.pack=true ({padding:.0%} of the "
+                       "positions computed are padding)")  # fmt: skip
     if not evidence["train.compile"]:
         changes.append("compile the towers: train.compile=true (fuses the small kernels "
                        "between the matmuls)")  # fmt: skip

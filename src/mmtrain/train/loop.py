@@ -52,6 +52,7 @@ from mmtrain.train.lora import lora_towers
 from mmtrain.train.metrics import (
     detect_peak_flops,
     memory_gib,
+    padding_fraction,
     part_modes,
     planned_memory,
     reset_peak_memory,
@@ -263,7 +264,7 @@ class Trainer:
         reset_peak_memory(device)
 
         t0 = time.perf_counter()
-        micro_batches, keys, flops = self._next_micro_batches(step_spec)
+        micro_batches, keys, counts = self._next_micro_batches(step_spec)
         t1 = time.perf_counter()
         self.comm.start_step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -295,13 +296,14 @@ class Trainer:
             log.warning("step %d skipped: loss or gradient not finite; samples: %s",
                         state.step, ", ".join(keys[:8]))  # fmt: skip
         times = {"data": t1 - t0, "compute": t2 - t1, "optimizer": t3 - t2}
-        self._record(step_spec, loss, parts, norm, times, comm_times, flops, keys)
+        self._record(step_spec, loss, parts, norm, times, comm_times, counts, keys)
 
     def _next_micro_batches(
         self, step_spec: ModelSpec
-    ) -> tuple[list[dict[str, torch.Tensor]], list[str], int]:
-        """The step's K micro-batches on the device, their sample keys and the step's model
-        FLOPs over all ranks (counted from the host copies: no device read)."""
+    ) -> tuple[list[dict[str, torch.Tensor]], list[str], dict[str, Any]]:
+        """The step's K micro-batches on the device, their sample keys and what is counted
+        from their host copies (no device read): the step's model FLOPs over all ranks
+        (`flops`) and, for a language model, the padding share of its rows."""
         micro_batches, keys = [], []
         for _ in range(self.accumulation):
             micro_batches.append(self.data.next_batch())
@@ -310,6 +312,9 @@ class Trainer:
             step_spec, micro_batches, self.part_modes, batch_size=self.t.batch_size,
             world=self.data_world,
         )  # fmt: skip
+        counts: dict[str, Any] = {"flops": flops}
+        if (padding := padding_fraction(micro_batches)) is not None:
+            counts["padding_fraction"] = padding
         dtype = self.precision.param_dtype
         micro_batches = [move_batch(b, self.env.device, dtype, self.pixels) for b in micro_batches]
         step = self.state.step + 1
@@ -319,11 +324,12 @@ class Trainer:
             if step in steps and step not in self.injected:
                 self.injected.add(step)
                 inject_fault(micro_batches[0], fault)
-        return micro_batches, keys, flops
+        return micro_batches, keys, counts
 
-    def _record(self, step_spec, loss, parts, norm, times, comm_times, flops, keys) -> None:
+    def _record(self, step_spec, loss, parts, norm, times, comm_times, counts, keys) -> None:
         """Hand the step's row to the recorder: device values stay on the device."""
         state, t = self.state, self.t
+        flops = counts["flops"]
         mean = {"loss": loss, **{f"loss/{k}": v for k, v in parts.items()}}
         local = {"grad_norm": norm, **self._model_values()}
         host = {
@@ -343,6 +349,7 @@ class Trainer:
                 comm=comm_times,
             ),  # fmt: skip
             **memory_gib(self.env.device),
+            **{k: v for k, v in counts.items() if k != "flops"},
         }
         if step_spec is not self.spec:
             host.update({f"input_size/{k}": v for k, v in _input_sizes(step_spec).items()})

@@ -5,7 +5,7 @@ Per step: loss and loss per pair, learning rate per group, logit scale, grad nor
 step time split into data wait / forward+backward / optimizer, the data-wait fraction,
 communication (on several ranks: `comm_s`, collectives in flight, overlapped or not, and
 `comm_exposed_s`, the part the step waited for; see `comm_timing`), MFU (model FLOPs over the
-device's peak, when a peak is known), peak memory of the step (CUDA) or the process's RSS
+device's peak, when a peak is known), a language model's padding share of its rows, peak memory of the step (CUDA) or the process's RSS
 (CPU), skipped steps and corrupt samples.
 
 Besides step rows, records with a `"kind"` (e.g. `{"kind": "plan", "step": 0, ...}`: the
@@ -95,6 +95,23 @@ def _native_forward_flops(spec: ModelSpec, batch: dict[str, Any]) -> dict[str, i
     counts = torch.tensor([spec.vision.tokens(h, w, t) for t, h, w in shapes], dtype=torch.long)
     spans = id_spans(is_visual, counts[order] if shapes else counts)
     return spec.sequence_flops_by_part(spans.sum(dim=1).tolist(), 0, shapes)
+
+
+def padding_fraction(micro_batches: Sequence[dict[str, torch.Tensor]]) -> float | None:
+    """The share of a language model's id positions that are padding, over the step's
+    micro-batches (host copies: no device read). Every layer computes them and no target
+    trains on them, and MFU counts them as model work (they are computed). None for batches
+    without padded or packed rows of ids (other models, whose inputs have one size)."""
+    from mmtrain.models.splice import valid_ids
+
+    total = padded = 0
+    for batch in micro_batches:
+        if "attention_mask" not in batch and "document_ids" not in batch:
+            continue
+        valid = valid_ids(batch["text"], batch.get("attention_mask"), batch.get("document_ids"))
+        total += valid.numel()
+        padded += int(valid.numel() - valid.sum())
+    return padded / total if total else None
 
 
 def step_model_flops(
