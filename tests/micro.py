@@ -57,10 +57,12 @@ def make_shards(
     samples: int = 48,
     corrupt: tuple[int, ...] = (),
     mismatched: tuple[int, ...] = (),
+    placeholders: tuple[int, ...] = (),
 ) -> str:
     """PNG + caption shards of noisy coloured 20x24 squares, 16 samples per shard; samples
     listed in `corrupt` get a truncated PNG (the decoder refuses it), those in `mismatched`
-    the caption of the next colour (a dirty pair that decodes fine)."""
+    the caption of the next colour (a dirty pair that decodes fine), those in `placeholders`
+    one flat grey (a web page's "image not available") with their caption."""
     rng = np.random.default_rng(0)
     with ShardWriter(folder, max_samples=16) as writer:
         for i in range(samples):
@@ -68,6 +70,8 @@ def make_shards(
             pixels = np.zeros((20, 24, 3), np.uint8)
             pixels[..., c % 3] = 180 + 20 * c
             pixels = (pixels + rng.integers(0, 40, pixels.shape)).astype(np.uint8)
+            if i in placeholders:
+                pixels[...] = 128
             buffer = io.BytesIO()
             Image.fromarray(pixels).save(buffer, format="PNG")
             png = buffer.getvalue()

@@ -23,6 +23,9 @@ import yaml
 from dist_helpers import run_distributed
 from micro import MICRO_SPEC, make_shards, matmul_tflops, micro_run
 from mmtrain.cli import main
+from mmtrain.data.ingest.filters import laplacian_variance
+from mmtrain.data.storage.shards import ShardSet
+from mmtrain.data.stream.media import decode_image
 from mmtrain.data.stream.transforms import ImageTransform
 from mmtrain.report import build_report
 from mmtrain.report.doctor import INPUT_BOUND_SHARE, diagnose
@@ -81,19 +84,29 @@ def test_skipped_steps_are_named_with_their_batches_sample_keys(tmp_path, shards
     assert "non_finite" in diagnosis and "steps 2, 4" in diagnosis and keys[0] in diagnosis
 
 
+def _planted_at_step_30(tmp_path, capsys, samples=64, **dirt) -> tuple[str, list[str]]:
+    """Shards of `samples` samples with the 8 that step 30 reads (found with `mmtrain data
+    order`, as a user would) made dirty as `dirt` says (make_shards' mismatched=,
+    placeholders=)."""
+    clean = make_shards(tmp_path / "clean", samples)
+    # step 30 reads samples 232..239: of 64, epoch 3's 40..47
+    epoch, position = divmod((30 - 1) * 8, samples)
+    order = ["data", "order", clean, "--seed", "1", "--epoch", str(epoch), "--shuffle-window", "8",
+             "--skip", str(position), "--limit", "8"]  # fmt: skip
+    assert main(order) == 0
+    planted = capsys.readouterr().out.split()
+    indices = tuple(int(k[1:]) for k in planted)
+    dirty = make_shards(tmp_path / "dirty", samples, **{k: indices for k in dirt})
+    return dirty, sorted(planted)
+
+
 def test_a_batch_of_mismatched_pairs_is_a_loss_spike_named_by_its_keys(tmp_path, capsys):
     """64 samples, 40 steps of 8: the loss settles at ln 2 (each batch holds two squares of each
     colour) within 15 steps; step 30's batch is planted with captions of the wrong colour, its
     keys found with `mmtrain data order` as a user would. A shuffle window of 8 keeps those 8
     samples together at the same place in each epoch of 8 steps: they spike at steps 22, 30
     and 38 (at 6 and 14 too, inside the detector's 20-step warm-up)."""
-    clean = make_shards(tmp_path / "clean", 64)
-    epoch, position = divmod((30 - 1) * 8, 64)  # step 30 reads samples 232..239: epoch 3, 40..47
-    order = ["data", "order", clean, "--seed", "1", "--epoch", str(epoch), "--shuffle-window", "8",
-             "--skip", str(position), "--limit", "8"]  # fmt: skip
-    assert main(order) == 0
-    planted = capsys.readouterr().out.split()
-    dirty = make_shards(tmp_path / "dirty", 64, mismatched=tuple(int(k[1:]) for k in planted))
+    dirty, planted = _planted_at_step_30(tmp_path, capsys, mismatched=True)
     run, _ = _run(tmp_path, dirty, train={"steps": 40}, checkpoint={"every_steps": 100})
     (finding,) = [f for f in diagnose(run) if f.kind == "loss_spike"]  # (a micro model's step
     # is input-bound too)
@@ -103,19 +116,52 @@ def test_a_batch_of_mismatched_pairs_is_a_loss_spike_named_by_its_keys(tmp_path,
     # 40 steps at a sound learning rate: the loss leaves chance (ln 8) and stays away
     assert not [f for f in diagnose(run) if f.kind == "learning_rate"]
     # the run's own model scores the planted captions far under the run's other pairs: the
-    # relevance filter it proposes (keeping 95% of the others) drops all of them
+    # relevance filter it proposes (keeping 95% of the others) drops all of them; measured as
+    # data build measures them (--quality), they are like the others and fail no other filter
     capsys.readouterr()
-    assert main(["doctor", str(tmp_path / "run"), "--relevance", "--json"]) == 0
+    assert main(["doctor", str(tmp_path / "run"), "--relevance", "--quality", "--json"]) == 0
     (spike,) = [f for f in json.loads(capsys.readouterr().out)["findings"]
                 if f["kind"] == "loss_spike"]  # fmt: skip
     evidence = spike["evidence"]
     assert evidence["relevance_median_spike"] < evidence["relevance_median_others"]  # ~7 vs ~53
     assert evidence["samples_below_threshold"] == sorted(planted)
+    assert "filters_failed" not in evidence and "--min-" not in spike["advice"]
     threshold = evidence["relevance_threshold"]
     assert (
         f"--relevance-model {tmp_path / 'run'} --relevance-threshold {threshold:.1f}"
         in (spike["advice"])
     )
+
+
+def test_a_batch_of_placeholder_images_is_a_spike_the_sharpness_filter_drops(tmp_path, capsys):
+    """Of 256 samples (an epoch of 32 steps: the batch comes once, after the detector's
+    warm-up), step 30's 8 images replaced by one flat grey (captions kept): the batch's image
+    embeddings are alike, its loss ~2.6 against the settled ln 2. `--quality` measures the
+    spike's samples as `data build` does: a Laplacian variance of 0 against the others' noise,
+    so the sharpness bound that keeps 95% of the others drops all 8; their sides, aspect and
+    captions are the others' and no other filter is proposed."""
+    dirty, planted = _planted_at_step_30(tmp_path, capsys, samples=256, placeholders=True)
+    _run(tmp_path, dirty, train={"steps": 40}, checkpoint={"every_steps": 100})
+    assert main(["doctor", str(tmp_path / "run"), "--quality", "--json"]) == 0
+    (spike,) = [f for f in json.loads(capsys.readouterr().out)["findings"]
+                if f["kind"] == "loss_spike"]  # fmt: skip
+    evidence = spike["evidence"]
+    assert evidence["steps"] == [30] and evidence["samples"] == planted
+    assert evidence["sharpness_median_spike"] == 0.0 < evidence["sharpness_median_others"]
+    (bound,) = evidence["filters_failed"].values()
+    assert list(evidence["filters_failed"]) == ["--min-sharpness"]
+    assert evidence["samples_failing"] == planted
+    assert spike["advice"].endswith(f"mmtrain data build SRC --out DIR --min-sharpness {bound}")
+    # the proposed filter, as data build applies it, drops the 8 and keeps ~95% of the others
+    # (the bound is the 5th percentile of 64 of them, spread over the shards)
+    shards = ShardSet.open([dirty])
+    sharpness = {shards.key(i): laplacian_variance(decode_image(shards.read(i)["png"]))
+                 for i in range(len(shards))}  # fmt: skip
+    shards.close()
+    dropped = {k for k, v in sharpness.items() if v < bound}
+    assert dropped >= set(planted)
+    kept = 1 - (len(dropped) - 8) / (256 - 8)
+    assert kept >= 0.9
 
 
 def test_unreadable_samples_are_a_data_quality_finding(tmp_path):

@@ -22,7 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             "config key and value, or a command). Checks: input-bound steps, exposed "
             "communication, undecodable samples, non-finite steps and loss spikes with their "
             "batches' sample keys, learning rates, fp16/fp8 overflows, MFU under half the "
-            "planner's figure. Several RUN_DIRs of one config at different GPU counts add "
+            "planner's figure, a CUDA run's memory past its plan or its device (--relevance and "
+            "--quality examine a loss spike's samples). Several RUN_DIRs of one config at different GPU counts add "
             "their scaling efficiency (per-rank throughput against the run with the fewest "
             "ranks). A healthy run gets no finding."
         ),
@@ -46,6 +47,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "against its other samples, and give the relevance filter that drops them (loads "
         "the model)",
     )
+    p.add_argument(
+        "--quality",
+        action="store_true",
+        help="measure the samples of loss-spike batches as `mmtrain data build` filters do "
+        "(image side, aspect, sharpness, caption length) against the run's other samples, "
+        "and give the filters that drop them (reads the training shards)",
+    )
     p.add_argument("--device", default="cpu", help="device for --relevance (default cpu)")
     p.set_defaults(func=run)
 
@@ -66,9 +74,9 @@ def run(args: argparse.Namespace) -> int:
         except ScalingInputError as err:
             raise UsageError(str(err)) from None
     each = {str(run.run_dir): diagnose(run) for run in runs}
-    if args.relevance:
+    if args.relevance or args.quality:
         for run in runs:
-            each[str(run.run_dir)] = [_scored(run, f, args.device) for f in each[str(run.run_dir)]]
+            each[str(run.run_dir)] = [_examined(run, f, args) for f in each[str(run.run_dir)]]
     if args.json:
         per_run = {name: {"findings": [f.to_dict() for f in v]} for name, v in each.items()}
         if len(runs) == 1:
@@ -92,17 +100,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _scored(run, finding, device: str):
-    """A loss spike with its samples' relevance (report/spike_samples.py); others as they are."""
+def _examined(run, finding, args: argparse.Namespace):
+    """A loss spike with its samples examined (report/doctor.py examine_spike); others as
+    they are."""
+    from mmtrain.report.doctor import examine_spike
     from mmtrain.report.run_model import ModelUnavailable
-    from mmtrain.report.spike_samples import score_spike_samples
+    from mmtrain.report.spike_samples import SamplesUnavailable
 
     if finding.kind != "loss_spike":
         return finding
     try:
-        return score_spike_samples(run, finding, device)
-    except ModelUnavailable as err:
-        raise UsageError(f"{run.run_dir}: --relevance: {err}") from None
+        return examine_spike(run, finding, relevance=args.relevance, quality=args.quality,
+                             device=args.device)  # fmt: skip
+    except (ModelUnavailable, SamplesUnavailable) as err:
+        flags = " ".join(f for f, on in (("--relevance", args.relevance),
+                                         ("--quality", args.quality)) if on)  # fmt: skip
+        raise UsageError(f"{run.run_dir}: {flags}: {err}") from None
 
 
 def _print(findings: list) -> None:

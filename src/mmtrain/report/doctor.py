@@ -12,6 +12,7 @@ or a loss spike comes with the sample keys of its batch.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 from mmtrain.plan.comm import COMM_SHARE_LIMIT
@@ -270,3 +271,31 @@ def _loss_spikes(run: RunData) -> Finding | None:
         "... --min-side`, relevance thresholds); a spike without bad samples: lower train.lr "
         "or lower train.grad_clip",
     )
+
+
+def examine_spike(
+    run: RunData, finding: Finding, *, relevance: bool, quality: bool, device: str = "cpu"
+) -> Finding:
+    """A loss_spike finding with its samples read back and examined (report/spike_samples.py):
+    their build-filter measures (`quality`) and the run's model's score of each pair
+    (`relevance`) in its evidence, and the filters that drop them as its change; when no
+    examination finds them dirty, the spike is the optimiser's. Raises SamplesUnavailable, or
+    ModelUnavailable for `relevance` without an image-text model."""
+    from mmtrain.report.spike_quality import quality_change
+    from mmtrain.report.spike_relevance import relevance_change
+    from mmtrain.report.spike_samples import read_spike_samples
+
+    samples = read_spike_samples(run, finding)
+    evidence, changes = dict(finding.evidence), []
+    examinations = [(quality, lambda: quality_change(samples)),
+                    (relevance, lambda: relevance_change(run, samples, device))]  # fmt: skip
+    for wanted, examine in examinations:
+        if wanted:
+            found, change = examine()
+            evidence.update(found)
+            changes += [change] if change else []
+    advice = "; ".join(changes) or (
+        f"the {len(samples.spiked)} samples measure like the run's others (not dirty data): "
+        "the spike is the optimiser's; lower train.lr or train.grad_clip"
+    )
+    return dataclasses.replace(finding, evidence=evidence, advice=advice)

@@ -1,109 +1,104 @@
-"""Are a loss spike's samples dirty pairs? (`mmtrain doctor RUN_DIR --relevance`)
+"""A loss spike's samples read back from the run's training shards, beside the run's others
+(`mmtrain doctor RUN_DIR --relevance / --quality`).
 
-The loss_spike finding names the sample keys of the batches that spiked. A batch of pairs
-whose caption does not describe the image (the common dirt of web image-text data) spikes a
-contrastive loss; so does a learning rate on the edge, on clean samples. The run's own model
-tells them apart: it scores each spike sample's image against its caption (the CLIP score that
-`mmtrain data build --relevance-model` filters on, computed by the same `RelevanceScorer`) beside
-the same score of the run's other samples. The threshold it proposes keeps KEEP_SHARE of those
-other samples; spike samples under it are what a relevance filter at that threshold drops.
+The loss_spike finding names the sample keys of the batches that spiked. Whether they are the
+dirt of web image-text data, or clean samples met by a learning rate on the edge, shows only
+against the run's own data: each examination (report/spike_relevance.py: the run's model's
+CLIP score; report/spike_quality.py: the measures `mmtrain data build` filters on) measures
+the spike's samples and REFERENCE_SAMPLES others, evenly spread over the shards, and proposes
+the filter bound that keeps KEEP_SHARE of the others; spike samples past it are what that
+filter drops.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import statistics
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from mmtrain.report.finding import Finding, config_value
-from mmtrain.report.run_model import ModelUnavailable, image_text_model
 from mmtrain.report.rundata import RunData
 
-REFERENCE_SAMPLES = 64  # the run's other samples scored beside the spike's, evenly spread
-KEEP_SHARE = 0.95  # the proposed threshold keeps this share of them
+REFERENCE_SAMPLES = 64  # the run's other samples measured beside the spike's, evenly spread
+KEEP_SHARE = 0.95  # a proposed filter bound keeps this share of them
 
 
-def score_spike_samples(run: RunData, finding: Finding, device: str = "cpu") -> Finding:
-    """`finding` (a loss_spike) with the relevance of its samples against the run's others in
-    its evidence, and the filter that drops them in its advice. Raises ModelUnavailable when
-    the run has no image-text model or its training shards cannot be read."""
-    from mmtrain.data.ingest.filters import RelevanceScorer
+class SamplesUnavailable(Exception):
+    """The spike's samples cannot be read from the run's training shards; the message says why."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One image-text sample as decoded for training (None: the sample has no such part)."""
+
+    key: str
+    image: np.ndarray | None  # uint8 [H, W, 3]
+    caption: str | None
+
+
+@dataclass(frozen=True)
+class SpikeSamples:
+    paths: list[str]  # the training sources, as the run's config names them
+    spiked: list[Sample]  # the spike's samples found in the shards, in key order
+    others: list[Sample]  # up to REFERENCE_SAMPLES of the run's other samples
+
+
+def read_spike_samples(run: RunData, finding: Finding) -> SpikeSamples:
+    """The samples of `finding` (a loss_spike) and the run's reference samples, decoded; raises
+    SamplesUnavailable when the shards cannot be opened or hold none of the spike's keys."""
     from mmtrain.data.storage.shards import ShardSet
-    from mmtrain.data.stream.tokenizer import get_tokenizer
 
-    model, _, _ = image_text_model(run)
-    tokenizer = str(config_value(run, "data", "tokenizer", "byte"))
-    scorer = RelevanceScorer(model, device=device, tokenizer=get_tokenizer(tokenizer))
-    paths = _train_paths(run)
+    paths = train_paths(run)
     try:
         shards = ShardSet.open(paths)
     except (OSError, ValueError) as err:
-        raise ModelUnavailable(f"the training shards could not be opened: {err}") from None
+        raise SamplesUnavailable(f"the training shards could not be opened: {err}") from None
     try:
         where = {shards.key(i): i for i in range(len(shards))}
-        keys = [k for k in finding.evidence["samples"] if k in where]
-        spiked = {where[k] for k in keys}
-        others = [i for i in range(len(shards)) if i not in spiked]
+        spiked = sorted({where[k] for k in finding.evidence["samples"] if k in where})
+        chosen = set(spiked)
+        others = [i for i in range(len(shards)) if i not in chosen]
         others = others[:: max(1, len(others) // REFERENCE_SAMPLES)][:REFERENCE_SAMPLES]
-        spike_scores = _scores(scorer, shards, [where[k] for k in keys])
-        other_scores = _scores(scorer, shards, others)
+        samples = SpikeSamples(paths, _decoded(shards, spiked), _decoded(shards, others))
     finally:
         shards.close()
-    if not keys or not other_scores:
-        raise ModelUnavailable("the spike's samples are not in the training shards")
-    threshold = float(np.quantile(other_scores, 1.0 - KEEP_SHARE))
-    below = [k for k, s in zip(keys, spike_scores, strict=True) if s < threshold]
-    evidence = {
-        **finding.evidence,
-        "relevance_median_spike": round(statistics.median(spike_scores), 3),
-        "relevance_median_others": round(statistics.median(other_scores), 3),
-        "relevance_threshold": round(threshold, 3),
-        "samples_below_threshold": below,
-    }
-    return dataclasses.replace(
-        finding, evidence=evidence, advice=_advice(run, paths, tokenizer, threshold, below, keys)
-    )
+    if not samples.spiked or not samples.others:
+        raise SamplesUnavailable("the spike's samples are not in the training shards")
+    return samples
 
 
-def _scores(scorer: Any, shards: Any, ids: list[int]) -> list[float]:
+def _decoded(shards: Any, ids: list[int]) -> list[Sample]:
+    """The samples whose parts decode (the data_quality finding counts the others)."""
     from mmtrain.data.stream.media import MediaError, decode_image, decode_text
     from mmtrain.data.stream.transforms import MODALITY_EXTENSIONS
 
-    images, captions = [], []
+    samples = []
     for i in ids:
-        sample = shards.read(i)
+        raw = shards.read(i)
+        image = next((raw[e] for e in MODALITY_EXTENSIONS["image"] if e in raw), None)
+        text = next((raw[e] for e in MODALITY_EXTENSIONS["text"] if e in raw), None)
         try:
-            image = next(e for e in MODALITY_EXTENSIONS["image"] if e in sample)
-            text = next(e for e in MODALITY_EXTENSIONS["text"] if e in sample)
-            images.append(decode_image(sample[image]))
-            captions.append(decode_text(sample[text]))
-        except (MediaError, StopIteration):
-            continue  # undecodable: the data_quality finding counts those
-    return [float(s) for s in scorer(images, captions)]
+            samples.append(Sample(shards.key(i),
+                                  None if image is None else decode_image(image),
+                                  None if text is None else decode_text(text)))  # fmt: skip
+        except MediaError:
+            continue
+    return samples
 
 
-def _train_paths(run: RunData) -> list[str]:
+def train_paths(run: RunData) -> list[str]:
     sources = config_value(run, "data", "train", None) or []
     sources = [sources] if isinstance(sources, (str, dict)) else sources
     paths = [s["path"] if isinstance(s, dict) else s for s in sources]  # resolved: dicts
     return [str(p) for path in paths for p in (path if isinstance(path, list) else [path])]
 
 
-def _advice(
-    run: RunData, paths: list[str], tokenizer: str, threshold: float, below: list, keys: list
-) -> str:
-    if len(below) * 2 <= len(keys):
-        return (
-            f"{len(keys) - len(below)} of the {len(keys)} samples score like the run's others "
-            "(not mismatched pairs): the spike is the optimiser's; lower train.lr or "
-            "train.grad_clip"
-        )
-    tokenizer_flag = "" if tokenizer == "byte" else f" --relevance-tokenizer {tokenizer}"
-    return (
-        f"{len(below)} of the {len(keys)} samples score under {threshold:.1f}, a threshold that "
-        f"keeps {KEEP_SHARE:.0%} of the run's other samples: rebuild the source ({', '.join(paths)}) "
-        f"with mmtrain data build SRC --out DIR --relevance-model {run.run_dir} "
-        f"--relevance-threshold {threshold:.1f}{tokenizer_flag}"
-    )
+def lower_bound(values: list[float]) -> float:
+    """The bound under which a filter drops values, keeping KEEP_SHARE of `values`."""
+    return float(np.quantile(values, 1.0 - KEEP_SHARE))
+
+
+def upper_bound(values: list[float]) -> float:
+    """The bound over which a filter drops values, keeping KEEP_SHARE of `values`."""
+    return float(np.quantile(values, KEEP_SHARE))
