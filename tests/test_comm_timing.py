@@ -50,25 +50,33 @@ def test_ddp_buckets_count_as_waited_for_only_after_the_last_launch():
     timer = CommTimer(CPU, world_size=2)
     timer.start_step()
     origin = timer._origin
-    for exposure, start_ms, end_ms in [
-        (EXPOSED_AFTER_LAST_LAUNCH, 0, 10),  # first bucket: done while backward computes
-        (EXPOSED_ALL, 2, 4),  # a blocking feature all-gather
-        (EXPOSED_AFTER_LAST_LAUNCH, 20, 30),  # last bucket: backward done at 20 ms, then waits
-        (EXPOSED_AFTER_LAST_LAUNCH, 15, 25),  # a bucket still in flight at the last launch
-        (EXPOSED_UNKNOWN, 28, 35),  # FSDP on a GPU side stream
+    for exposure, name, start_ms, end_ms in [
+        (EXPOSED_AFTER_LAST_LAUNCH, "ddp_all_reduce", 0, 10),  # done while backward computes
+        (EXPOSED_ALL, "all_gather", 2, 4),  # a blocking feature all-gather
+        (EXPOSED_AFTER_LAST_LAUNCH, "ddp_all_reduce", 20, 30),  # last launch at 20 ms: waits
+        (EXPOSED_AFTER_LAST_LAUNCH, "ddp_all_reduce", 15, 25),  # in flight at the last launch
+        (EXPOSED_UNKNOWN, "fsdp_all_gather", 28, 35),  # FSDP on a GPU side stream
+        (EXPOSED_ALL, "all_reduce", 26, 32),  # the losses' all-reduce, beside the last bucket
     ]:
-        span = timer.begin(exposure)
+        span = timer.begin(exposure, name)
         span.start, span.end = origin + start_ms / 1e3, origin + end_ms / 1e3
     figures = timer.finish_step()
     assert figures["comm_s"] == pytest.approx(0.010 + 0.020)  # 0-10 and 15-35 ms
-    assert figures["comm_exposed_s"] == pytest.approx(0.002 + 0.010)  # 2-4 and 20-30 ms
+    assert figures["comm_exposed_s"] == pytest.approx(0.002 + 0.012)  # 2-4 and 20-32 ms
+    # by collective, each its own union (they overlap at 26-30 ms: 0.018 s in all)
+    by_collective = {k: v for k, v in figures.items() if k.startswith("comm_exposed_s/")}
+    assert by_collective == {
+        "comm_exposed_s/all_gather": pytest.approx(0.002),
+        "comm_exposed_s/all_reduce": pytest.approx(0.006),
+        "comm_exposed_s/ddp_all_reduce": pytest.approx(0.010),  # 20-30: 15-25 waits from 20
+    }
 
 
 def test_one_rank_reports_no_communication():
     timer = CommTimer(CPU, world_size=1).attach(nn.Linear(2, 2))
     with timer:
         timer.start_step()
-        with timed_collective():  # nothing to time on one rank
+        with timed_collective("all_reduce"):  # nothing to time on one rank
             pass
         assert timer.finish_step() == {}
 
@@ -139,9 +147,20 @@ def test_two_ranks_time_communication_and_leave_gradients_unchanged(two_ranks):
                     assert torch.equal(grad, grads0[name]), (rank, strategy, name)
                 assert 0 < figures["comm_s"] <= elapsed, (rank, strategy, figures)
                 assert 0 <= figures["comm_exposed_s"] <= figures["comm_s"]
+                # each collective's exposed time lies within the whole's, and they cover it
+                parts = [v for k, v in figures.items() if k.startswith("comm_exposed_s/")]
+                whole = figures["comm_exposed_s"]
+                assert max(parts) <= whole <= sum(parts) * (1 + 1e-9), (strategy, figures)
+            names = {k for *_, f, _ in timed for k in f if k.startswith("comm_exposed_s/")}
+            # the contrastive loss's feature all-gather and its shape check on both
+            assert {"comm_exposed_s/all_gather", "comm_exposed_s/shape_check"} <= names
             if strategy == "fsdp":
                 # On a CPU FSDP2's collectives and the loss's gathers all block the step.
                 assert all(f["comm_exposed_s"] == pytest.approx(f["comm_s"]) for *_, f, _ in timed)
+                assert {"comm_exposed_s/fsdp_all_gather",
+                        "comm_exposed_s/fsdp_reduce_scatter"} <= names  # fmt: skip
+            else:
+                assert "comm_exposed_s/ddp_all_reduce" in names
 
 
 @pytest.mark.slow

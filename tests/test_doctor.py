@@ -289,9 +289,13 @@ def test_two_ranks_slowed_by_their_gathers_are_a_scaling_finding(tmp_path, shard
     out = json.loads(capsys.readouterr().out)
     assert [f["kind"] for f in out["findings"]] == ["scaling"]
     assert out["findings"][0]["evidence"]["steps"] == [2, 3, 4, 5, 6]
-    assert "communication" in [
-        f["kind"] for f in out["runs"][str(tmp_path / "two" / "run")]["findings"]
-    ]
+    (comm,) = [f for f in out["runs"][str(tmp_path / "two" / "run")]["findings"]
+               if f["kind"] == "communication"]  # fmt: skip
+    # the wait by collective: the two slowed all-gathers (the features' and their shape check)
+    # lead, each 0.1 s late in each of the 5 steps
+    by_collective = comm["evidence"]["comm_exposed_s_by_collective"]
+    assert set(list(by_collective)[:2]) == {"all_gather", "shape_check"}
+    assert min(by_collective["all_gather"], by_collective["shape_check"]) >= 5 * 0.1
     # runs that cannot be compared are refused, naming the run and what differs
     assert main(["doctor", str(tmp_path / "one" / "run"), str(tmp_path / "one" / "run")]) == 2
     assert "all 2 runs have 1 ranks" in capsys.readouterr().err

@@ -354,6 +354,8 @@ def test_sequence_parallel_steps_report_their_communication_and_warn_once(tmp_pa
     assert finding.steps == [r["step"] for r in rows[1:]]  # after the warm-up step
     assert finding.evidence["comm_exposed_fraction_mean"] > 0.2
     assert finding.evidence["train.sequence_parallel"] == 2
+    assert next(iter(finding.evidence["comm_exposed_s_by_collective"])) == "all_to_all"
+    assert "a smaller train.sequence_parallel" in finding.advice
     assert "mmtrain plan" in finding.advice and "--gpus 2 --recommend" in finding.advice
 
 

@@ -40,21 +40,22 @@ def set_collective_timer(timer: Any, only_if: Any = None) -> None:
 
 
 @contextlib.contextmanager
-def timed_collective() -> Iterator[None]:
+def timed_collective(collective: str) -> Iterator[None]:
     """Time the blocking collective(s) issued inside this block as exposed communication of the
-    current step; a no-op outside a timed step (one process, eval, checkpoints, tests)."""
+    current step, under the name `collective` (rows break the exposed time down by it); a
+    no-op outside a timed step (one process, eval, checkpoints, tests)."""
     timer = _timer
     if timer is None or not timer.in_step:
         yield
         return
-    span = timer.begin(EXPOSED_ALL)
+    span = timer.begin(EXPOSED_ALL, collective)
     try:
         yield
     finally:
         span.end = timer.stamp()
 
 
-def begin_in_flight() -> Any:
+def begin_in_flight(collective: str) -> Any:
     """An interval of the current step for a collective launched now that runs beside the
     computation (a ring attention's pass of keys and values): it counts in `comm_s`, and the
     caller's wait for it in `comm_exposed_s` through `timed_collective`. None outside a timed
@@ -62,7 +63,7 @@ def begin_in_flight() -> Any:
     timer = _timer
     if timer is None or not timer.in_step:
         return None
-    return timer.begin(EXPOSED_HIDDEN)
+    return timer.begin(EXPOSED_HIDDEN, collective)
 
 
 def end_in_flight(span: Any) -> None:
@@ -122,7 +123,7 @@ def sum_over_ranks(
     if world_size() == 1:
         return list(values)
     total = torch.tensor(values, dtype=dtype, device=device or _host_values_device())
-    with timed_collective():
+    with timed_collective("all_reduce"):
         dist.all_reduce(total)
     return total.tolist()
 
@@ -133,7 +134,7 @@ def sum_tensor_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
     if world_size() == 1:
         return tensor
     total = tensor.clone()
-    with timed_collective():
+    with timed_collective("all_reduce"):
         dist.all_reduce(total)
     return total
 
@@ -197,7 +198,7 @@ def _check_same_shape(tensor: torch.Tensor, group: Any) -> None:
     row = [tensor.dim(), *tensor.shape] + [-1] * (_MAX_DIMS - tensor.dim())
     local = torch.tensor(row, dtype=torch.int64, device=_host_values_device())
     shapes = [torch.empty_like(local) for _ in range(world_size(group))]
-    with timed_collective():
+    with timed_collective("shape_check"):
         dist.all_gather(shapes, local, group=group)
     rows = [s.tolist() for s in shapes]
     if any(r != rows[0] for r in rows):
@@ -214,7 +215,7 @@ def all_gather(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
         return tensor
     _check_same_shape(tensor, group)
     parts = [torch.empty_like(tensor) for _ in range(world_size(group))]
-    with timed_collective():
+    with timed_collective("all_gather"):
         dist.all_gather(parts, tensor.contiguous(), group=group)
     return torch.cat(parts, dim=0)
 
@@ -234,7 +235,7 @@ class _AllGatherWithGrad(torch.autograd.Function):
         ctx.group = group
         ctx.rows = tensor.shape[0]
         parts = [torch.empty_like(tensor) for _ in range(world_size(group))]
-        with timed_collective():
+        with timed_collective("all_gather"):
             dist.all_gather(parts, tensor.contiguous(), group=group)
         return torch.cat(parts, dim=0)
 
@@ -243,7 +244,7 @@ class _AllGatherWithGrad(torch.autograd.Function):
         # all_reduce instead of reduce_scatter: gloo has no reduce_scatter, and the tensors are
         # embeddings (batch x dim), so the extra traffic is negligible.
         total = grad.contiguous().clone()
-        with timed_collective():
+        with timed_collective("all_gather_grad"):
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
         start = rank(ctx.group) * ctx.rows
         return total[start : start + ctx.rows], None

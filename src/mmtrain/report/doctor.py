@@ -28,6 +28,8 @@ from mmtrain.report.training_checks import (
 
 INPUT_BOUND_SHARE = 0.3  # mean data-wait share of a step above which the input pipeline binds
 # (communication: plan/comm.py's COMM_SHARE_LIMIT, the threshold the run warns at)
+SEQUENCE_COLLECTIVES = ("all_to_all", "ring_exchange")  # sequence parallelism's (comm_timing)
+EXPOSED_PREFIX = "comm_exposed_s/"  # the rows' breakdown of comm_exposed_s by collective
 CORRUPT_SHARE = 0.01  # unreadable samples above 1 in 100: the shards, not bad luck
 # MFU under half what the planner expects of the workload on the device: the step spends its
 # time on something other than the model's matmuls (the planner's figures are midpoints of
@@ -102,28 +104,51 @@ def _communication(run: RunData) -> Finding | None:
     if share <= COMM_SHARE_LIMIT:
         return None
     world = run.world_size()
+    by_collective = _exposed_by_collective(rows)
     evidence = {
         "comm_exposed_fraction_mean": round(share, 4),
         "comm_s_total": round(sum(r["comm_s"] for r in rows), 4),
         "comm_exposed_s_total": round(sum(r["comm_exposed_s"] for r in rows), 4),
+        "comm_exposed_s_by_collective": by_collective,
         "world_size": world,
         "train.parallel": config_value(run, "train", "parallel", "auto"),
         "train.sequence_parallel": config_value(run, "train", "sequence_parallel", 1),
     }
     model = run.config.get("model", "MODEL")
+    largest = next(iter(by_collective), None)
+    most = f", most of it in {largest}" if largest else ""
+    advice = f"compare layouts: mmtrain plan --model {model} --gpus {world} --recommend"
+    if largest in SEQUENCE_COLLECTIVES:
+        advice = (
+            "sequence parallelism's exchanges wait: a smaller train.sequence_parallel (if the "
+            "rows fit), or the other train.sequence_parallel_attention (all_to_all moves heads, "
+            f"ring keys and values); then {advice}"
+        )
     return Finding(
         kind="communication",
         severity="warning",
         evidence=evidence,
         why=(
-            f"the step waited for communication {share:.0%} of its time (above "
+            f"the step waited for communication {share:.0%} of its time{most} (above "
             f"{COMM_SHARE_LIMIT:.0%}): past that, another parallel layout or more intra-node "
             "bandwidth is cheaper than more GPUs"
         ),
-        advice=f"compare layouts: mmtrain plan --model {model} --gpus {world} --recommend",
+        advice=advice,
         cost_s=evidence["comm_exposed_s_total"],
         steps=[r["step"] for r in rows],
     )
+
+
+def _exposed_by_collective(rows: list[dict]) -> dict[str, float]:
+    """Seconds the steps waited for each collective (train/comm_timing.py's breakdown), the
+    largest first."""
+    totals: dict[str, float] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key.startswith(EXPOSED_PREFIX):
+                name = key[len(EXPOSED_PREFIX) :]
+                totals[name] = totals.get(name, 0.0) + value
+    return {k: round(v, 4) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
 def _mfu(run: RunData) -> Finding | None:

@@ -64,12 +64,16 @@ EXPOSED_AFTER_LAST_LAUNCH = "tail"  # DDP bucket: waited from the last bucket's 
 EXPOSED_UNKNOWN = distributed.EXPOSED_HIDDEN  # overlapped: its waiting is not observed here
 
 Stamp = float | torch.cuda.Event
+# Rows break comm_exposed_s down by collective: `comm_exposed_s/all_gather`, ... (each the union
+# of its own exposed intervals: they sum to comm_exposed_s or more, where two overlap)
+EXPOSED_PREFIX = "comm_exposed_s/"
 
 
 @dataclass
 class _Span:
     start: Stamp
     exposure: str
+    collective: str  # its name in the rows' breakdown: ddp_all_reduce, all_gather, ...
     end: Stamp | None = None  # None while in flight
 
 
@@ -136,7 +140,8 @@ class CommTimer:
         self.in_step = self.world_size > 1
 
     def finish_step(self) -> dict[str, float]:
-        """`{"comm_s", "comm_exposed_s"}` of the step (`{}` on one rank: no communication).
+        """`{"comm_s", "comm_exposed_s", "comm_exposed_s/NAME" per collective}` of the step
+        (`{}` on one rank: no communication).
 
         On a GPU, call after the step's `torch.cuda.synchronize()`: the events are read then.
         """
@@ -157,13 +162,17 @@ class CommTimer:
         in_flight = [(start, end) for _, start, end in spans]
         tails = [start for s, start, _ in spans if s.exposure == EXPOSED_AFTER_LAST_LAUNCH]
         last_launch = max(tails, default=0.0)
-        exposed = []
+        exposed: dict[str, list[tuple[float, float]]] = {}
         for span, start, end in spans:
             if span.exposure == EXPOSED_ALL:
-                exposed.append((start, end))
+                exposed.setdefault(span.collective, []).append((start, end))
             elif span.exposure == EXPOSED_AFTER_LAST_LAUNCH:
-                exposed.append((max(start, last_launch), end))
-        return {"comm_s": union_length(in_flight), "comm_exposed_s": union_length(exposed)}
+                exposed.setdefault(span.collective, []).append((max(start, last_launch), end))
+        every = [interval for intervals in exposed.values() for interval in intervals]
+        row = {"comm_s": union_length(in_flight), "comm_exposed_s": union_length(every)}
+        for name, intervals in sorted(exposed.items()):
+            row[f"{EXPOSED_PREFIX}{name}"] = union_length(intervals)
+        return row
 
     # -- stamps ------------------------------------------------------------------------------
     def stamp(self) -> Stamp:
@@ -174,9 +183,9 @@ class CommTimer:
         event.record()
         return event
 
-    def begin(self, exposure: str) -> _Span:
+    def begin(self, exposure: str, collective: str) -> _Span:
         """A new interval of this step starting now; the caller sets its `end`."""
-        span = _Span(self.stamp(), exposure)
+        span = _Span(self.stamp(), exposure, collective)
         self._spans.append(span)  # list.append is atomic: callbacks may run on other threads
         return span
 
@@ -209,25 +218,25 @@ class CommTimer:
         if not self.in_step:  # a backward outside a timed step: reduce, untimed
             work = dist.all_reduce(tensor, group=group, async_op=True)
             return work.get_future().then(lambda fut: fut.value()[0])
-        span = self.begin(EXPOSED_AFTER_LAST_LAUNCH)
+        span = self.begin(EXPOSED_AFTER_LAST_LAUNCH, "ddp_all_reduce")
         work = dist.all_reduce(tensor, group=group, async_op=True)
         return self._until_done(span, work.get_future())
 
     # -- FSDP2 -------------------------------------------------------------------------------
     def run_fsdp_collective(
-        self, collective: Callable[[bool], dist.Work | None], async_op: bool
+        self, collective: Callable[[bool], dist.Work | None], async_op: bool, name: str
     ) -> dist.Work | None:
         """Issue one of FSDP2's collectives (`collective(async_op)`) as FSDP asked, timed
-        within a step."""
+        within a step under `name`."""
         if not self.in_step:
             return collective(async_op)
         if not async_op:
             # Blocking on a CPU (the training thread waits); on a GPU it runs on FSDP's stream.
-            span = self.begin(EXPOSED_UNKNOWN if self.on_gpu else EXPOSED_ALL)
+            span = self.begin(EXPOSED_UNKNOWN if self.on_gpu else EXPOSED_ALL, name)
             work = collective(False)
             span.end = self.stamp()  # on a GPU: FSDP's stream now waits for the collective
             return work
-        span = self.begin(EXPOSED_UNKNOWN)  # FSDP waits on the work later, out of our sight
+        span = self.begin(EXPOSED_UNKNOWN, name)  # FSDP waits on the work later, unseen
         work = collective(True)
         self._until_done(span, work.get_future())
         return work
@@ -273,7 +282,7 @@ class _TimedAllGather(_TimedComm):
         def gather(async_op: bool) -> dist.Work | None:
             return _ALL_GATHER(output_tensor, input_tensor, group=group, async_op=async_op)
 
-        return self.timer.run_fsdp_collective(gather, async_op)
+        return self.timer.run_fsdp_collective(gather, async_op, "fsdp_all_gather")
 
 
 class _TimedReduceScatter(_TimedComm):
@@ -290,4 +299,4 @@ class _TimedReduceScatter(_TimedComm):
                 output_tensor, input_tensor, op=op, group=group, async_op=async_op
             )
 
-        return self.timer.run_fsdp_collective(scatter, async_op)
+        return self.timer.run_fsdp_collective(scatter, async_op, "fsdp_reduce_scatter")

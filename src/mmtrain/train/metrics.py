@@ -472,8 +472,8 @@ def throughput(
     `times` holds seconds for "data", "compute" (forward+backward) and "optimizer"; `samples`
     is the global batch. MFU = achieved model FLOP/s per device / the device's peak.
 
-    `comm` (`CommTimer.finish_step()`: `comm_s`, `comm_exposed_s`; empty on one rank) adds the
-    communication and its exposed share of the step. Communication is not a fourth slice of
+    `comm` (`CommTimer.finish_step()`: `comm_s`, `comm_exposed_s` and its breakdown by
+    collective; empty on one rank) adds the communication and its exposed share of the step. Communication is not a fourth slice of
     the split: collectives run inside forward+backward (and overlap it), so `comm_s` and
     `comm_exposed_s` are parts of `compute_s`, and
     `data_wait_s + compute_s + optimizer_s == step_s` still holds.
@@ -491,6 +491,7 @@ def throughput(
         row["comm_s"] = comm["comm_s"]
         row["comm_exposed_s"] = comm["comm_exposed_s"]
         row["comm_exposed_fraction"] = comm["comm_exposed_s"] / step_s if step_s > 0 else 0.0
+        row.update({k: v for k, v in comm.items() if k.startswith("comm_exposed_s/")})
     if peak_flops and step_s > 0:
         row["mfu"] = samples * flops_per_sample / step_s / world_size / peak_flops
     return row

@@ -73,7 +73,7 @@ def _all_to_all(parts: Tensor, group: SequenceGroup) -> Tensor:
     """Part i of `parts` [N, ...] goes to group rank i; part i of the result came from it."""
     parts = parts.contiguous()
     received = torch.empty_like(parts)
-    with distributed.timed_collective():
+    with distributed.timed_collective("all_to_all"):
         dist.all_to_all_single(received, parts, group=group.group)
     return received
 
@@ -177,12 +177,12 @@ class RingPass:
             dist.P2POp(dist.irecv, t, group.previous_rank, group.group, tag + i)
             for i, t in enumerate(self._received)
         ]
-        self._span = distributed.begin_in_flight()
+        self._span = distributed.begin_in_flight("ring_exchange")
         self._works = dist.batch_isend_irecv(sends + receives)
 
     def wait(self) -> list[Tensor]:
         """The tensors the previous rank sent (same shapes and dtypes as the ones sent)."""
-        with distributed.timed_collective():
+        with distributed.timed_collective("ring_exchange"):
             for work in self._works:
                 work.wait()
         distributed.end_in_flight(self._span)
