@@ -5,14 +5,22 @@ against 1 rank, float64."""
 
 from __future__ import annotations
 
+import json
+import statistics
+
 import numpy as np
 import pytest
 import torch
 
 from dist_helpers import run_distributed
+from mmtrain.data.storage.manifest import write_manifest
+from mmtrain.data.storage.shard_writer import ShardWriter
 from mmtrain.data.stream.order import balanced_order
+from mmtrain.report.doctor import diagnose
+from mmtrain.report.rundata import load_run
 from mmtrain.train.loop import train
-from test_train_native_vlm import EXACT, _config, _weights, shards  # noqa: F401 (fixture)
+from mmtrain.train.recorder import MetricsRecorder
+from test_train_native_vlm import COLOURS, EXACT, _config, _png, _weights, shards  # noqa: F401
 
 
 def _loads(order: np.ndarray, cost: np.ndarray, world: int, per_rank: int) -> np.ndarray:
@@ -84,3 +92,68 @@ def test_two_balanced_ranks_follow_one(tmp_path, shards):  # noqa: F811
                    train={**settings, "steps": 4, "micro_batch": 1})  # fmt: skip
     with pytest.raises(ValueError, match="data.balance"):
         train(more)
+
+
+def _recorded_balance(rank: int, world: int, out) -> float:
+    """One row through the recorder, this rank's work rank + 1 (gathered in its all-reduce)."""
+    (out / str(rank)).mkdir()
+    recorder = MetricsRecorder(out / str(rank), rank=rank, log_every=1, tensorboard=False,
+                               resume_step=0, corrupt_before=0)  # fmt: skip
+    recorder.add(1, {"step_s": 1.0}, {"loss": torch.tensor(2.0)}, {}, 0, [], work=rank + 1.0)
+    recorder.flush()
+    recorder.close()
+    return recorder.history[0]["load_balance"]
+
+
+@pytest.mark.slow
+def test_the_recorder_gathers_every_ranks_work_in_its_one_all_reduce(tmp_path):
+    # ranks of work 1 and 2: a mean of 1.5 over the heaviest 2, on both ranks
+    assert run_distributed(_recorded_balance, world_size=2, args=(tmp_path,)) == [0.75, 0.75]
+
+
+def _uneven_shards(folder):
+    """Every other sample two 96 px pages and a 30-word answer, the others text-only and a
+    word long: the heavy sample costs several light ones."""
+    with ShardWriter(folder, max_samples=8) as writer:
+        for i in range(32):
+            name = list(COLOURS)[i % len(COLOURS)]
+            sample = {"__key__": f"{i:09d}"}
+            record = {"id": str(i), "messages": [{"role": "user", "content": f"Say {name}."},
+                                                  {"role": "assistant", "content": name}]}  # fmt: skip
+            if i % 2 == 0:
+                sample |= {f"{n}.png": _png(COLOURS[name], (96, 96), i + n) for n in (0, 1)}
+                record = {"id": str(i), "images": ["0.png", "1.png"], "messages": [
+                    {"role": "user", "content": "<image><image>"},
+                    {"role": "assistant", "content": f"a {name} page " * 10}]}  # fmt: skip
+            writer.write({**sample, "json": json.dumps(record)})
+    write_manifest(folder, writer.shards, modalities=["image", "text"])
+    return folder
+
+
+def _history(rank: int, world: int, config) -> int:
+    return len(train(config).history)
+
+
+@pytest.mark.slow
+def test_uneven_ranks_are_a_scaling_finding_that_data_balance_fixes(tmp_path, shards):  # noqa: F811
+    """2 ranks, 4 samples each per step (2 micro-batches of 2) of heavy and light samples:
+    interleaved, the ranks do ~77% of the heaviest rank's FLOPs on average after the first
+    step, and doctor asks for data.balance; dealt by cost, ~92%, and it asks nothing (FLOPs
+    counted from the rows, not timed: the same on any machine)."""
+    data = str(_uneven_shards(tmp_path / "uneven"))
+    runs = {}
+    for dealt in (False, True):
+        config = _config(tmp_path / f"dealt-{dealt}", shards, data={"train": data, "balance": dealt},
+                         train={"micro_batch": 2, "batch_size": 8, "steps": 6,
+                                "parallel": "ddp", "precision": "fp32"})  # fmt: skip
+        assert run_distributed(_history, world_size=2, args=(config,)) == [6, 6]
+        runs[dealt] = load_run(tmp_path / f"dealt-{dealt}")
+    (finding,) = [f for f in diagnose(runs[False]) if f.kind == "scaling"]
+    balances = [r["load_balance"] for r in runs[False].train_rows[1:]]
+    assert finding.evidence["load_balance_mean"] == round(statistics.fmean(balances), 4) < 0.8
+    assert finding.steps == [2, 3, 4, 5, 6] and finding.evidence["world_size"] == 2
+    assert finding.advice.startswith("deal each step's samples to the ranks by cost: "
+                                     "data.balance=true")  # fmt: skip
+    assert not [f for f in diagnose(runs[True]) if f.kind == "scaling"]
+    dealt = statistics.fmean(r["load_balance"] for r in runs[True].train_rows[1:])
+    assert dealt > finding.evidence["load_balance_mean"]

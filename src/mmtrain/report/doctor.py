@@ -19,6 +19,7 @@ from mmtrain.plan.comm import COMM_SHARE_LIMIT
 from mmtrain.report.finding import Finding, config_value, steady_rows
 from mmtrain.report.memory_check import memory
 from mmtrain.report.rundata import RunData
+from mmtrain.report.scaling import rank_balance
 from mmtrain.report.training_checks import (
     clipped_gradients,
     collapsed_learning_rate,
@@ -46,6 +47,7 @@ def diagnose(run: RunData) -> list[Finding]:
     checks = (
         _input_bound,
         _communication,
+        rank_balance,
         _mfu,
         memory,
         _data_quality,

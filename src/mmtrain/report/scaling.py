@@ -11,6 +11,11 @@ Below SCALING_EFFICIENCY the added GPUs buy less than four fifths of what they c
 finding names what grew with the world size, in the order the field looks: the exposed
 communication share of the step (another layout, parallel groups inside one node), then the
 data-wait share (the input pipeline feeds N ranks from the same hosts).
+
+Within one run (`rank_balance`): a step lasts as long as its heaviest rank, so ranks whose
+rows differ in cost (a language model's rows and pages) wait for it at every collective. The
+rows' `load_balance` (the ranks' mean model FLOPs over the heaviest rank's, train/recorder.py)
+under SCALING_EFFICIENCY is a share of the ranks' time lost the same way.
 """
 
 from __future__ import annotations
@@ -123,4 +128,48 @@ def _advice(run: RunData, world: int, comm: tuple[float, float], wait: tuple[flo
     return (
         "neither communication nor the wait for data grew: compare the ranks' step times; "
         "the slowest rank sets every step"
+    )
+
+
+def rank_balance(run: RunData) -> Finding | None:
+    """A finding when the ranks' work per step is uneven: their mean model FLOPs under
+    SCALING_EFFICIENCY of the heaviest rank's, on average over the steps."""
+    rows = steady_rows(run, "load_balance")
+    if not rows:
+        return None
+    balance = statistics.fmean(r["load_balance"] for r in rows)
+    if balance >= SCALING_EFFICIENCY:
+        return None
+    dealt = bool(config_value(run, "data", "balance", False))
+    micro = run.plan.get("micro_batch") or 1
+    per_rank = config_value(run, "train", "batch_size", 0) // max(1, run.world_size())
+    evidence = {
+        "load_balance_mean": round(balance, 4),
+        "load_balance_min": round(min(r["load_balance"] for r in rows), 4),
+        "world_size": run.world_size(),
+        "data.balance": dealt,
+        "samples_per_rank_per_step": per_rank,
+        "micro_batch": micro,
+    }
+    if not dealt and per_rank > 1:
+        advice = ("deal each step's samples to the ranks by cost: data.balance=true (the same "
+                  "samples, the same gradient)")  # fmt: skip
+    elif per_rank <= 1:
+        advice = ("one sample per rank and step leaves nothing to deal: more samples per "
+                  "rank (train.batch_size), then data.balance=true")  # fmt: skip
+    else:
+        advice = ("the samples differ in cost more than dealing evens out: pack rows to one "
+                  "length (data.pack=true) or cap the pages' tokens (data.vision)")  # fmt: skip
+    return Finding(
+        kind="scaling",
+        severity="warning",
+        evidence=evidence,
+        why=(
+            f"the ranks did {balance:.0%} of the heaviest rank's model FLOPs on average (under "
+            f"{SCALING_EFFICIENCY:.0%}): every step lasts as long as its heaviest rank, and "
+            "the others wait for it at its collectives"
+        ),
+        advice=advice,
+        cost_s=(1.0 - balance) * sum(r.get("compute_s", r["step_s"]) for r in rows),
+        steps=[r["step"] for r in rows],
     )

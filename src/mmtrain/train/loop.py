@@ -313,6 +313,9 @@ class Trainer:
             world=self.data_world,
         )  # fmt: skip
         counts: dict[str, Any] = {"flops": flops}
+        if step_spec.decoder is not None and self.data_world > 1:
+            counts["rank_flops"] = flops / self.data_world  # this rank's rows (the recorder
+            # gathers every rank's: load_balance)
         if (padding := padding_fraction(micro_batches)) is not None:
             counts["padding_fraction"] = padding
         dtype = self.precision.param_dtype
@@ -349,7 +352,7 @@ class Trainer:
                 comm=comm_times,
             ),  # fmt: skip
             **memory_gib(self.env.device),
-            **{k: v for k, v in counts.items() if k != "flops"},
+            **{k: v for k, v in counts.items() if k not in ("flops", "rank_flops")},
         }
         if step_spec is not self.spec:
             host.update({f"input_size/{k}": v for k, v in _input_sizes(step_spec).items()})
@@ -359,7 +362,8 @@ class Trainer:
             # unsplit: the evaluators deal their data by rank, not by sequence-parallel group
             with self.precision.autocast(), unsplit(self.model, self.spec):
                 host.update(self.validator.run(self.trained, state.step))
-        self.recorder.add(state.step, host, mean, local, self._corrupt_now(), keys)
+        work = counts.get("rank_flops")
+        self.recorder.add(state.step, host, mean, local, self._corrupt_now(), keys, work)
         if validate or self.recorder.due(state.step) or state.step == t.steps:
             self.recorder.flush()
 

@@ -37,6 +37,7 @@ class _Pending:
     local: dict[str, torch.Tensor]  # the same on every rank (gradient norm, global counts)
     corrupt: int  # this rank's corrupt samples so far (summed over ranks)
     keys: list[str]  # the step's sample keys, to name the culprits of a loss spike
+    work: float | None  # this rank's share of the step's model FLOPs (gathered: load_balance)
 
 
 class MetricsRecorder:
@@ -72,8 +73,12 @@ class MetricsRecorder:
         local: dict[str, torch.Tensor],
         corrupt: int,
         keys: list[str],
+        work: float | None = None,
     ) -> None:
-        self.pending.append(_Pending(step, host, mean, local, corrupt, keys))
+        """`work`: this rank's model FLOPs of the step, where ranks' inputs differ in cost (a
+        language model's rows); the row then carries `load_balance`, the ranks' mean work over
+        the heaviest rank's (1.0: even; a step lasts as long as its heaviest rank)."""
+        self.pending.append(_Pending(step, host, mean, local, corrupt, keys, work))
 
     def due(self, step: int) -> bool:
         return step % self.log_every == 0
@@ -83,8 +88,10 @@ class MetricsRecorder:
         if not self.pending:
             return
         values = self._read_pending()
-        for pending, (mean, local, corrupt) in zip(self.pending, values, strict=True):
+        for pending, (mean, local, corrupt, loads) in zip(self.pending, values, strict=True):
             row = {**mean, **local, **pending.host, "corrupt_samples": corrupt}
+            if loads and max(loads) > 0:
+                row["load_balance"] = sum(loads) / len(loads) / max(loads)
             if "target_tokens" in row and row.get("step_s"):
                 row["target_tokens_per_s"] = row["target_tokens"] / row["step_s"]
             self._record_events(pending, row)
@@ -106,30 +113,40 @@ class MetricsRecorder:
             )  # fmt: skip
             self.writer.record("loss_spike", pending.step, event)
 
-    def _read_pending(self) -> list[tuple[dict[str, float], dict[str, float], int]]:
-        """The pending steps' values as numbers: means over ranks, local values and the
-        corrupt-sample totals, from one all-reduce and one device->host transfer."""
-        pending = self.pending
+    def _read_pending(self) -> list[tuple[dict[str, float], dict[str, float], int, list]]:
+        """The pending steps' values as numbers: means over ranks, local values, the
+        corrupt-sample totals and every rank's work, from one all-reduce and one device->host
+        transfer (each rank's work travels in its own slot of a zero vector: the sum gathers)."""
+        pending, world = self.pending, world_size()
         means = [v.reshape(()).double() for p in pending for v in p.mean.values()]
         locals_ = [v.reshape(()).double() for p in pending for v in p.local.values()]
         device = (means + locals_)[0].device if means or locals_ else torch.device("cpu")
         corrupt = torch.tensor([p.corrupt for p in pending], dtype=torch.float64, device=device)
-        summed = sum_tensor_over_ranks(
-            torch.cat([torch.stack(means).to(device), corrupt]) if means else corrupt
-        )
+        parts = [torch.stack(means).to(device)] if means else []
+        parts.append(corrupt)
+        gather = world > 1 and all(p.work is not None for p in pending)
+        if gather:
+            slots = torch.zeros(len(pending), world, dtype=torch.float64)
+            slots[:, self.rank] = torch.tensor([p.work for p in pending], dtype=torch.float64)
+            parts.append(slots.flatten().to(device))
+        summed = sum_tensor_over_ranks(torch.cat(parts))
         flat = torch.cat([summed, torch.stack(locals_).to(device)]) if locals_ else summed
         numbers = flat.tolist()  # the one read of the logging interval
         n_mean, n = len(means), len(pending)
-        mean_values = iter(v / world_size() for v in numbers[:n_mean])
+        mean_values = iter(v / world for v in numbers[:n_mean])
         corrupt_totals = numbers[n_mean : n_mean + n]
-        local_values = iter(numbers[n_mean + n :])
+        n_work = n * world if gather else 0
+        works = numbers[n_mean + n : n_mean + n + n_work]
+        loads = [works[i * world : (i + 1) * world] for i in range(n)] if gather else [[]] * n
+        local_values = iter(numbers[n_mean + n + n_work :])
         return [
             (
                 {name: next(mean_values) for name in p.mean},
                 {name: next(local_values) for name in p.local},
                 self.corrupt_before + int(round(total)),
+                load,
             )
-            for p, total in zip(pending, corrupt_totals, strict=True)
+            for p, total, load in zip(pending, corrupt_totals, loads, strict=True)
         ]
 
     def _write(self, step: int, row: dict[str, Any]) -> None:
