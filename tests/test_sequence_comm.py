@@ -193,8 +193,8 @@ class _RecordingTimer:
         self.clock += 1.0
         return self.clock
 
-    def begin(self, exposure: str):
-        span = type("Span", (), {"exposure": exposure, "end": None})()
+    def begin(self, exposure: str, collective: str):
+        span = type("Span", (), {"exposure": exposure, "collective": collective, "end": None})()
         self.spans.append(span)
         return span
 
@@ -214,7 +214,7 @@ def _ring_pass_case(group: SequenceGroup) -> dict:
         mmtrain.distributed.set_collective_timer(None)
     return {
         "received": received,
-        "spans": [(s.exposure, s.end is not None) for s in timer.spans],
+        "spans": [(s.exposure, s.collective, s.end is not None) for s in timer.spans],
     }
 
 
@@ -281,9 +281,10 @@ def test_ring_pass_receives_from_the_previous_rank_and_is_timed_in_flight(ranks)
         assert torch.equal(floats, torch.full((2, 3), float(previous), dtype=DT))
         assert torch.equal(ints, torch.full((4,), previous, dtype=torch.int64))
         assert torch.equal(flags, torch.tensor([previous % 2 == 0, True]))
-        # Launch to completion in flight; the wait for it exposed.
+        # Launch to completion in flight; the wait for it exposed; both under the ring's name.
         hidden, exposed = mmtrain.distributed.EXPOSED_HIDDEN, mmtrain.distributed.EXPOSED_ALL
-        assert sorted(result["pass"]["spans"]) == sorted([(hidden, True), (exposed, True)])
+        expected = [(hidden, "ring_exchange", True), (exposed, "ring_exchange", True)]
+        assert sorted(result["pass"]["spans"]) == sorted(expected)
 
 
 @pytest.mark.slow
