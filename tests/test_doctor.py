@@ -340,3 +340,27 @@ def test_gradients_clipped_in_most_later_steps_are_named(tmp_path, shards):
     assert "train.lr=0.000667" in finding.advice and "train.grad_clip" in finding.advice
     run, _ = _run(tmp_path / "default", shards, spec=_computing_spec(), train={"steps": 16})
     assert not [f for f in diagnose(run) if f.kind == "learning_rate"]
+
+
+def test_a_fine_tune_without_warm_up_that_undoes_its_checkpoint_is_named(tmp_path, shards):
+    """A micro CLIP trained 30 steps to ln 2 (the floor for batches of 8 over 4 colours), then
+    fine-tuned at train.lr=6e-3 (the image tower at a tenth): with no warm-up its first update
+    (every weight moved by about the rate) sends the loss to 5-9x its start at step 2, and step
+    3's is still 2.1-4.5x (3 seeds measured), where a dirty batch's is back at once; warmed up over the advised 10 steps (a tenth of 100, under 2/(1-0.98) = 100) it
+    stays within 1.4x of it."""
+    _run(tmp_path / "base", shards, train={"steps": 30, "warmup_steps": 3},
+         checkpoint={"every_steps": 100})  # fmt: skip
+    base = str(tmp_path / "base" / "run")
+    fine_tune = {"steps": 100, "lr": 6e-3, "warmup_steps": 0, "towers": {"image": {"lr": 6e-4}}}
+    cold, _ = _run(tmp_path / "cold", shards, train=fine_tune, init=base,
+                   checkpoint={"every_steps": 1000})  # fmt: skip
+    (finding,) = [f for f in diagnose(cold) if f.kind == "learning_rate"]
+    assert finding.steps[0] == 2 and len(finding.steps) >= 2  # the next batches' loss rose too
+    assert finding.evidence["peak_step"] == 2
+    assert finding.evidence["loss_first"] == pytest.approx(math.log(2), rel=0.01)
+    assert finding.evidence["init"] == base and finding.evidence["recovered_at_step"] < 20
+    assert finding.evidence["grad_norm_peak"] > 10 * finding.evidence["grad_norm_first"]
+    assert "train.warmup_steps=10 (now 0)" in finding.advice
+    warm, _ = _run(tmp_path / "warm", shards, train={**fine_tune, "warmup_steps": 10}, init=base,
+                   checkpoint={"every_steps": 1000})  # fmt: skip
+    assert not [f for f in diagnose(warm) if f.kind == "learning_rate"]

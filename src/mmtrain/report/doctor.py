@@ -26,6 +26,7 @@ from mmtrain.report.training_checks import (
     precision,
     tower_learning_rates,
 )
+from mmtrain.report.warmup_check import short_warmup
 
 INPUT_BOUND_SHARE = 0.3  # mean data-wait share of a step above which the input pipeline binds
 # (communication: plan/comm.py's COMM_SHARE_LIMIT, the threshold the run warns at)
@@ -55,6 +56,7 @@ def diagnose(run: RunData) -> list[Finding]:
         _loss_spikes,
         collapsed_learning_rate,
         clipped_gradients,
+        short_warmup,
         tower_learning_rates,
         precision,
     )
