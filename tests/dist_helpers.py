@@ -47,6 +47,7 @@ def _worker(
     threads: int,
 ) -> None:
     out = Path(folder)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)  # as torchrun says it: one node's ranks
     try:
         torch.set_num_threads(threads)
         dist.init_process_group(

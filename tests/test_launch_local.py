@@ -23,6 +23,7 @@ from launch_helpers import (
     wait_until,
     write_run,
 )
+from mmtrain.report.rundata import load_run
 
 pytestmark = pytest.mark.slow
 
@@ -74,3 +75,6 @@ def test_two_local_agents_stop_on_one_sigterm_and_resume_to_the_same_bits(
     assert f"resumed from step {step}" in log, log
     assert step_rows(run) == list(range(1, STEPS + 1))
     assert (run / "model.safetensors").read_bytes() == reference
+    # each start records torchrun's nodes: 2 ranks, one per node (LOCAL_WORLD_SIZE)
+    layouts = load_run(run).events["layout"]
+    assert [(r["world_size"], r["ranks_per_node"]) for r in layouts] == [(2, 1), (2, 1)]

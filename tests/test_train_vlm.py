@@ -284,6 +284,9 @@ def test_sequence_parallel_follows_one_rank(tmp_path, shards, attention, pack):
     config = _config(tmp_path / "sp", shards, data=data, train=_sequence_parallel(attention, 2))
     losses = run_distributed(_train_rank, world_size=2, args=(config,))
     _assert_follows(losses, one, tmp_path / "one", tmp_path / "sp")
+    # both ranks on one node (run_distributed says so as torchrun does): no group crosses one
+    assert load_run(tmp_path / "sp").events["layout"][-1]["ranks_per_node"] == 2
+    assert not [f for f in diagnose(load_run(tmp_path / "sp")) if f.kind == "communication"]
 
 
 @pytest.mark.slow
@@ -311,8 +314,10 @@ def test_resume_across_sequence_parallel_sizes(tmp_path, shards):
 
 
 def _train_with_slow_all_to_all(rank: int, world: int, config) -> tuple[list[dict], list[str]]:
-    """Train with every all-to-all 50 ms late (a slow link); the rows and the run's warnings."""
+    """Train with every all-to-all 50 ms late (a slow link) on two nodes of one rank each (as
+    torchrun --nnodes 2 --nproc-per-node 1 tells each rank); the rows and the run's warnings."""
     import logging
+    import os
     import time
 
     import torch.distributed as dist
@@ -324,6 +329,7 @@ def _train_with_slow_all_to_all(rank: int, world: int, config) -> tuple[list[dic
         return all_to_all(*args, **kwargs)
 
     dist.all_to_all_single = slow
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())
@@ -349,8 +355,16 @@ def test_sequence_parallel_steps_report_their_communication_and_warn_once(tmp_pa
     step = rows[int(warned[0].split()[1]) - 1]  # "step N waited for communication P% ..."
     assert f"{100 * step['comm_exposed_fraction']:.0f}% of its {step['step_s']:.3f} s" in warned[0]
     assert other_warned == [] and len(other_rows) == len(rows)
-    # `mmtrain doctor` names it from the run folder, with the steps and the command to run
-    (finding,) = [f for f in diagnose(load_run(tmp_path / "sp")) if f.kind == "communication"]
+    # `mmtrain doctor` names it from the run folder, with the steps and the command to run,
+    # and that the group of 2 reaches past its node of 1 rank: its exchanges cross the network
+    waited, across = [f for f in diagnose(load_run(tmp_path / "sp")) if f.kind == "communication"]
+    if "groups_across_nodes" in waited.evidence:
+        waited, across = across, waited
+    assert across.evidence["groups_across_nodes"] == 1 and across.evidence["ranks_per_node"] == 1
+    assert "train.sequence_parallel=1 (now 2)" in across.advice
+    assert "--gpus-per-node 1 --sequence-parallel 1" in across.advice
+    assert across.cost_s == pytest.approx(sum(r["comm_exposed_s/all_to_all"] for r in rows))
+    finding = waited
     assert finding.steps == [r["step"] for r in rows[1:]]  # after the warm-up step
     assert finding.evidence["comm_exposed_fraction_mean"] > 0.2
     assert finding.evidence["train.sequence_parallel"] == 2

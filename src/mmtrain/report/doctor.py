@@ -17,6 +17,7 @@ import statistics
 
 from mmtrain.plan.comm import COMM_SHARE_LIMIT
 from mmtrain.report.finding import Finding, config_value, steady_rows
+from mmtrain.report.layout_check import SEQUENCE_COLLECTIVES, sequence_groups_across_nodes
 from mmtrain.report.memory_check import memory
 from mmtrain.report.rundata import RunData
 from mmtrain.report.scaling import rank_balance
@@ -30,7 +31,6 @@ from mmtrain.report.warmup_check import short_warmup
 
 INPUT_BOUND_SHARE = 0.3  # mean data-wait share of a step above which the input pipeline binds
 # (communication: plan/comm.py's COMM_SHARE_LIMIT, the threshold the run warns at)
-SEQUENCE_COLLECTIVES = ("all_to_all", "ring_exchange")  # sequence parallelism's (comm_timing)
 EXPOSED_PREFIX = "comm_exposed_s/"  # the rows' breakdown of comm_exposed_s by collective
 CORRUPT_SHARE = 0.01  # unreadable samples above 1 in 100: the shards, not bad luck
 # MFU under half what the planner expects of the workload on the device: the step spends its
@@ -48,6 +48,7 @@ def diagnose(run: RunData) -> list[Finding]:
     checks = (
         _input_bound,
         _communication,
+        sequence_groups_across_nodes,
         rank_balance,
         _mfu,
         memory,

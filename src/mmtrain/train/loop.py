@@ -244,6 +244,8 @@ class Trainer:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         layout = {"world_size": self.world, "data_ranks": self.data_world,
                   "sequence_parallel": self.t.sequence_parallel, "device": name}  # fmt: skip
+        if self.env.ranks_per_node is not None:  # where the node boundaries fall (doctor)
+            layout["ranks_per_node"] = self.env.ranks_per_node
         recorder.record("layout", self.state.step, layout)  # what the run folder cannot say
         if self.t.precision != "fp64":  # the planner knows the training precisions only
             plan = planned_memory(

@@ -134,6 +134,9 @@ class DistributedEnv:
     world_size: int
     local_rank: int
     owns_group: bool  # this module created the process group (and destroys it at the end)
+    # The ranks on this rank's node, as torchrun says (LOCAL_WORLD_SIZE); None when nothing
+    # said (a process started by hand): where the node boundaries fall is then unknown.
+    ranks_per_node: int | None = None
 
 
 def init_distributed(device: str = "auto") -> DistributedEnv:
@@ -160,7 +163,14 @@ def init_distributed(device: str = "auto") -> DistributedEnv:
         owns = True
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    return DistributedEnv(dev, rank, world, local_rank, owns)
+    return DistributedEnv(dev, rank, world, local_rank, owns, _ranks_per_node(world))
+
+
+def _ranks_per_node(world: int) -> int | None:
+    if world == 1:
+        return 1
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(local) if local.isdigit() and int(local) >= 1 else None
 
 
 def shutdown(env: DistributedEnv) -> None:
