@@ -30,6 +30,11 @@ from mmtrain.report.training_checks import (
 from mmtrain.report.warmup_check import short_warmup
 
 INPUT_BOUND_SHARE = 0.3  # mean data-wait share of a step above which the input pipeline binds
+# A step that waited for data more than half its time stalled; a tenth of the steps stalling is
+# a pipeline that runs dry in bursts even when its mean share is low (the utilisation that jumps
+# up and down)
+STALL_SHARE = 0.5
+STALLED_STEPS = 0.1
 # (communication: plan/comm.py's COMM_SHARE_LIMIT, the threshold the run warns at)
 EXPOSED_PREFIX = "comm_exposed_s/"  # the rows' breakdown of comm_exposed_s by collective
 CORRUPT_SHARE = 0.01  # unreadable samples above 1 in 100: the shards, not bad luck
@@ -71,33 +76,47 @@ def _input_bound(run: RunData) -> Finding | None:
         return None
     shares = [r["data_wait_s"] / r["step_s"] for r in rows]
     share = statistics.fmean(shares)
-    if share <= INPUT_BOUND_SHARE:
+    stalled = [r for r, s in zip(rows, shares, strict=True) if s > STALL_SHARE]
+    bursts = share <= INPUT_BOUND_SHARE  # then only the stalls call for a change
+    if bursts and len(stalled) < STALLED_STEPS * len(rows):
         return None
+    flagged = stalled if bursts else rows
     workers = int(config_value(run, "data", "workers", 0))
     evidence = {
         "data_wait_fraction_mean": round(share, 4),
         "data_wait_fraction_max": round(max(shares), 4),
-        "data_wait_s_total": round(sum(r["data_wait_s"] for r in rows), 4),
+        "data_wait_fraction_stdev": round(statistics.pstdev(shares), 4),
+        "stalled_steps": len(stalled),
+        "data_wait_s_total": round(sum(r["data_wait_s"] for r in flagged), 4),
         "data.workers": workers,
     }
     if any("cache_hit_rate" in r for r in rows):
         evidence["cache_hit_rate_mean"] = round(
             statistics.fmean(r["cache_hit_rate"] for r in rows if "cache_hit_rate" in r), 4
         )
+    why = (
+        f"the step waited for its batch {share:.0%} of its time (above "
+        f"{INPUT_BOUND_SHARE:.0%}): the accelerator idles while samples are read and decoded"
+    )
+    if bursts:
+        why = (
+            f"{len(stalled)} of {len(rows)} steps waited for their batch more than "
+            f"{STALL_SHARE:.0%} of their time (the mean is {share:.0%}): the input stalls in "
+            "bursts (a slow sample or shard), and on several ranks every rank waits for the "
+            "one that stalled"
+        )
     return Finding(
         kind="input_bound",
-        severity="warning",
+        severity="info" if bursts else "warning",
         evidence=evidence,
-        why=(
-            f"the step waited for its batch {share:.0%} of its time (above "
-            f"{INPUT_BOUND_SHARE:.0%}): the accelerator idles while samples are read and decoded"
-        ),
+        why=why,
         advice=(
-            f"decode in more processes: data.workers={max(2, 2 * workers)} (now {workers}); "
-            "if the cache hit rate is low, give data.cache_max_gb room for the epoch's shards"
+            f"decode in more processes: data.workers={max(2, 2 * workers)} (now {workers}; "
+            "each holds batches read ahead, which absorb a slow one); if the cache hit rate is "
+            "low, give data.cache_max_gb room for the epoch's shards"
         ),
         cost_s=evidence["data_wait_s_total"],
-        steps=[r["step"] for r in rows],
+        steps=[r["step"] for r in flagged],
     )
 
 
