@@ -69,14 +69,15 @@ def short_warmup(run: RunData) -> Finding | None:
     }
     if "grad_norm" in rows[0] and "grad_norm" in peak:
         evidence |= {"grad_norm_first": rows[0]["grad_norm"], "grad_norm_peak": peak["grad_norm"]}
-    start = "the checkpoint's loss" if run.config.get("init") else "the first step's loss"
+    start = "the checkpoint's loss" if run.config.get("init") else "where training started"
     return Finding(
         kind="learning_rate",
         severity="warning",
         evidence=evidence,
         why=(
-            f"the loss rose from {first:.4g} at step 1 ({start}) to {peak['loss']:.4g} at step "
-            f"{peak['step']}, {peak['loss'] / first:.1f}x, after a warm-up of {warmup} steps: "
+            f"the loss rose from {first:.4g} at step {rows[0]['step']} ({start}) to "
+            f"{peak['loss']:.4g} at step {peak['step']}, {peak['loss'] / first:.1f}x, after a "
+            f"warm-up of {warmup} steps: "
             "Adam's first updates move every weight by about the full learning rate whatever "
             f"its gradient, until its second-moment estimate settles over 2/(1-beta2) = "
             f"{horizon} steps" + ("" if back else "; the loss had not come back by the end")
