@@ -11,6 +11,7 @@ import json
 import pytest
 import yaml
 
+from mmtrain.cli import main
 from mmtrain.report.layout_check import sequence_groups_across_nodes
 from mmtrain.report.rundata import load_run
 
@@ -46,9 +47,13 @@ def test_groups_that_reach_past_a_node_are_named_with_the_size_that_fits(
     assert finding.evidence["groups_across_nodes"] == across
     assert finding.evidence["groups"] == world // sequence
     assert f"train.sequence_parallel={advised} (now {sequence})" in finding.advice
-    assert f"--gpus {world} --gpus-per-node {per_node} --sequence-parallel {advised}" in (
-        finding.advice
+    assert (
+        f"--gpu h100 --gpus {world} --gpus-per-node {per_node} --sequence-parallel {advised}"
+        in (finding.advice)
     )
+    # the command the advice gives runs as written
+    command = finding.advice.split("(mmtrain plan ")[1].split(")")[0]
+    assert main(["plan", *command.split()]) == 0
     assert finding.evidence["intra_node_link"].startswith("NVLink 4")
     assert "50 GB/s" in finding.evidence["network_link"]
 

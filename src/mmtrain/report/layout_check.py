@@ -26,58 +26,58 @@ def _spanning_groups(world: int, size: int, per_node: int) -> int:
     return sum(1 for ranks in groups if len({r // per_node for r in ranks}) > 1)
 
 
-def _links(device: str) -> dict[str, Any]:
-    """The catalog's links of the GPU the run trained on: inside a node, and between nodes
-    (the catalog's default network for that GPU); nothing for a CPU or an unknown device."""
+def _catalog_gpu(device: str) -> tuple[dict[str, Any], str]:
+    """The catalog's links of the GPU the run trained on (inside a node, and the catalog's
+    default network between nodes) and its `--gpu` flag; nothing for a CPU or an unknown
+    device."""
     from mmtrain.hardware import default_catalog
     from mmtrain.structured import FieldError
 
     if device in ("", "cpu"):
-        return {}
+        return {}, ""
     catalog = default_catalog()
     try:
         gpu = catalog.resolve_device(device)[0]
     except FieldError:
-        return {}
+        return {}, ""
     inside, between = catalog.link(gpu.intra_node), catalog.link(gpu.network)
-    return {
+    links = {
         "intra_node_link": f"{inside.name}, {inside.gbps:g} GB/s per GPU",
         "network_link": f"{between.name}, {between.gbps:g} GB/s per GPU (the catalog's default)",
     }
+    return links, f" --gpu {gpu.key}"
 
 
 def sequence_groups_across_nodes(run: RunData) -> Finding | None:
     layouts = run.events.get("layout", [])
     layout = layouts[-1] if layouts else {}
     world, size = int(layout.get("world_size", 1)), int(layout.get("sequence_parallel", 1))
-    per_node = layout.get("ranks_per_node")
+    per_node = int(layout.get("ranks_per_node") or 0)
     if size <= 1 or not per_node or world % size:
         return None  # no sequence split, or where the nodes end is not on record
-    spanning = _spanning_groups(world, size, int(per_node))
+    spanning = _spanning_groups(world, size, per_node)
     if not spanning:
         return None
     within = max(d for d in range(1, size + 1) if per_node % d == 0)  # groups inside a node
-    exposed = [
-        r.get(f"comm_exposed_s/{name}", 0.0)
-        for r in run.train_rows
-        for name in SEQUENCE_COLLECTIVES
-    ]
+    rows, names = run.train_rows, SEQUENCE_COLLECTIVES
+    exposed = sum(r.get(f"comm_exposed_s/{name}", 0.0) for r in rows for name in names)
     attention = config_value(run, "train", "sequence_parallel_attention", "auto")
     ring = "" if attention == "ring" else (
         "; if the rows need more ranks than a node has, train.sequence_parallel_attention=ring, "
         "whose exchanges overlap the attention of the block in hand"
     )  # fmt: skip
     model = run.config.get("model", "MODEL")
+    links, gpu = _catalog_gpu(str(layout.get("device", "")))
     return Finding(
         kind="communication",
         severity="warning",
         evidence={
             "train.sequence_parallel": size,
-            "ranks_per_node": int(per_node),
+            "ranks_per_node": per_node,
             "world_size": world,
             "groups_across_nodes": spanning,
             "groups": world // size,
-            **_links(str(layout.get("device", ""))),
+            **links,
         },
         why=(
             f"{spanning} of the {world // size} sequence-parallel groups of {size} ranks reach "
@@ -86,9 +86,9 @@ def sequence_groups_across_nodes(run: RunData) -> Finding | None:
         ),
         advice=(
             f"keep each group in one node: train.sequence_parallel={within} (now {size}) if the "
-            f"rows fit (mmtrain plan --model {model} --gpus {world} --gpus-per-node {per_node} "
+            f"rows fit (mmtrain plan --model {model}{gpu} --gpus {world} --gpus-per-node {per_node} "
             f"--sequence-parallel {within}){ring}"
         ),
-        cost_s=sum(exposed),
+        cost_s=exposed,
         steps=[r["step"] for r in run.train_rows],
     )
