@@ -43,7 +43,8 @@ def _given(**changes) -> own.Given:
 FLAGS = ["--price-per-gpu-hour", "2", "--monthly-server-price", "7300", "--purchase-price",
          "100000", "--depreciation-months", "60", "--residual-value", "0.1", "--pue", "1.5",
          "--power-price", "0.2", "--hosting-per-kw-month", "100", "--staff-fraction", "0.12"]  # fmt: skip
-# the flags the catalog has no sourced default for (hardware/ownership.yaml says why)
+# the flags the catalog has no sourced figure for (hardware/ownership.yaml says why): without
+# them the monthly option is left out and residual value and staff are assumed 0
 NO_DEFAULT = ["--monthly-server-price", "7300", "--residual-value", "0.1",
               "--staff-fraction", "0.12"]  # fmt: skip
 
@@ -236,10 +237,13 @@ def test_defaults_are_used_only_in_usd_and_only_where_sourced():
                          "power_price", "hosting_per_kw_month"}  # fmt: skip
     assert all(f.source and f.as_of and f.flag == own.flag(f.name) for f in used.values())
     assert used["purchase_price"].value == 255_237  # 8 x $31,904.63 (Epoch AI's row)
-    with pytest.raises(FieldError) as err:  # no default for these three: the flags are needed
-        own.resolve_inputs(get_gpu("h100"), own.Given())
-    assert err.value.path == "--monthly-server-price"
-    assert "--residual-value" in err.value.message and "--staff-fraction" in err.value.message
+    # no sourced figure for these three: residual value and staff are assumed 0, the monthly
+    # rental has no price (its option is left out)
+    bare = own.resolve_inputs(get_gpu("h100"), own.Given())
+    assert (bare.residual_value, bare.staff_fraction, bare.monthly_server_price) == (0, 0, None)
+    kinds = {f.name: f.kind for f in bare.defaults_used}
+    assert kinds["residual_value"] == kinds["staff_fraction"] == "assumed"
+    assert kinds["monthly_server_price"] == "left out" and kinds["pue"] == "sourced"
     with pytest.raises(FieldError) as err:  # no money default in another currency
         own.resolve_inputs(get_gpu("h100"), own.Given(currency="CNY"))
     assert err.value.path == "--price-per-gpu-hour" and "--purchase-price" in err.value.message
@@ -260,8 +264,12 @@ def test_every_catalog_default_is_named_dated_and_sourced():
         assert figure["value"] >= 0 and len(figure["source"]) > 40, name
         assert re.fullmatch(r"\d{4}-\d{2}(-\d{2})?", str(figure["as_of"])), name
         assert figure.get("flag", own.flag(field)) == own.flag(field), name
-    # removed for want of a dated, attributable source: the flags must be given
+    # no dated, attributable source: never a sourced default (assumptions are named as such)
     assert not {"monthly_server_price", "residual_value", "staff_fraction"} & set(figures)
+    assert set(data["assumed"]) == {"residual_value", "staff_fraction"}
+    for name, figure in data["assumed"].items():
+        assert figure["value"] == 0 and figure["flag"] == own.flag(name), name
+        assert len(figure["why"]) > 40, name
 
 
 def _own_json(capsys, *args) -> dict:
@@ -334,8 +342,8 @@ def test_cli_errors_name_the_flag(capsys):
     assert main(["plan", "--model", "ViT-B-16", "--samples", "1e6", "--own",
                  "--currency", "CNY"]) == 2  # fmt: skip
     assert "--price-per-gpu-hour" in capsys.readouterr().err
-    assert main(["plan", "--model", "ViT-B-16", "--samples", "1e6", "--own"]) == 2
-    assert "--monthly-server-price" in capsys.readouterr().err
+    assert main(["plan", "--model", "ViT-B-16", "--samples", "1e6", "--own", "--gpu", "a100"]) == 2
+    assert "error: --purchase-price" in capsys.readouterr().err  # no sourced A100 server price
 
 
 def test_projects_file_by_hand(tmp_path, capsys):
@@ -396,3 +404,111 @@ def test_projects_file_runs_the_planner_and_checks_its_keys(tmp_path, capsys):
         path.write_text(bad)
         assert main(["plan", "--own", "--projects", str(path), *NO_DEFAULT]) == 2
         assert where in capsys.readouterr().err, bad
+
+
+def test_sensitivity_to_a_30_percent_residual_value_by_hand():
+    i = _inputs(residual_value=0.0)  # the default: no resale
+    d = own.compare((own.Job("run", 8, 2920.0, 3),), i)
+    # residual 0: capital 100,000 x 36 / 60 = 60,000, + running 1,400 x 36 = 50,400: 110,400
+    assert d.break_even_utilisation["on_demand"] == pytest.approx(
+        110_400 / (210_240 * 1.85), rel=REL
+    )
+    # residual 0.3: capital 100,000 x 0.7 x 36 / 60 = 42,000, + 50,400 = 92,400 fixed, over
+    # 8 x 730 x 36 = 210,240 fleet hours x (rate - 0.15 energy)
+    assert d.sensitivity["residual_value"] == 0.3
+    be = d.sensitivity["break_even_utilisation"]
+    assert be["on_demand"] == pytest.approx(92_400 / (210_240 * 1.85), rel=REL)  # 23.8%
+    assert be["monthly"] == pytest.approx(92_400 / (210_240 * 1.10), rel=REL)  # 40.0%
+    assert "with a 30% residual value" not in own.explain(d)  # its own line, not the why
+
+
+def _b300_expected(purchase: float, residual: float) -> tuple[float, float]:
+    """(fixed cost of one B300 server over 36 months, energy per GPU-hour) by the module's
+    formula from the catalog's figures; staff 0 (the default)."""
+    data = own.ownership_catalog()["defaults"]
+    gpu = get_gpu("b300")
+    depreciation, hosting = data["depreciation_months"]["value"], data["hosting_per_kw_month"]
+    capital = purchase * (1 - residual) * min(36, depreciation) / depreciation
+    fixed = capital + hosting["value"] * 8 * gpu.tdp_w / 1000 * 36
+    energy = gpu.tdp_w / 1000 * data["pue"]["value"] * data["power_price"]["value"]
+    return fixed, energy
+
+
+def test_b300_without_residual_staff_or_monthly_price_answers_with_the_defaults_named(capsys):
+    args = ["plan", "--model", "ViT-B-16", "--gpu", "B300", "--gpus", "8", "--micro-batch",
+            "256", "--samples", "4e9", "--own", "--purchase-price", "500000"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    for line in ("residual_value = 0 (--residual-value): assumed: no resale",
+                 "staff_fraction = 0 (--staff-fraction): assumed: no support or staff",
+                 "monthly_server_price: none (--monthly-server-price): the monthly option is "
+                 "left out", "with a 30% residual value, buying breaks even at a utilisation "
+                 "of: on_demand"):  # fmt: skip
+        assert line in out, line
+    assert not re.search(r"^\s+monthly\s", out, flags=re.M)  # no row for the monthly option
+    assert "against monthly" not in out and "monthly server" not in out
+    result = _own_json(capsys, *args[1:])
+    assert [o["name"] for o in result["options"]] == ["on_demand", "buy"]
+    assert set(result["break_even_utilisation"]) == {"on_demand"}
+    assert set(result["break_even_month"]) == {"on_demand"}
+    kinds = {f["name"]: (f["kind"], f["value"]) for f in result["defaults_used"]}
+    assert kinds["residual_value"] == kinds["staff_fraction"] == ("assumed", 0)
+    assert kinds["monthly_server_price"] == ("left out", None)
+    assert kinds["pue"][0] == "sourced" and "purchase_price" not in kinds  # the user's
+    rate = get_gpu("b300").price_per_gpu_hour
+    for residual, be in ((0.0, result["break_even_utilisation"]),
+                         (0.3, result["sensitivity"]["break_even_utilisation"])):  # fmt: skip
+        fixed, energy = _b300_expected(500_000, residual)
+        assert be["on_demand"] == pytest.approx(fixed / (8 * 730 * 36 * (rate - energy)), rel=REL)
+    shown = result["sensitivity"]["break_even_utilisation"]["on_demand"]
+    assert f"with a 30% residual value, buying breaks even at a utilisation of: on_demand " \
+           f"{shown:.1%}" in out  # fmt: skip
+    # the flags still override the defaults, and a GPU without a sourced price still says so
+    flagged = _own_json(capsys, *args[1:], "--residual-value", "0.3", "--staff-fraction", "0.1")
+    assert flagged["inputs"]["residual_value"] == 0.3 and flagged["inputs"]["staff_fraction"] == 0.1
+    assert {f["name"] for f in flagged["defaults_used"]}.isdisjoint(
+        {"residual_value", "staff_fraction"}
+    )
+    assert main(args[:-2]) == 2
+    assert "error: --purchase-price" in capsys.readouterr().err
+
+
+def test_report_still_needs_the_monthly_price_it_shows():
+    # the report's cost table has a monthly row: without a price it names the flag
+    with pytest.raises(FieldError) as err:
+        own.price_gpu_hours(100, "h100", own.Given())
+    assert err.value.path == "--monthly-server-price"
+
+
+def _own_help() -> dict[str, str]:
+    """--own's flags and their help texts, as `mmtrain plan --help` prints them."""
+    from mmtrain.cli import build_parser
+
+    parser = build_parser(["plan"])
+    (plan,) = [a for a in parser._subparsers._group_actions[0].choices.values()
+               if a.prog.endswith(" plan")]  # fmt: skip
+    (group,) = [g for g in plan._action_groups if g.title.startswith("--own")]
+    return {a.option_strings[0]: f"{a.metavar or ''} {a.help}" for a in group._group_actions}
+
+
+def test_help_gives_each_own_flag_its_unit():
+    helps = _own_help()
+    units = {  # flag: words its help must hold
+        "--monthly-server-price": ["--currency", "a month"], "--purchase-price": ["--currency"],
+        "--power-price": ["--currency", "kWh"],
+        "--hosting-per-kw-month": ["--currency", "kW", "a month"],
+        "--depreciation-months": ["months"], "--horizon-months": ["months"],
+        "--pue": ["ratio", ">= 1"], "--residual-value": ["share", "0 to 1"],
+        "--staff-fraction": ["share", "a year"], "--utilisation": ["share", "0 to 1"],
+        "--deadline-days": ["days"], "--currency": ["ISO 4217"],
+    }  # fmt: skip
+    for name, words in units.items():
+        for word in words:
+            assert word in helps[name], (name, word, helps[name])
+    money = {"--monthly-server-price", "--purchase-price", "--power-price",
+             "--hosting-per-kw-month", "--currency"}  # fmt: skip
+    for name, text in helps.items():
+        if name not in money:
+            assert "USD" not in text and "currency" not in text, (name, text)
+    assert "default 0" in helps["--residual-value"] and "default 0" in helps["--staff-fraction"]
+    assert "leaves the monthly option out" in helps["--monthly-server-price"]

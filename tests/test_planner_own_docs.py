@@ -43,7 +43,10 @@ def _run(argv: list[str], files: dict[str, str], capsys) -> str:
 
 def test_the_section_shows_plan_own_projects_deadline_and_report():
     commands = [" ".join(c) for c in _commands()]
-    assert sum("plan" in c and "--own" in c for c in commands) == len(_blocks("text")) == 3
+    assert sum("plan" in c and "--own" in c for c in commands) == len(_blocks("text")) == 4
+    # answers without the figures no source gives: residual and staff assumed, monthly left out
+    assert any("--residual-value" not in c and "--staff-fraction" not in c for c in commands)
+    assert any("--monthly-server-price" not in c for c in commands)
     assert any("--projects year.yaml" in c and "--deadline-days" in c for c in commands)
     assert any(c.startswith("mmtrain report runs/clip --gpu") for c in commands)
     assert len(_blocks("yaml")) == 1

@@ -1,6 +1,7 @@
 """The model description: presets, analytic counts, validation and (de)serialisation."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -106,3 +107,90 @@ def test_cli_spec_json_and_bad_name(capsys):
     assert out["params"] == 151_277_313
     assert main(["spec", "vit-b-33"]) == 2
     assert "did you mean" in capsys.readouterr().err
+
+
+def _spec_json(capsys, model: str) -> dict:
+    assert main(["spec", model, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _listing_line(capsys, name: str) -> str:
+    assert main(["spec"]) == 0
+    (line,) = [row for row in capsys.readouterr().out.splitlines() if row.split()[0] == name]
+    return line
+
+
+@pytest.mark.parametrize(
+    ("name", "counted", "shown"),
+    [
+        # a projector VLM: one row of decoder.max_positions with one 336 px image (576 tokens)
+        ("llava-1.5-7b", {"positions": 4096, "images": [[336, 336]]},
+         "1 row of 4,096 positions (decoder.max_positions) with 1 image 336x336 px"),
+        # a native-resolution VLM: its whole context as one row, no image (no fixed size)
+        ("Qwen2.5-VL-7B", {"positions": 128_000, "images": []},
+         "1 row of 128,000 positions (decoder.max_positions), no image"),
+    ],
+)  # fmt: skip
+def test_spec_names_the_row_a_language_models_flops_count(capsys, name, counted, shown):
+    spec = load_spec(name)
+    out = _spec_json(capsys, name)
+    row = out["forward_flops_input"]
+    assert row["positions"] == counted["positions"]
+    assert [image["size"] for image in row["images"]] == counted["images"]
+    # the figure is the spec's count of exactly that row, and per position its share
+    at_shape = sum(spec.sequence_flops_by_part([row["positions"]], len(row["images"])).values())
+    assert out["forward_flops_per_sample"] == at_shape == spec.forward_flops()
+    per_position = at_shape / row["positions"]
+    assert out["forward_flops_per_position"] == pytest.approx(per_position, rel=1e-15)
+    assert main(["spec", name]) == 0
+    summary = capsys.readouterr().out
+    assert shown in summary and f"{per_position / 1e9:,.2f} GFLOPs per position" in summary
+    line = _listing_line(capsys, name)
+    assert f"{at_shape / 1e9:.2f} GFLOPs/sample" in line
+    assert f"{counted['positions']:,} positions" in line
+    assert f"{per_position / 1e9:,.2f} GFLOPs/position" in line
+
+
+@pytest.mark.parametrize(
+    ("name", "shown"),
+    [
+        ("ViT-B-32", "image 224x224 px, text 77 tokens"),
+        ("tiny-multimodal", "image 32x32 px, video 4 frames of 32x32 px, audio 1 s at 16,000 Hz, "
+                            "timeseries 3 channels x 128 steps, text 32 tokens"),
+        ("DiT-XL-2", "latent 4x32x32 (channels x height x width)"),
+        ("SD3-medium", "latent 16x128x128 (channels x height x width) and 333 text tokens"),
+    ],
+)  # fmt: skip
+def test_spec_names_the_input_of_encoders_and_denoisers(capsys, name, shown):
+    spec = load_spec(name)
+    out = _spec_json(capsys, name)
+    counted = out["forward_flops_input"]
+    if spec.denoiser is not None:  # the figure is the denoiser's count at the size shown
+        d = spec.denoiser
+        assert counted["size"] == list(d.size()) and counted["channels"] == d.channels
+        assert out["forward_flops_per_sample"] == d.forward_flops(counted["size"])
+    else:  # one input per tower, at its stem's size
+        assert set(counted["towers"]) == set(spec.towers)
+        for tower, seen in counted["towers"].items():
+            assert seen["tokens"] == spec.towers[tower].tokens(), tower
+    assert out["forward_flops_per_sample"] == spec.forward_flops()
+    assert "forward_flops_per_position" not in out
+    assert main(["spec", name]) == 0
+    assert f"counted at: {shown}" in capsys.readouterr().out
+    assert f"at {shown}" in _listing_line(capsys, name)
+
+
+def test_the_shape_shown_is_the_one_counted(tmp_path, capsys):
+    """Change the shape in a spec file: what spec prints, and its figure, follow."""
+    path = tmp_path / "short.yaml"
+    vlm = load_spec("tiny-vlm")
+    replace(vlm, decoder=vlm.decoder.replace(max_positions=300)).save(path)
+    out = _spec_json(capsys, str(path))
+    assert out["forward_flops_input"]["positions"] == 300
+    assert out["forward_flops_per_sample"] == load_spec("tiny-vlm").sequence_flops(300, 1)
+    path = tmp_path / "small.yaml"
+    with_tower(load_spec("tiny-clip"), "image", stem={"image_size": 96}).save(path)
+    out = _spec_json(capsys, str(path))
+    assert out["forward_flops_input"]["towers"]["image"]["size"] == [96, 96]
+    assert out["forward_flops_per_sample"] == load_spec(str(path)).forward_flops()
+    assert out["forward_flops_per_sample"] > load_spec("tiny-clip").forward_flops()

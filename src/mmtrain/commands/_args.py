@@ -73,28 +73,40 @@ def add_ownership_arguments(group: argparse._ArgumentGroup, *, on_demand: bool) 
     """The figures plan/ownership.py prices GPU-hours with, shared by `mmtrain plan --own` and
     `mmtrain report`; `on_demand=False` where the command already has --price-per-gpu-hour.
     Each dest is a field of ownership.Given (`ownership_given` reads them by name)."""
-    group.add_argument("--currency", default="USD", help="ISO code of every price (default USD)")
-    group.add_argument("--horizon-months", type=float, default=36, help="months compared (36)")
-    default = "; default: the catalog's sourced figure, if any, in USD"
-    money = [
-        ("--monthly-server-price", "one server rented for a month"),
-        ("--purchase-price", "one server bought"),
-        ("--power-price", "one kWh"),
-        ("--hosting-per-kw-month", "colocation per kW of IT load a month, power apart"),
-    ]
+    group.add_argument("--currency", default="USD", metavar="CODE",
+                       help="ISO 4217 code of every price given (default USD)")  # fmt: skip
+    group.add_argument("--horizon-months", type=float, default=36, metavar="MONTHS",
+                       help="months compared (default 36)")  # fmt: skip
+    sourced = "default: hardware/ownership.yaml's sourced figure, if any"
+    money = [  # (flag, what one price buys, its default: the catalog's prices are USD)
+        ("--monthly-server-price", "one server rented for a month", "no default: without it "
+                                   "`plan --own` leaves the monthly option out (`report` "
+                                   "needs it)"),
+        ("--purchase-price", "one server bought", f"{sourced} (USD only)"),
+        ("--power-price", "one kWh of energy", f"{sourced} (USD only)"),
+        ("--hosting-per-kw-month", "colocation per kW of IT load a month, energy apart",
+         f"{sourced} (USD only)"),
+    ]  # fmt: skip
     if on_demand:
-        money.insert(0, ("--price-per-gpu-hour", "one GPU-hour on demand"))
-    for name, what in money:
-        group.add_argument(name, type=float, default=None, help=what + default)
-    for name, what in (
-        ("--depreciation-months", "straight-line depreciation period" + default),
-        ("--residual-value", "share of the purchase price left after depreciation"),
-        ("--pue", "facility power over IT power" + default),
-        ("--staff-fraction", "support and staff a year, as a share of the purchase price"),
-        ("--utilisation", "share of the owned fleet's hours doing useful work, anyone's: the "
-                          "work pays its share"),
+        csv = "default: gpus.csv's indicative price (USD only)"
+        money.insert(0, ("--price-per-gpu-hour", "one GPU-hour on demand", csv))
+    for name, what, default in money:
+        group.add_argument(name, type=float, default=None, metavar="PRICE",
+                           help=f"{what}, in --currency; {default}")  # fmt: skip
+    no_resale = "no resale, the conservative case for buying"
+    for name, metavar, what in (
+        ("--depreciation-months", "MONTHS", f"straight-line depreciation period in months; "
+                                            f"{sourced}"),
+        ("--residual-value", "SHARE", f"share (0 to 1) of the purchase price left after "
+                                      f"depreciation; default 0 ({no_resale})"),
+        ("--pue", "RATIO", f"facility power over IT power, a ratio >= 1; {sourced}"),
+        ("--staff-fraction", "SHARE", "support and staff a year, as a share of the purchase "
+                                      "price (0.1: a tenth a year); default 0 (none counted, "
+                                      "which favours buying)"),
+        ("--utilisation", "SHARE", "share (0 to 1) of the owned fleet's hours doing useful "
+                                   "work, anyone's: the work pays its share"),
     ):  # fmt: skip
-        group.add_argument(name, type=float, default=None, help=what)
+        group.add_argument(name, type=float, default=None, metavar=metavar, help=what)
 
 
 def ownership_given(args: argparse.Namespace):

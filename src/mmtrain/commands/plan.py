@@ -276,13 +276,18 @@ def _add_own_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE.yaml",
         help="with --own: a year's runs (model + samples, or gpu_hours) and inference services",
     )
-    g.add_argument("--runs-per-year", type=count, default=1, help="repetitions of the run a year")
+    g.add_argument(
+        "--runs-per-year", type=count, default=1, metavar="N", help="repetitions of the run a year"
+    )
     add_ownership_arguments(g, on_demand=False)  # --price-per-gpu-hour is the planner's
-    g.add_argument("--servers", type=count, default=None, help="servers bought (default: enough)")
+    g.add_argument(
+        "--servers", type=count, default=None, metavar="N", help="servers bought (default: enough)"
+    )
     g.add_argument(
         "--deadline-days",
         type=float,
         default=None,
+        metavar="DAYS",
         help="each training run finishes within this many days",
     )
 
@@ -1091,6 +1096,12 @@ def _print_own(d) -> None:
     be = ", ".join(f"{mode} {'never' if u is None else f'{u:.1%}'}"
                    for mode, u in d.break_even_utilisation.items())  # fmt: skip
     print(f"buying breaks even at a utilisation of: {be} (this plan: {d.utilisation:.1%})")
+    what_if = d.sensitivity
+    be = ", ".join(f"{mode} {'never' if u is None else f'{u:.1%}'}"
+                   for mode, u in what_if["break_even_utilisation"].items())  # fmt: skip
+    counted = f"this plan counts {i.residual_value:.0%}: --residual-value"
+    print(f"with a {what_if['residual_value']:.0%} residual value, buying breaks even at a "
+          f"utilisation of: {be} ({counted})")  # fmt: skip
     for mode, month in d.break_even_month.items():
         when = "never" if month is None else f"in month {month}"
         if month is not None and month > i.horizon_months:  # the saving outlives the horizon
@@ -1098,7 +1109,12 @@ def _print_own(d) -> None:
         print(f"buying pays back in cash against {mode} for this plan: {when}")
     print("defaults used (flag to override):" if i.defaults_used else "defaults used: none")
     for f in i.defaults_used:
-        print(f"  {f.name} = {f.value:g} ({f.flag}): {f.source} [as of {f.as_of}]")
+        if f.kind == "left out":
+            print(f"  {f.name}: none ({f.flag}): {f.source}")
+        elif f.kind == "assumed":
+            print(f"  {f.name} = {f.value:g} ({f.flag}): assumed: {f.source}")
+        else:
+            print(f"  {f.name} = {f.value:g} ({f.flag}): {f.source} [as of {f.as_of}]")
 
 
 def _job_text(j) -> str:

@@ -1,11 +1,23 @@
-"""`mmtrain spec NAME|FILE`: show a model description with its parameter, token and FLOP counts."""
+"""`mmtrain spec NAME|FILE`: show a model description with its parameter, token and FLOP counts,
+and the input its FLOPs per sample count (`counted_input`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
-from mmtrain.spec import load_spec, preset_names
+from mmtrain.spec import (
+    AudioStem,
+    ImageStem,
+    ModelSpec,
+    TextStem,
+    TimeSeriesStem,
+    TowerSpec,
+    VideoStem,
+    load_spec,
+    preset_names,
+)
 
 ORDER = 10
 
@@ -17,30 +29,141 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def counted_input(spec: ModelSpec) -> dict[str, Any]:
+    """The one sample `spec.forward_flops()` counts, read from the fields that
+    ModelSpec.forward_flops_by_part takes it from: a language model's one row of
+    `decoder.max_positions` positions, with one image per tower at its stem's size (a projector
+    VLM) or none (a native-resolution VLM: its images have no fixed size); a denoiser's
+    `denoiser.size()` (and an MMDiT's `text_tokens`); one input per tower at its stem's size."""
+    if spec.decoder is not None:
+        images = []
+        if spec.projector is not None:
+            tower = spec.towers[spec.projector.tower]
+            image = {"tower": spec.projector.tower, **tower_input(tower)}
+            images = [image | {"positions": spec.image_tokens()}] * len(spec.towers)
+        return {"rows": 1, "positions": spec.decoder.max_positions, "images": images,
+                "native_images": spec.vision is not None}  # fmt: skip
+    if spec.denoiser is not None:
+        d = spec.denoiser
+        sample = {"input": d.input, "channels": d.channels, "size": list(d.size()),
+                  "tokens": d.tokens()}  # fmt: skip
+        return sample | ({"text_tokens": d.text_tokens} if d.is_mmdit() else {})
+    return {"towers": {name: tower_input(t) for name, t in spec.towers.items()}}
+
+
+def tower_input(tower: TowerSpec) -> dict[str, Any]:
+    """One input of a tower at its stem's size, and the tokens it makes."""
+    s = tower.stem
+    if isinstance(s, ImageStem):
+        shape = {"size": [s.image_size, s.image_size]}
+    elif isinstance(s, VideoStem):
+        shape = {"frames": s.frames, "size": [s.image_size, s.image_size]}
+    elif isinstance(s, AudioStem):
+        shape = {"seconds": s.clip_seconds, "sample_rate": s.sample_rate}
+    elif isinstance(s, TimeSeriesStem):
+        shape = {"channels": s.channels, "length": s.length}
+    else:
+        assert isinstance(s, TextStem), type(s)
+        shape = {"context_length": s.context_length}
+    return {"modality": tower.modality, **shape, "tokens": tower.tokens()}
+
+
+def describe_input(counted: dict[str, Any]) -> str:
+    """`counted_input` in words: '1 row of 4,096 positions (decoder.max_positions) with 1 image
+    336x336 px', 'image 224x224 px, text 77 tokens', 'latent 4x32x32 (channels x height x
+    width)'."""
+    if "positions" in counted:
+        row = f"1 row of {counted['positions']:,} positions (decoder.max_positions)"
+        images = counted["images"]
+        if not images:
+            return row + ", no image"
+        sizes = sorted({_sides(image["size"]) for image in images})
+        return row + f" with {len(images)} image{'s' * (len(images) > 1)} {', '.join(sizes)} px"
+    if "towers" in counted:
+        return ", ".join(_describe_tower(t) for t in counted["towers"].values())
+    axes = "channels x frames x height x width" if len(counted["size"]) == 3 else (
+        "channels x height x width")  # fmt: skip
+    text = f"{counted['input']} {_sides([counted['channels'], *counted['size']])} ({axes})"
+    if "text_tokens" in counted:
+        text += f" and {counted['text_tokens']:,} text tokens"
+    return text
+
+
+def _sides(size: list[int]) -> str:
+    return "x".join(str(n) for n in size)
+
+
+def _describe_tower(t: dict[str, Any]) -> str:
+    m = t["modality"]
+    if m == "image":
+        return f"image {_sides(t['size'])} px"
+    if m == "video":
+        return f"video {t['frames']} frames of {_sides(t['size'])} px"
+    if m == "audio":
+        return f"audio {t['seconds']:g} s at {t['sample_rate']:,} Hz"
+    if m == "timeseries":
+        return f"timeseries {t['channels']} channels x {t['length']} steps"
+    return f"{m} {t['context_length']} tokens"
+
+
+def _gflops(flops: float) -> str:
+    """GFLOPs with two decimals, or three significant digits where two decimals say 0.00."""
+    return f"{flops / 1e9:,.2f}" if flops >= 1e7 else f"{flops / 1e9:.3g}"
+
+
+def _per_position(spec: ModelSpec, counted: dict[str, Any]) -> float | None:
+    """A language model's FLOPs per position of its counted row (attention included: at a long
+    row most of it); None for other models."""
+    return spec.forward_flops() / counted["positions"] if "positions" in counted else None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.model is None:
         for name in preset_names():
-            spec = load_spec(name)
-            print(
-                f"{name:28s} {spec.params() / 1e6:10.2f}M params  {spec.forward_flops() / 1e9:9.2f} GFLOPs/sample"
-            )
+            print(_listing_line(name, load_spec(name)))
         return 0
     spec = load_spec(args.model)
+    counted = counted_input(spec)
+    per_position = _per_position(spec, counted)
     summary = {
         "name": spec.name,
         "params": spec.params(),
         "tower_params": spec.tower_params(),
         "tokens_per_sample": spec.tokens_per_sample(),
         "forward_flops_per_sample": spec.forward_flops(),
+        "forward_flops_input": counted,
+        **({"forward_flops_per_position": per_position} if per_position is not None else {}),
         "tower_forward_flops": spec.tower_flops(),
         "spec": spec.to_dict(),
     }
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
-    print(
-        f"{spec.name}: {spec.params():,} parameters, {spec.forward_flops() / 1e9:.2f} forward GFLOPs per sample"
-    )
+    _print_summary(spec, summary)
+    return 0
+
+
+def _listing_line(name: str, spec: ModelSpec) -> str:
+    counted = counted_input(spec)
+    flops = f"{spec.forward_flops() / 1e9:9.2f} GFLOPs/sample"
+    line = f"{name:28s} {spec.params() / 1e6:10.2f}M params  {flops}  at {describe_input(counted)}"
+    per_position = _per_position(spec, counted)
+    if per_position is not None:
+        line += f" ({_gflops(per_position)} GFLOPs/position)"
+    return line
+
+
+def _print_summary(spec: ModelSpec, summary: dict[str, Any]) -> None:
+    counted = summary["forward_flops_input"]
+    print(f"{spec.name}: {spec.params():,} parameters, "
+          f"{spec.forward_flops() / 1e9:.2f} forward GFLOPs per sample")  # fmt: skip
+    line = f"  counted at: {describe_input(counted)}"
+    if counted.get("native_images"):
+        line += " (native-resolution images have no fixed size: `mmtrain plan --visual HxW`"
+        line += " counts them)"
+    if "forward_flops_per_position" in summary:
+        line += f"; {_gflops(summary['forward_flops_per_position'])} GFLOPs per position"
+    print(line)
     for name, tower in spec.towers.items():
         print(
             f"  {name:12s} {tower.modality:10s} width {tower.width:5d} x {tower.layers:3d} layers  "
@@ -50,7 +173,5 @@ def run(args: argparse.Namespace) -> int:
     if spec.pairs:
         print(f"  objective {spec.objective} over {', '.join('-'.join(p) for p in spec.pairs)}")
     if spec.fusion is not None:
-        print(
-            f"  fusion head: {spec.fusion.task}, {spec.fusion.num_outputs} outputs over {', '.join(spec.fused_towers())}"
-        )
-    return 0
+        fused = ", ".join(spec.fused_towers())
+        print(f"  fusion head: {spec.fusion.task}, {spec.fusion.num_outputs} outputs over {fused}")

@@ -33,13 +33,16 @@ horizon, 730 hours a month):
 - Deadline: a rented fleet grows until each training run finishes within it (GPU-hours held
   constant as GPUs are added: optimistic; plan the larger count to check); an owned fleet is the
   servers bought, less the GPUs its inference services hold.
+- Figures the catalog has no source for: residual value and staff share are assumed 0 (named as
+  assumptions; the decision adds the break-even at a 30% residual value, `SENSITIVITY_RESIDUAL`),
+  and without a monthly server price the monthly option is left out (and named so).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -56,6 +59,11 @@ MONEY = ("price_per_gpu_hour", "monthly_server_price", "purchase_price", "power_
          "hosting_per_kw_month")  # fmt: skip
 FIGURES = ("price_per_gpu_hour", "monthly_server_price", "purchase_price", "depreciation_months",
            "residual_value", "pue", "power_price", "hosting_per_kw_month", "staff_fraction")  # fmt: skip
+# A figure whose absence leaves an option out rather than stopping the comparison.
+PRICES_OF_OPTIONS = {"monthly_server_price": "monthly"}
+# The residual value of the verdict's sensitivity line: where buying breaks even if the servers
+# resell for this share of their price (the default assumes no resale at all).
+SENSITIVITY_RESIDUAL = 0.3
 
 
 def flag(field_name: str) -> str:
@@ -70,13 +78,16 @@ def _ceil(x: float) -> int:
 
 @dataclass(frozen=True)
 class Figure:
-    """A default that was used: its name, value, source and date."""
+    """A figure the user did not give and what stood in for it (`kind`): "sourced", a catalog
+    default (its source and date); "assumed", ownership.yaml's assumption (`source` says why,
+    `as_of` is empty); "left out", no figure (`value` None), the option it prices left out."""
 
     name: str
-    value: float
+    value: float | None
     source: str
     as_of: str
     flag: str
+    kind: str = "sourced"
 
 
 @lru_cache(maxsize=1)
@@ -143,7 +154,7 @@ class OwnershipInputs:
     gpus_per_server: int
     tdp_w: float
     price_per_gpu_hour: float
-    monthly_server_price: float
+    monthly_server_price: float | None  # None: no monthly option
     purchase_price: float
     depreciation_months: float
     residual_value: float
@@ -170,13 +181,15 @@ def catalog_figures(gpu: GPU) -> dict[str, dict]:
 
 
 def resolve_inputs(gpu: GPU, given: Given) -> OwnershipInputs:
-    """`given` completed from the catalog for `gpu`. Money defaults are USD, so they are used
-    only when the currency is USD; a missing figure raises FieldError naming its flag."""
+    """`given` completed from the catalog for `gpu`: its sourced figures (money only when the
+    currency is USD, the catalog's), then ownership.yaml's assumptions; a price of an option
+    (PRICES_OF_OPTIONS) may stay None, leaving that option out; any other missing figure
+    raises FieldError naming its flag."""
     given.validate()
     currency = given.currency.upper()
     if gpu.tdp_w is None:
         raise FieldError("--gpu", f"{gpu.key} has no tdp_w in the catalog; add it with --hardware")
-    figures = catalog_figures(gpu)
+    figures, assumed = catalog_figures(gpu), ownership_catalog().get("assumed", {})
     values, used, missing = {}, [], []
     for name in FIGURES:
         mine, figure = getattr(given, name), figures.get(name)
@@ -186,6 +199,15 @@ def resolve_inputs(gpu: GPU, given: Given) -> OwnershipInputs:
             values[name] = float(figure["value"])
             used.append(Figure(name, values[name], " ".join(figure["source"].split()),
                                str(figure["as_of"]), flag(name)))  # fmt: skip
+        elif name in assumed:
+            values[name] = float(assumed[name]["value"])
+            used.append(Figure(name, values[name], " ".join(assumed[name]["why"].split()), "",
+                               flag(name), "assumed"))  # fmt: skip
+        elif name in PRICES_OF_OPTIONS:
+            values[name] = None
+            why = (f"the {PRICES_OF_OPTIONS[name]} option is left out (no sourced default; "
+                   f"give {flag(name)} to price it)")  # fmt: skip
+            used.append(Figure(name, None, why, "", flag(name), "left out"))
         else:
             missing.append(flag(name))
     if missing:
@@ -228,8 +250,24 @@ def monthly_rate(i: OwnershipInputs) -> float:
 
 
 def rental_rates(i: OwnershipInputs) -> dict[str, float]:
-    """Each rental's price per useful GPU-hour at its best: what buying must beat."""
-    return {"on_demand": i.price_per_gpu_hour, "monthly": monthly_rate(i)}
+    """Each priced rental's price per useful GPU-hour at its best: what buying must beat (the
+    monthly one only with a monthly server price)."""
+    rates = {"on_demand": i.price_per_gpu_hour}
+    if i.monthly_server_price is not None:
+        rates["monthly"] = monthly_rate(i)
+    return rates
+
+
+def residual_sensitivity(i: OwnershipInputs, residual: float = SENSITIVITY_RESIDUAL) -> dict:
+    """The break-even utilisation with each rental had the servers resold for `residual` of
+    their price: how much the residual value (default: none) moves the verdict."""
+    resold = replace(i, residual_value=residual)
+    return {
+        "residual_value": residual,
+        "break_even_utilisation": {
+            k: break_even_utilisation(resold, r) for k, r in rental_rates(i).items()
+        },
+    }
 
 
 def owning_per_useful_gpu_hour(
@@ -290,6 +328,10 @@ def price_gpu_hours(
     if not gpu_hours >= 0:
         raise FieldError("gpu_hours", f"must be >= 0, got {gpu_hours}")
     i = resolve_inputs((catalog or default_catalog()).gpu(gpu_key), given)
+    if i.monthly_server_price is None:  # its three rows include a monthly rental
+        raise FieldError("--monthly-server-price", "the cost of GPU-hours by the month needs "
+                         "the price of one server rented for a month; give it (no sourced "
+                         "default: hardware/ownership.yaml says why)")  # fmt: skip
     u = given.utilisation
     per_hour = owning_per_useful_gpu_hour(i, u) if u is not None else None
     rates = rental_rates(i)
@@ -381,10 +423,14 @@ class Decision:
     servers_owned: int
     utilisation: float
     deadline_days: float | None
-    options: tuple[Option, ...]
+    options: tuple[Option, ...]  # on demand, monthly (when priced), buy
     cheapest: str | None
     break_even_utilisation: dict[str, float | None]
     break_even_month: dict[str, int | None]
+    sensitivity: dict[str, Any]  # residual_sensitivity: the break-even at a 30% residual
+
+    def option(self, name: str) -> Option | None:
+        return next((o for o in self.options if o.name == name), None)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -400,17 +446,20 @@ def compare(jobs: tuple[Job, ...], i: OwnershipInputs, given: Given = Given()) -
         raise FieldError("--samples", "the plan has no GPU-hours to price; give --samples N")
     useful, days = yearly * i.horizon_months / 12, given.deadline_days
     servers, u = owned_fleet(jobs, i, given)
-    options = (_on_demand(jobs, i, useful, days), _monthly(jobs, i, useful, days),
-               _buy(jobs, i, useful, days, servers, u))  # fmt: skip
-    eligible = [o for o in options if o.total is not None and o.meets_deadline]
-    charged = options[2].detail["servers_charged"]
+    rentals = [_on_demand(jobs, i, useful, days)]
+    if i.monthly_server_price is not None:  # else left out (defaults_used says so)
+        rentals.append(_monthly(jobs, i, useful, days))
+    buy = _buy(jobs, i, useful, days, servers, u)
+    eligible = [o for o in (*rentals, buy) if o.total is not None and o.meets_deadline]
+    charged = buy.detail["servers_charged"]
     running = charged * running_per_server_month(i) + yearly / 12 * energy_per_gpu_hour(i)
     return Decision(
-        i, tuple(jobs), useful, servers, u, days, options,
+        i, tuple(jobs), useful, servers, u, days, (*rentals, buy),
         min(eligible, key=lambda o: o.total).name if eligible else None,
         {k: break_even_utilisation(i, r) for k, r in rental_rates(i).items()},
         {o.name: payback_month(charged * i.purchase_price, running, o.total / i.horizon_months)
-         if u > 0 else None for o in options[:2]},
+         if u > 0 else None for o in rentals},
+        residual_sensitivity(i),
     )  # fmt: skip
 
 
@@ -457,9 +506,10 @@ def explain(d: Decision) -> str:
     be = {k: "never" if v is None else f"{v:.1%}" for k, v in d.break_even_utilisation.items()}
     text = f"{said[d.cheapest]} is cheapest" if d.cheapest else "no option meets the deadline"
     text += (f": the plan keeps the bought servers {d.utilisation:.1%} busy, and buying "
-             f"matches on demand at {be['on_demand']} utilisation and a fully used monthly "
-             f"server at {be['monthly']}")  # fmt: skip
-    buy = d.options[2]
+             f"matches on demand at {be['on_demand']} utilisation")  # fmt: skip
+    if "monthly" in be:
+        text += f" and a fully used monthly server at {be['monthly']}"
+    buy = d.option("buy")
     if not buy.meets_deadline:
         text += (f"; the {buy.detail['gpus_free_for_runs']} owned GPUs free for training "
                  f"cannot finish {', '.join(buy.detail['late_runs'])} within "
