@@ -12,9 +12,16 @@ import json
 import pytest
 import torch
 
-from mmtrain.models.build import model_with_weights
-from mmtrain.models.formats.hf_qwen2_vl import read_hf_qwen2_vl, write_hf_qwen2_vl
+from mmtrain.models.build import create_model, model_with_weights
+from mmtrain.models.decoder import next_positions
+from mmtrain.models.formats.hf_qwen2_vl import (
+    read_hf_qwen2_vl,
+    spec_from_config,
+    write_hf_qwen2_vl,
+)
 from mmtrain.models.splice import make_layout
+from mmtrain.models.visual_inputs import splice_visual_inputs
+from mmtrain.spec import ModelSpec
 from test_decoder import randomize, rms_norm_in_input_precision
 
 transformers = pytest.importorskip("transformers")
@@ -46,9 +53,14 @@ CASES = {
         [[1, START, IMAGE, END, 5, START, IMAGE, END, 6]],
         [("image", 1, 8, 24), ("image", 1, 16, 8)],
     ),  # fmt: skip
-    # time positions 0 and 2 (Qwen2.5-VL: 1 s a temporal patch x 2 tokens a second) stay below
-    # the clip's 4 merged columns, where Qwen's rule and transformers 5's agree (test_mrope.py)
     "clip": ([[2, START, VIDEO, END, 5, 6, 7]], [("video", 4, 8, 32)]),
+    # two images of their own sizes, then a 4-frame clip whose time positions (0 and 2 at
+    # Qwen2.5-VL's 1 s a temporal patch x 2 tokens a second) pass its 2 x 2 merged grid, then
+    # text: the text follows the clip as transformers' get_rope_index places it
+    "images-then-clip": (
+        [[1, START, IMAGE, END, 4, START, IMAGE, END, 5, START, VIDEO, END, 6, 7, 8]],
+        [("image", 1, 8, 24), ("image", 1, 16, 8), ("video", 4, 16, 16)],
+    ),
     "text": ([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], []),
 }
 FPS = 2.0  # the clip's frame rate: 1 s per temporal patch of 2 frames
@@ -131,12 +143,20 @@ def peer_logits(hf, ours, text, images, videos, family):
     return out.logits.gather(1, index), batch
 
 
+def as_transformers(spec: ModelSpec) -> ModelSpec:
+    """`spec` with transformers' rule for the text after a clip (the default is Qwen's, which
+    transformers up to 5.2 followed: mrope.py)."""
+    tokens = dataclasses.replace(spec.vision_tokens, text_after="transformers")
+    return dataclasses.replace(spec, vision_tokens=tokens)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_folder_reads_and_gives_transformers_logits(tmp_path, family, case):
     hf = peer(family)
     hf.save_pretrained(tmp_path / "hf")
     spec, state = read_hf_qwen2_vl(tmp_path / "hf")
     assert spec.params() == sum(p.numel() for p in hf.parameters())
+    spec = as_transformers(spec)  # the text after a clip as get_rope_index places it
     ours = model_with_weights(spec, state).double().eval()
     text, images, videos = inputs(case)
     want, batch = peer_logits(hf, ours, text, images, videos, family)
@@ -145,6 +165,63 @@ def test_a_folder_reads_and_gives_transformers_logits(tmp_path, family, case):
     with torch.no_grad():
         got = ours.logits(batch)
     assert torch.allclose(got, want, rtol=0, atol=1e-10), (got - want).abs().max()
+
+
+# Clips of 2, 4 and 6 frames (temporal grids 1, 2, 3 at temporal patch 2) at 1, 2 and 3 frames
+# a second (2 s, 1 s and 2/3 s a grid step): Qwen2.5-VL at 2 and 25 tokens a second, and
+# Qwen2-VL (one position a grid step, whatever the rate), each clip followed by text.
+@pytest.mark.parametrize("fps", [1.0, 2.0, 3.0])
+@pytest.mark.parametrize(
+    "family, tokens_per_second", [("qwen2_vl", None), ("qwen2_5_vl", 2), ("qwen2_5_vl", 25)]
+)
+@pytest.mark.parametrize("frames", [2, 4, 6])
+def test_positions_after_a_clip_equal_get_rope_index(
+    tmp_path, frames, family, tokens_per_second, fps
+):
+    """The device rule (models/visual_inputs.py: positions from the layout, a clip's time from
+    its frame rate) against transformers' get_rope_index given the processor's
+    second_per_grid_ts = temporal_patch_size / fps."""
+    config_cls, _ = CLASSES[family]
+    vision = dict(VISION[family])
+    if tokens_per_second is not None:
+        vision["tokens_per_second"] = tokens_per_second
+    config = config_cls(text_config=TEXT, vision_config=vision, image_token_id=IMAGE,
+                        video_token_id=VIDEO, vision_start_token_id=START,
+                        vision_end_token_id=END)  # fmt: skip
+    config.save_pretrained(tmp_path)  # the config.json a folder holds, read as mmtrain reads it
+    file = tmp_path / "config.json"
+    spec = as_transformers(spec_from_config(json.loads(file.read_text()), file, "tiny"))
+    tower = create_model(spec).towers["vision"]
+    g = torch.Generator().manual_seed(0)
+    # a 1 x 2 and a 3 x 1 merged grid: 2 and 3 grid steps reach past their rows and columns
+    text = torch.tensor([[1, START, IMAGE, END, 4, START, VIDEO, END, 5, 6,
+                          START, VIDEO, END, 7, 8, 9]])  # fmt: skip
+    images = [torch.randn(3, 16, 8, generator=g)]
+    videos = [
+        torch.randn(frames, 3, 8, 16, generator=g),
+        torch.randn(frames, 3, 24, 8, generator=g),
+    ]
+    batch = {"text": text, "image": images, "video": videos, "video_fps": [fps, fps]}
+    with torch.no_grad():
+        embeds = torch.zeros(*text.shape, spec.decoder.width)
+        got = splice_visual_inputs(tower, spec.vision_tokens, embeds, batch, text >= 0).positions
+    _, image_grid = tower.patchify(images)
+    _, video_grid = tower.patchify(videos)
+    counts = iter((torch.cat([image_grid, video_grid]).prod(dim=1) // 4).tolist())
+    ids = [x for token in text[0].tolist()
+           for x in [token] * (next(counts) if token in (IMAGE, VIDEO) else 1)]  # fmt: skip
+    types = [{IMAGE: 1, VIDEO: 2}.get(x, 0) for x in ids]
+    seconds = [config.vision_config.temporal_patch_size / fps] * len(videos)
+    extra = {} if tokens_per_second is None else {"second_per_grid_ts": torch.tensor(seconds)}
+    model_cls = transformers.Qwen2VLModel if family == "qwen2_vl" else transformers.Qwen2_5_VLModel
+    want, deltas = model_cls(config).get_rope_index(
+        torch.tensor([ids]), torch.tensor([types]), image_grid_thw=image_grid,
+        video_grid_thw=video_grid, **extra,
+    )  # fmt: skip
+    assert torch.equal(got, want)
+    # a generator's first new token goes one past the prompt's largest position (past a clip's
+    # last time too), where transformers' rope_deltas put it
+    assert torch.equal(next_positions(got), len(ids) + deltas)
 
 
 def test_the_written_folder_loads_strictly_into_transformers(tmp_path, family):

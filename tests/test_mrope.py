@@ -55,6 +55,8 @@ TEXT_CONFIG = dict(
     rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=list(SECTION)),
 )
 POSITIONS = dict(image_token_id=IMAGE, video_token_id=VIDEO, merge_size=MERGE)
+# transformers' get_rope_index (since 5.3) for the text after a clip; the default is Qwen's rule
+AS_TRANSFORMERS = dict(POSITIONS, text_after="transformers")
 
 
 def qwen2_vl_config() -> Qwen2VLConfig:
@@ -68,7 +70,7 @@ def qwen2_vl_config() -> Qwen2VLConfig:
     )
 
 
-def qwen2_5_vl_config() -> Qwen2_5_VLConfig:
+def qwen2_5_vl_config(tokens_per_second: int = TOKENS_PER_SECOND) -> Qwen2_5_VLConfig:
     vision = dict(
         depth=1,
         hidden_size=16,
@@ -76,7 +78,7 @@ def qwen2_5_vl_config() -> Qwen2_5_VLConfig:
         out_hidden_size=48,
         num_heads=2,
         spatial_merge_size=MERGE,
-        tokens_per_second=TOKENS_PER_SECOND,
+        tokens_per_second=tokens_per_second,
         fullatt_block_indexes=[0],
     )
     return Qwen2_5_VLConfig(
@@ -139,6 +141,9 @@ ROWS = {
     "image-first-and-last": [[("image", (1, 4, 2)), 3, ("image", (1, 2, 2))]],
     "two-images": [[2, ("image", (1, 4, 4)), 3, ("image", (1, 2, 6)), 2]],
     "image-and-video": [[2, ("image", (1, 2, 4)), 2, ("video", (2, 4, 6)), 3]],
+    # six time steps over a 1 x 2 merged grid: the text after it follows the grid's rows and
+    # columns, not its time (transformers 5.23's rule)
+    "long-video": [[2, ("video", (6, 2, 4)), 3, ("image", (1, 2, 2)), 1]],
     # rows of different lengths: padding in front or behind, and a text-only row among them
     "padded-batch": [
         [2, ("image", (1, 2, 8)), 3],
@@ -154,12 +159,13 @@ def test_qwen2_vl_positions_equal_transformers(case, left_padded):
     batch = build_batch(ROWS[case], left_padded)
     expected, expected_deltas = their_positions(Qwen2VLModel(qwen2_vl_config()), batch)
     got, deltas = rope_index_batch(
-        batch["ids"], batch["images"], batch["videos"], attention_mask=batch["mask"], **POSITIONS
-    )
+        batch["ids"], batch["images"], batch["videos"], attention_mask=batch["mask"],
+        **AS_TRANSFORMERS,
+    )  # fmt: skip
     assert torch.equal(got, expected)
     assert torch.equal(deltas, expected_deltas[:, 0])
     if len(ROWS[case]) == 1 and left_padded:  # one row, no padding: the one-row function
-        alone = rope_index(batch["ids"][0], batch["images"], batch["videos"], **POSITIONS)
+        alone = rope_index(batch["ids"][0], batch["images"], batch["videos"], **AS_TRANSFORMERS)
         assert torch.equal(alone, got[:, 0])
 
 
@@ -181,20 +187,65 @@ def test_qwen2_5_vl_video_time_is_scaled_by_seconds():
         attention_mask=batch["mask"],
         seconds_per_grid=seconds,
         tokens_per_second=TOKENS_PER_SECOND,
-        **POSITIONS,
+        **AS_TRANSFORMERS,
     )
     assert torch.equal(got, expected) and torch.equal(deltas, expected_deltas[:, 0])
     assert sorted(set(got[0, 0, 2:26].tolist())) == [2, 3, 4]  # time = 2 + (0, 1, 2)
 
 
-def test_text_after_a_long_video_continues_past_its_last_time_step():
-    # A video whose time positions reach further than its rows and columns (8 steps of one
-    # second at 2 tokens / s: time 0 ... 14, a 2 x 2 merged grid). Qwen's reference (and
-    # transformers up to 5.2) continue the text one past the largest position: 3 + 14 + 1.
-    # transformers 5.23's get_rope_index advances by the spatial extent only (to 3 + 2), so
-    # its text positions revisit the video's times, while its own rope_deltas still put the
-    # next text token at max + 1 = 18. We keep the rule the checkpoints were trained with and
-    # agree with transformers on every token before the text that follows the video.
+TEMPORAL_PATCH = 2  # frames per temporal grid step, Qwen2.5-VL's processor default
+
+
+def processor_seconds(fps: float, clips: int) -> list[float]:
+    """Each clip's seconds per temporal grid step as transformers' Qwen2.5-VL processor makes
+    `second_per_grid_ts`: temporal_patch_size / fps (a float32 tensor once batched)."""
+    return [TEMPORAL_PATCH / fps] * clips
+
+
+# Clips of 2, 4 and 6 frames (temporal grids 1, 2, 3), at frame rates that make a grid step
+# 2 s, 1 s and 2/3 s, at 2 tokens a second (Qwen2.5-VL-7B's) and 25 (transformers' example):
+# time positions that stay below, equal and pass the clips' rows and columns.
+@pytest.mark.parametrize("fps", [1.0, 2.0, 3.0])
+@pytest.mark.parametrize("tokens_per_second", [2, 25])
+@pytest.mark.parametrize("frames", [2, 4, 6])
+def test_text_after_a_clip_is_positioned_as_transformers(frames, tokens_per_second, fps):
+    t = frames // TEMPORAL_PATCH
+    rows = [
+        [2, ("image", (1, 4, 6)), 2, ("video", (t, 2, 4)), 3, ("image", (1, 2, 2)), 2],
+        [1, ("video", (t, 4, 4)), 4, ("video", (t, 6, 2)), 2],
+    ]
+    batch, seconds = build_batch(rows), processor_seconds(fps, 3)
+    model = Qwen2_5_VLModel(qwen2_5_vl_config(tokens_per_second))
+    expected, expected_deltas = their_positions(model, batch, seconds)
+    got, deltas = rope_index_batch(
+        batch["ids"],
+        batch["images"],
+        batch["videos"],
+        attention_mask=batch["mask"],
+        seconds_per_grid=seconds,
+        tokens_per_second=tokens_per_second,
+        **AS_TRANSFORMERS,
+    )
+    assert torch.equal(got, expected)
+    # a generator's next token: one past the row's largest position, as transformers' deltas
+    assert torch.equal(deltas, expected_deltas[:, 0])
+    alone = rope_index(
+        batch["ids"][0][batch["mask"][0]],
+        batch["images"],
+        batch["videos"][:1],
+        seconds_per_grid=seconds[:1],
+        tokens_per_second=tokens_per_second,
+        **AS_TRANSFORMERS,
+    )
+    assert torch.equal(alone, got[:, 0, batch["mask"][0]])
+
+
+def test_the_qwen_rule_continues_past_a_clips_last_time_step():
+    """The default rule, the checkpoints' (Qwen's reference, vLLM): a clip whose time reaches
+    further than its rows and columns (8 steps of one second at 2 tokens a second: time 0 ...
+    14 over a 2 x 2 merged grid) has the text after it continue one past its largest position,
+    3 + 14 + 1 = 18, where transformers' own next-token delta also goes; every position up to
+    the clip's end equals transformers' get_rope_index, which puts the text after it at 3 + 2."""
     ids, types, _, videos = build_row([3, ("video", (8, 4, 4)), 4])
     batch = dict(ids=torch.tensor([ids]), types=torch.tensor([types]), images=[], videos=videos)
     batch["mask"] = torch.ones_like(batch["ids"], dtype=torch.bool)
@@ -207,6 +258,10 @@ def test_text_after_a_long_video_continues_past_its_last_time_step():
     assert int(got[:, :video_end].max()) == 3 + 14
     assert torch.equal(got[:, video_end:], torch.arange(18, 22).expand(3, 4))
     assert len(ids) + int(their_deltas) == 18  # transformers' own "next text position"
+    assert torch.equal(theirs[:, 0, video_end:], torch.arange(5, 9).expand(3, 4))
+    as_transformers = rope_index(batch["ids"][0], [], videos, seconds_per_grid=[1.0],
+                                 tokens_per_second=2, **AS_TRANSFORMERS)  # fmt: skip
+    assert torch.equal(as_transformers, theirs[:, 0])
 
 
 def test_packed_rows_restart_positions_at_every_document():

@@ -414,6 +414,9 @@ class FusionSpec:
 
 
 # ----------------------------------------------------------------------------- native vision (VLM)
+TEXT_AFTER_RULES = ("transformers", "qwen")  # VisionTokens.text_after
+
+
 @dataclass(frozen=True)
 class VisionTokens:
     """How a native-resolution tower's inputs enter the LM (the Qwen2-VL family): one
@@ -421,13 +424,20 @@ class VisionTokens:
     the tokens of its own size in the LM (`NativeVisionSpec.tokens`); `tokens_per_second`
     (Qwen2.5-VL) spaces a clip's time positions by its seconds (None: one per time step).
     `start_id` / `end_id`: the ids the chat format puts around each placeholder
-    (`<|vision_start|>`, `<|vision_end|>`), which the data encoder adds; None: none."""
+    (`<|vision_start|>`, `<|vision_end|>`), which the data encoder adds; None: none.
+    `text_after`: where the text after an image or clip continues (models/mrope.py): "qwen"
+    one past its largest position, time included, as the checkpoints were trained (Qwen's
+    reference code; vLLM, SGLang, transformers up to 5.2 and transformers' own next-token
+    delta); "transformers" at its start plus its larger merged side, time left out, as
+    transformers' get_rope_index places prompt text since 5.3. The two differ only after a
+    clip whose time positions reach past its sides (docs/VLM.md)."""
 
     image_token_id: int
     video_token_id: int
     tokens_per_second: float | None = None
     start_id: int | None = None
     end_id: int | None = None
+    text_after: str = "qwen"
 
     def validate(self, path: str, decoder: DecoderSpec) -> None:
         if (self.start_id is None) != (self.end_id is None):
@@ -445,6 +455,7 @@ class VisionTokens:
             raise FieldError(f"{path}.video_token_id", "must differ from image_token_id")
         if self.tokens_per_second is not None and self.tokens_per_second <= 0:
             raise FieldError(f"{path}.tokens_per_second", "must be positive")
+        check_choice(f"{path}.text_after", self.text_after, TEXT_AFTER_RULES)
 
 
 # ----------------------------------------------------------------------------- projector (VLM)

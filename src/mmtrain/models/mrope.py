@@ -5,8 +5,16 @@ Text tokens count up by one on all three axes, so a text-only row is 1-D RoPE. A
 video occupies `t * h * w / merge_size**2` consecutive placeholder tokens (its patch grid
 (t, h, w) after the vision tower merged `merge_size` x `merge_size` patches), in (time, row,
 column) order; its tokens take the position of their merged grid cell, offset on every axis by
-the text position where it starts. The text after it continues one past the largest position
-the image or video took, on any axis (the rule Qwen2-VL was trained with).
+the text position where it starts. Where the text after it continues is a rule of two kinds
+(`VisionTokens.text_after`):
+- "qwen" (the default): one past the largest position the image or clip took, on any axis:
+  the rule the checkpoints were trained with (Qwen's reference code), which vLLM, SGLang and
+  transformers up to 5.2 follow, and transformers' own next-token delta still does;
+- "transformers": the start plus the larger of its merged rows and columns, its time left out:
+  transformers' `get_rope_index` since 5.3 (the pinned 5.23), whose logits it equals.
+For an image, and a clip whose time positions stay below its rows and columns, the two agree;
+after a clip whose time reaches further (many steps, or Qwen2.5-VL's seconds-scaled time),
+"transformers" puts the text on time positions the clip also took.
 
 Time: Qwen2-VL numbers a video's temporal grid steps 0, 1, 2, ...; Qwen2.5-VL spaces them by
 the seconds each step spans times `tokens_per_second` (so time positions measure seconds), the
@@ -15,8 +23,9 @@ product truncated to an integer as Qwen's reference does, in float32 like the fl
 
 Rows of a batch are independent; padding (an attention mask) takes no position (it holds 0), and
 a packed row (document ids, see `models.decoder.document_positions`) restarts at every document.
-A generator continues after the prompt: `models.decoder.next_positions`, or the per-row delta
-`rope_index_batch` returns (next position = real tokens so far + delta, Qwen's `rope_deltas`).
+A generator continues one past the prompt's largest position, on any axis (transformers'
+`rope_deltas`, so past a clip's last time too): `models.decoder.next_positions`, or the per-row
+delta `rope_index_batch` returns (next position = real tokens so far + delta).
 """
 
 from __future__ import annotations
@@ -100,9 +109,14 @@ def grid_positions(grid: Grid, start: int, merge_size: int, time_step: Tensor | 
 
 
 def _positions(
-    tokens: list[int], visuals: _Visuals, vision_ids: dict[int, str], merge_size: int
+    tokens: list[int],
+    visuals: _Visuals,
+    vision_ids: dict[int, str],
+    merge_size: int,
+    text_after: str = "qwen",
 ) -> Tensor:
-    """[3, len(tokens)] positions of one document, consuming its grids from `visuals`."""
+    """[3, len(tokens)] positions of one document, consuming its grids from `visuals`;
+    `text_after` the rule the text after an input follows (module docstring)."""
     pieces, start, i = [], 0, 0
     while i < len(tokens):
         kind = vision_ids.get(tokens[i])
@@ -124,7 +138,10 @@ def _positions(
                 f"{run - i} placeholder tokens"
             )
         pieces.append(cells)
-        start = int(cells.max()) + 1  # past its furthest time, row or column
+        if text_after == "qwen":
+            start = int(cells.max()) + 1  # past its furthest time, row or column
+        else:
+            start += max(grid[1], grid[2]) // merge_size  # its rows or columns; time left out
         i += count
     if not pieces:
         return torch.zeros(3, 0, dtype=torch.long)
@@ -141,6 +158,7 @@ def rope_index(
     merge_size: int,
     seconds_per_grid: Sequence[float] | None = None,
     tokens_per_second: float | None = None,
+    text_after: str = "qwen",
 ) -> Tensor:
     """[3, T] M-RoPE positions of one row `ids` [T] whose images and videos are expanded to
     their placeholder tokens, `image_grids` / `video_grids` (t, h, w) in the order they appear.
@@ -148,7 +166,7 @@ def rope_index(
     `seconds_per_grid` (default 1.0). ValueError when placeholders and grids disagree."""
     visuals = _Visuals(image_grids, video_grids, seconds_per_grid, tokens_per_second)
     vision_ids = {image_token_id: "image", video_token_id: "video"}
-    positions = _positions(ids.tolist(), visuals, vision_ids, merge_size)
+    positions = _positions(ids.tolist(), visuals, vision_ids, merge_size, text_after)
     visuals.check_used()
     return positions.to(ids.device)
 
@@ -165,6 +183,7 @@ def rope_index_batch(
     tokens_per_second: float | None = None,
     attention_mask: Tensor | None = None,
     document_ids: Tensor | None = None,
+    text_after: str = "qwen",
 ) -> tuple[Tensor, Tensor]:
     """M-RoPE positions [3, B, T] of the rows `ids` [B, T], and each row's delta [B]: the next
     token's position minus the row's real tokens (a generator's next position is the tokens
@@ -197,7 +216,7 @@ def rope_index_batch(
         tokens = [rows[row][j] for j in kept.tolist()]
         next_position = 0
         for first, end in zip(bounds[:-1], bounds[1:], strict=True):
-            document = _positions(tokens[first:end], visuals, vision_ids, merge_size)
+            document = _positions(tokens[first:end], visuals, vision_ids, merge_size, text_after)
             positions[:, row, kept[first:end]] = document
             next_position = int(document.max()) + 1 if document.numel() else 0
         deltas[row] = next_position - len(kept)

@@ -14,10 +14,10 @@ tests/test_mrope.py, and this one to it). A text id's three positions are equal 
 by one; an input's tokens start at the position the placeholder would have had as text
 (`start`), token (i, j) of time step f at (start + floor(f x interval), start + i, start + j)
 with `interval` 1 for an image and, for a Qwen2.5-VL clip, its seconds per temporal patch x
-`tokens_per_second`, in float32; the text after it continues one past the largest position it
-took (Qwen's rule; transformers 5.23 continues at start + max(h, w), the same for images and
-for clips whose time positions stay below that). Packed rows restart the count at each
-document; ids in padding advance nothing.
+`tokens_per_second`, in float32; the text after it continues one past the largest position
+it took ("qwen"), or at start + max(h, w) merged, its time left out, as transformers'
+`get_rope_index` since 5.3 ("transformers"; mrope.py says more). Packed rows restart the count
+at each document; ids in padding advance nothing.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def splice_visual_inputs(
     intervals = _intervals(tokens, spec.temporal_patch, len(images), batch.get(VIDEO_FPS), videos)
     positions = multimodal_positions(
         layout, is_visual, merged.to(device)[order], intervals.to(device)[order], valid_ids,
-        document_ids,
+        document_ids, text_after=tokens.text_after,
     )  # fmt: skip
     return VisualSplice(embeds, layout, positions)
 
@@ -156,11 +156,13 @@ def multimodal_positions(
     intervals: Tensor,
     valid_ids: Tensor,
     document_ids: Tensor | None = None,
+    text_after: str = "qwen",
 ) -> Tensor:
     """int64 [3, R, L]: the (time, height, width) position of every position of the layout.
     `grids` [N, 3] are the merged grids (t, h, w) of the placeholders' inputs in reading order,
     `intervals` [N] float32 their time step (1 for an image); `valid_ids` [R, T] False for
-    ids in padding; `document_ids` [R, T] restart the positions per packed document."""
+    ids in padding; `document_ids` [R, T] restart the positions per packed document;
+    `text_after` the rule the text after an input follows (VisionTokens.text_after)."""
     r, t = is_visual.shape
     device = is_visual.device
     slot = (is_visual.flatten().long().cumsum(0) - 1).clamp(min=0).view(r, t)
@@ -169,8 +171,10 @@ def multimodal_positions(
     grid = grids[slot]  # [R, T, 3]
     step = torch.cat([intervals.to(device, torch.float32), intervals.new_ones(1).to(device)])
     step = step[slot]  # [R, T] each id's time interval (1 for text)
-    last_time = ((grid[..., 0] - 1) * step).long()  # float32, truncated: as Qwen quantises
-    extent = torch.maximum(last_time + 1, grid[..., 1:].amax(dim=-1))
+    extent = grid[..., 1:].amax(dim=-1)  # an input's rows or columns, its time left out
+    if text_after == "qwen":  # or one past its last time position, where that is further
+        last_time = ((grid[..., 0] - 1) * step).long()  # float32, truncated: as Qwen quantises
+        extent = torch.maximum(last_time + 1, extent)
     advance = torch.where(is_visual, extent, 1) * valid_ids
     start = advance.cumsum(dim=1) - advance  # exclusive: the count before each id
     if document_ids is not None:
@@ -180,7 +184,7 @@ def multimodal_positions(
     base = start.gather(1, owner)
     h, w = grid[..., 1].gather(1, owner), grid[..., 2].gather(1, owner)
     frame, row, col = offset // (h * w), (offset // w) % h, offset % w
-    time = (frame * step.gather(1, owner)).long()
+    time = (frame * step.gather(1, owner)).long()  # float32, truncated: as Qwen quantises
     positions = torch.stack([base + time, base + row, base + col])
     return torch.where(layout.valid, positions, 0)
 
