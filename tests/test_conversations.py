@@ -201,6 +201,84 @@ def test_images_and_videos_interleave_in_any_order():
     assert parse_conversation({**llava, "video": "c.mp4"}).videos == ["c.mp4"]
 
 
+# The Hugging Face / TRL form of CONV: content as typed parts, joined as written (no separator:
+# LLaVA's "<image>\nWhat ..." is an image part followed by the text "\nWhat ...").
+HF_PARTS = {
+    "id": "cat-1",
+    "messages": [
+        {
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "text", "text": "\nWhat is in the picture?"}],
+        },
+        {"role": "assistant", "content": [{"type": "text", "text": "A cat on a sofa."}]},
+        {"role": "user", "content": "What colour is it?"},  # a plain string may stand beside parts
+        {"role": "assistant", "content": [{"type": "text", "text": "It is grey."}]},
+    ],
+    "images": ["images/cat.jpg"],
+}
+
+
+def hf_inline(key: str) -> dict:
+    """HF_PARTS with its image named inside the part (as processors accept for local files)."""
+    record = json.loads(json.dumps(HF_PARTS))
+    del record["images"]
+    record["messages"][0]["content"][0][key] = "images/cat.jpg"
+    return record
+
+
+def test_hugging_face_typed_parts_parse_to_the_same_conversation(tmp_path):
+    assert parse_conversation(HF_PARTS) == CONV
+    for key in ("image", "path", "url"):
+        assert parse_conversation(hf_inline(key)) == CONV
+    # TRL's conversational prompt / completion: the prompt's turns, then the completion's.
+    trl = {"id": "cat-1", "prompt": HF_PARTS["messages"][:3], "images": ["images/cat.jpg"]}
+    trl["completion"] = HF_PARTS["messages"][3:]
+    assert parse_conversation(trl) == CONV
+    path = tmp_path / "hf.jsonl"
+    path.write_text(json.dumps(HF_PARTS) + "\n" + json.dumps(trl) + "\n")
+    assert read_conversations(path) == [CONV, CONV]
+
+    # Datasets written through Arrow give every part every field, absent ones as null.
+    arrow = json.loads(json.dumps(HF_PARTS))
+    for message in arrow["messages"]:
+        if isinstance(message["content"], list):
+            message["content"] = [
+                {"type": None, "text": None, "image": None} | part for part in message["content"]
+            ]
+    assert parse_conversation(arrow) == CONV
+
+    interleaved = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "video", "video": "a.mp4"},
+                    {"type": "text", "text": "Then "},
+                    {"type": "image", "image": "p.png"},
+                    {"type": "text", "text": ", then "},
+                    {"type": "video", "path": "b.mp4"},
+                    {"type": "text", "text": "?"},
+                ],
+            },
+            {"role": "assistant", "content": "Both."},
+        ]
+    }
+    conv = parse_conversation(interleaved)
+    assert conv.turns[0].text == "<video>Then <image>, then <video>?"
+    assert (conv.images, conv.videos) == (["p.png"], ["a.mp4", "b.mp4"])
+
+
+def hf_record(*contents: object, **extra: object) -> dict:
+    """A user turn of `contents[0]`, then an assistant turn of `contents[1]` (or "Yes.")."""
+    user, answer = (*contents, "Yes.")[:2]
+    messages = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    return {"id": "r3", "messages": messages, **extra}
+
+
+IMAGE_PART = {"type": "image"}
+TEXT_PART = {"type": "text", "text": "What is it?"}
+
+
 def reject(record, **kwargs) -> ConversationError:
     with pytest.raises(ConversationError) as info:
         parse_conversation(record, file="data/llava.json", index=3, **kwargs)
@@ -264,9 +342,113 @@ def with_turns(*turns: tuple[str, str], image: object = None) -> dict:
         ),
         (with_turns(("human", "a"), ("bot", "b")), "format", "conversations[1].from: 'bot'"),
         (
-            {"id": "r3", "messages": [{"role": "user", "content": ["x"]}]},
+            hf_record(["x"]),
             "format",
-            "messages[0].content: expected a string",
+            "messages[0].content[0]: expected a part object with a 'type'",
+        ),
+        (
+            hf_record(7),
+            "format",
+            "messages[0].content: expected a string or a list of typed parts, got int",
+        ),
+        (
+            hf_record([{"type": "image_url", "image_url": {"url": "a.jpg"}}], images=["a.jpg"]),
+            "format",
+            "messages[0].content[0].type: 'image_url' is not a part type this reads "
+            "(text, image, video)",
+        ),
+        (hf_record([{"text": "Hi"}]), "format", "messages[0].content[0].type: None is not"),
+        (
+            hf_record([{"type": "text", "text": 3}]),
+            "format",
+            "messages[0].content[0].text: expected a string, got int",
+        ),
+        (
+            hf_record([IMAGE_PART, {"type": "text", "text": "<image> too"}], images=["a.jpg"]),
+            "format",
+            "messages[0].content[1].text: holds <image>; in a list of parts each image or "
+            "video is a part of its own",
+        ),
+        (
+            hf_record([IMAGE_PART, IMAGE_PART, TEXT_PART], images=["a.jpg"]),
+            "image_count",
+            "2 image placeholder(s) (2 image part(s), 0 <image> tag(s)) but 1 image(s) in 'images'",
+        ),
+        (
+            hf_record([{"type": "video"}, TEXT_PART]),
+            "video_count",
+            "1 video placeholder(s) (1 video part(s), 0 <video> tag(s)) but 0 video(s) in 'videos'",
+        ),
+        (
+            hf_record([{"type": "image", "image": "a.jpg"}, TEXT_PART], images=["a.jpg"]),
+            "format",
+            "messages[0].content[0]: image given inline and in 'images'; keep one",
+        ),
+        (
+            hf_record([{"type": "image", "path": "a.jpg"}, IMAGE_PART, TEXT_PART]),
+            "format",
+            "messages[0].content[1]: an image part without a file while "
+            "messages[0].content[0] names its own",
+        ),
+        (
+            hf_record([{"type": "image", "url": "https://x.org/a.jpg"}, TEXT_PART]),
+            "format",
+            "messages[0].content[0].url: 'https://x.org/a.jpg' is a URL; mmtrain data build "
+            "reads local files: download it and give its path",
+        ),
+        (
+            hf_record([{"type": "image", "base64": "iVBORw0KGgo="}, TEXT_PART]),
+            "format",
+            "messages[0].content[0].base64: embedded image data is not read",
+        ),
+        (
+            hf_record([{"type": "image", "image": "a.jpg", "path": "b.jpg"}, TEXT_PART]),
+            "format",
+            "messages[0].content[0]: the file is named twice (image, path); keep one",
+        ),
+        (
+            hf_record([{"type": "image", "image": {"bytes": b"\xff" * 99}}, TEXT_PART]),
+            "format",
+            "messages[0].content[0].image: image bytes inside the record are not read; save",
+        ),
+        (
+            hf_record([{"type": "video", "path": 5}, TEXT_PART]),
+            "format",
+            "messages[0].content[0].path: expected a file path, got int",
+        ),
+        (
+            hf_record([TEXT_PART], [IMAGE_PART, TEXT_PART], images=["a.jpg"]),
+            "image_tag",
+            "messages[1]: <image> in an assistant turn",
+        ),
+        (
+            {"id": "r3", "prompt": "What is it?", "completion": "A cat."},
+            "format",
+            "'prompt' is a string (TRL's standard form)",
+        ),
+        (
+            {"id": "r3", "prompt": [{"role": "user", "content": "Hi"}]},
+            "format",
+            "'prompt' without 'completion'",
+        ),
+        (
+            {
+                "id": "r3",
+                "prompt": [{"role": "user", "content": "Hi"}],
+                "completion": [{"role": "user", "content": "Hi"}],
+            },
+            "roles",
+            "completion[0]: expected an assistant turn",
+        ),
+        (
+            {**hf_record("Hi"), "prompt": [{"role": "user", "content": "Hi"}]},
+            "format",
+            "has both 'messages' and 'prompt'; keep one",
+        ),
+        (
+            {**SHAREGPT, "images": [{"bytes": b"\xff" * 99, "path": None}]},
+            "format",
+            "'images'[0]: image bytes inside the record are not read",
         ),
         ({"id": "r3", "text": "hello"}, "format", "no 'conversations'"),
         (

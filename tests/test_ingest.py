@@ -9,6 +9,7 @@ import io
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -154,7 +155,7 @@ def test_image_reencoded_at_max_side(tmp_path):
     assert (json.loads(sample["json"])["width"], json.loads(sample["json"])["height"]) == (50, 25)
 
 
-@pytest.mark.parametrize("kind", ["csv", "tsv", "jsonl"])
+@pytest.mark.parametrize("kind", ["csv", "tsv", "jsonl", "parquet"])
 def test_table_build(tmp_path, kind):
     src = tmp_path / "data"
     rows = []
@@ -164,6 +165,11 @@ def test_table_build(tmp_path, kind):
     table = src / f"table.{kind}"
     if kind == "jsonl":
         table.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), table)
     else:
         with open(table, "w", newline="") as f:
             writer = csv.DictWriter(f, list(rows[0]), delimiter="\t" if kind == "tsv" else ",")
@@ -185,11 +191,16 @@ def test_table_without_known_columns_names_the_columns(tmp_path):
         build(table, "--out", tmp_path / "out")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is not None, reason="pyarrow installed")
-def test_parquet_without_pyarrow_says_what_to_install(tmp_path):
+def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
     table = tmp_path / "t.parquet"
     table.write_bytes(b"PAR1")
-    with pytest.raises(FieldError, match="pyarrow"):
+    if importlib.util.find_spec("pyarrow") is not None:
+        with pytest.raises(FieldError, match="t.parquet: not a readable parquet file"):
+            build(table, "--out", tmp_path / "out")
+    # As without pyarrow installed: a None in sys.modules makes the import fail.
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(FieldError, match=r"t.parquet: reading parquet needs .*mmtrain\[parquet\]"):
         build(table, "--out", tmp_path / "out")
 
 

@@ -1,5 +1,5 @@
 """What `mmtrain data build` reads: a folder of files, a table of paths and captions, shards, or
-chat data (LLaVA / ShareGPT conversations and the images and videos they name).
+chat data (LLaVA / ShareGPT / Hugging Face conversations and the images and videos they name).
 
 Each source lists `Item`s in a fixed order (sorted paths, table rows, shard order): one item per
 future sample, holding where each modality's bytes come from. Nothing is decoded here; the ingest
@@ -16,7 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mmtrain.data.stream.conversations import ConversationError, scan_conversations
+from mmtrain.data.stream.conversations import (
+    ConversationError,
+    scan_conversations,
+    scan_records,
+)
 from mmtrain.structured import FieldError
 
 # File extensions per modality (lower case, no dot). `json` is metadata, `cls` a class label.
@@ -205,17 +209,45 @@ def read_table(path: Path) -> list[dict[str, Any]]:
                 rows.append(row)
         return rows
     if suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise FieldError(
-                str(path),
-                "reading parquet needs the pyarrow package (pip install pyarrow); "
-                "or convert the table to CSV or JSONL",
-            ) from None
-        return pq.read_table(path).to_pylist()
+        return read_parquet(path)
     with open(path, encoding="utf-8", newline="") as f:
         return list(csv.DictReader(f, delimiter="\t" if suffix == ".tsv" else ","))
+
+
+def _pyarrow_parquet(path: Path) -> Any:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise FieldError(
+            str(path),
+            "reading parquet needs the pyarrow package (pip install 'mmtrain[parquet]', or "
+            "pip install pyarrow); or convert the table to CSV or JSONL",
+        ) from None
+    return pq
+
+
+def read_parquet(path: Path) -> list[dict[str, Any]]:
+    """Rows of a parquet file as Python values (lists and structs as lists and dicts)."""
+    pq = _pyarrow_parquet(path)
+    try:
+        return pq.read_table(path).to_pylist()
+    except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+        raise FieldError(str(path), f"not a readable parquet file: {err}") from None
+
+
+def _parquet_columns(path: Path) -> dict[str, bool]:
+    """Each column of a parquet file's schema -> whether it holds lists."""
+    pq = _pyarrow_parquet(path)
+    import pyarrow as pa
+
+    try:
+        schema = pq.read_schema(path)
+    except (OSError, ValueError) as err:
+        raise FieldError(str(path), f"not a readable parquet file: {err}") from None
+    return {
+        field.name: pa.types.is_list(field.type) or pa.types.is_large_list(field.type)
+        for field in schema
+    }
 
 
 class TableSource(Source):
@@ -367,8 +399,9 @@ def _manifest_near(paths: list[Path]) -> dict[str, Any] | None:
 
 # ----------------------------------------------------------------------------- conversations
 class ConversationSource(Source):
-    """Chat records of a LLaVA `.json` list or a `.jsonl` file (LLaVA or ShareGPT `messages`
-    records, `data.conversations`), one item per record. Image and video paths are relative
+    """Chat records of a LLaVA `.json` list, a `.jsonl` file or a parquet table (LLaVA,
+    ShareGPT / Hugging Face `messages` or TRL `prompt` + `completion` records,
+    `data.conversations`), one item per record. Image and video paths are relative
     to `image_root` (default: the file's folder). A record that breaks a rule (tag count against
     image or video count, roles, empty answer, ...) becomes an item with a `problem` of its kind,
     so it is listed in rejects.jsonl like any bad sample. Records are parsed up front: text is
@@ -381,7 +414,11 @@ class ConversationSource(Source):
         self.image_root = image_root if image_root is not None else path.parent
         if not self.image_root.is_dir():
             raise FieldError("--image-root", f"{self.image_root}: no such folder")
-        self.records = list(scan_conversations(path))  # a Conversation or its ConversationError
+        # Each a Conversation or its ConversationError.
+        if path.suffix.lower() == ".parquet":
+            self.records = list(scan_records(read_parquet(path), path))
+        else:
+            self.records = list(scan_conversations(path))
         self.count = len(self.records)
 
     def items(self, start: int = 0) -> Iterator[Item]:
@@ -417,18 +454,20 @@ class ConversationSource(Source):
 
 
 def _record_origin(path: Path, index: int, key: str) -> str:
-    where = (
-        f"{path.name}:{index + 1}" if path.suffix.lower() == ".jsonl" else f"{path.name}[{index}]"
-    )
+    by_line = path.suffix.lower() in (".jsonl", ".parquet")  # lines and rows count from 1
+    where = f"{path.name}:{index + 1}" if by_line else f"{path.name}[{index}]"
     return where if key == str(index) else f"{where} (id {key})"
 
 
 def is_conversation_file(path: Path) -> bool:
-    """A `.json` file (LLaVA lists are JSON), or a `.jsonl` whose first record holds
-    `conversations` or `messages` (otherwise it is a table)."""
+    """A `.json` file (LLaVA lists are JSON), or a `.jsonl` whose first record (a parquet
+    whose columns) hold conversations (`_holds_conversations`); otherwise it is a table."""
     suffix = path.suffix.lower()
     if suffix == ".json":
         return True
+    if suffix == ".parquet":
+        columns = _parquet_columns(path)
+        return _holds_conversations(set(columns), columns.get("prompt", False))
     if suffix != ".jsonl":
         return False
     with open(path, "rb") as f:
@@ -438,24 +477,33 @@ def is_conversation_file(path: Path) -> bool:
                     record = json.loads(line)
                 except ValueError:
                     return False  # the table reader names the bad line
-                return isinstance(record, dict) and bool(
-                    {"conversations", "messages"} & set(record)
-                )
+                if not isinstance(record, dict):
+                    return False
+                return _holds_conversations(set(record), isinstance(record.get("prompt"), list))
     return False
+
+
+def _holds_conversations(fields: set[str], prompt_is_list: bool) -> bool:
+    """`conversations` or `messages`, or TRL's conversational `prompt` (a list of messages) and
+    `completion`; a prompt and completion as plain strings are a table's text columns."""
+    if {"conversations", "messages"} & fields:
+        return True
+    return prompt_is_list and {"prompt", "completion"} <= fields
 
 
 # ----------------------------------------------------------------------------- choice
 def open_source(
     src: str, columns: dict[str, str], out_dir: Path, image_root: Path | None = None
 ) -> Source:
-    """The source SRC names: chat data (a .json, or a .jsonl of conversation records), a table
-    file, shards (a .tar, a glob, a brace pattern, or a folder holding only shards), or else a
-    folder of files. `image_root`: where the image and video paths of chat data start."""
+    """The source SRC names: chat data (a .json, or a .jsonl or parquet of conversation
+    records), a table file, shards (a .tar, a glob, a brace pattern, or a folder holding only
+    shards), or else a folder of files. `image_root`: where the image and video paths of chat data start."""
     path = Path(src)
     if image_root is not None and not (path.is_file() and is_conversation_file(path)):
         raise FieldError(
             "--image-root",
-            "only chat data (a LLaVA / ShareGPT .json or .jsonl) names images and videos by path",
+            "only chat data (a .json, or a .jsonl or .parquet of conversations) names images and "
+            "videos by path",
         )
     if path.is_file():
         if is_conversation_file(path):

@@ -1,12 +1,22 @@
 """Multimodal chat data -> one normalised `Conversation`, or a reason to reject the record.
 
-Two input formats, both a JSON list (`.json`) or one record per line (`.jsonl`):
+Three input formats, each a JSON list (`.json`), one record per line (`.jsonl`) or, through
+`scan_records`, the rows of a table (parquet):
 
 - LLaVA: `{"id": ..., "image": "a.jpg" (or a list, or absent for text-only),
   "conversations": [{"from": "human" | "gpt" | "system", "value": "<image>\\n..."}]}`
 - ShareGPT "messages", as LLaMA-Factory and ms-swift write it: `{"messages": [{"role":
   "user" | "assistant" | "system", "content": "..."}], "images": [...]}`, with an optional
   top-level `"system"` string.
+- Hugging Face / TRL: the same `messages`, with a `content` that is a list of typed parts,
+  `[{"type": "image"}, {"type": "text", "text": "..."}]`, as processors' chat templates and
+  TRL's trainers take it; or TRL's conversational `{"prompt": [messages], "completion":
+  [messages]}` (the prompt's turns, then the completion's). Each `image` / `video` part is
+  the placeholder at its place in the text, the same `<image>` / `<video>` a LLaVA tag is;
+  the parts are joined as written, with no separator. The files come from the record's
+  `images` / `videos` list in order, or each part names its own local file in `image` (or
+  `video`), `path` or `url` (every part of a record, or none). Remote URLs and base64 data are
+  refused: a build reads local files. A content may also be a plain string, turn by turn.
 
 Videos come the same way: LLaVA's `video` (a path or a list), ShareGPT's `videos`, each
 referred to by one `<video>` tag; images and videos may be interleaved in any order.
@@ -27,7 +37,7 @@ templates are whitespace-sensitive, so nothing is stripped or normalised here.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -43,12 +53,18 @@ __all__ = [
     "ConversationError",
     "parse_conversation",
     "scan_conversations",
+    "scan_records",
     "read_conversations",
 ]
 
 IMAGE_TAG = "<image>"
 VIDEO_TAG = "<video>"
 ROLES = ("system", "user", "assistant")
+_TAGS = {"image": IMAGE_TAG, "video": VIDEO_TAG}
+_LISTS = {"image": "images", "video": "videos"}  # the record's list of each modality's files
+# Where a typed part may name its own file (the keys transformers' processors read for local
+# files); `base64` is the one more they read, refused below.
+_INLINE_KEYS = {"image": ("image", "path", "url"), "video": ("video", "path", "url")}
 # Speaker names of both formats (and of common ShareGPT variants) -> our roles.
 _ROLE_NAMES = {
     "system": "system",
@@ -113,22 +129,39 @@ class _Invalid(Exception):
         self.kind, self.reason = kind, reason
 
 
+@dataclass(frozen=True)
+class _Placeholder:
+    """An `image` or `video` part: where it is in the record, and its inline file (or None)."""
+
+    modality: str
+    where: str
+    path: str | None
+
+
+@dataclass(frozen=True)
+class _Message:
+    where: str  # the field path in the record, for errors ("messages[2]")
+    turn: Turn
+    placeholders: tuple[_Placeholder, ...] = ()  # of typed parts, in order
+
+
 # ----------------------------------------------------------------------------- one record
 def parse_conversation(
     record: Any, *, file: str = "<record>", index: int = 0, origin: str | None = None
 ) -> Conversation:
-    """Normalise and validate one record of either format; raise `ConversationError`."""
+    """Normalise and validate one record of any format; raise `ConversationError`."""
     key = _key(record, index)
     try:
         if not isinstance(record, dict):
             raise _Invalid("format", f"expected a JSON object, got {type(record).__name__}")
-        turns = _turns(record)
-        images = _paths(record, "image", "images")
-        videos = _paths(record, "video", "videos")
+        messages = _messages(record)
+        turns = [(message.where, message.turn) for message in messages]
+        images = _files(record, messages, "image")
+        videos = _files(record, messages, "video")
         _check_roles(turns)
         _check_texts(turns)
-        _check_count(turns, images, IMAGE_TAG, "image")
-        _check_count(turns, videos, VIDEO_TAG, "video")
+        _check_count(record, messages, images, "image")
+        _check_count(record, messages, videos, "video")
     except _Invalid as err:
         where = origin or f"{Path(file).name}[{index}]"
         raise ConversationError(file, index, key, err.kind, err.reason, where) from None
@@ -142,31 +175,59 @@ def _key(record: Any, index: int) -> str:
     return str(index)
 
 
-def _turns(record: dict[str, Any]) -> list[tuple[str, Turn]]:
-    """(field path, Turn) pairs; the field path names the spot in the record for errors."""
-    if "conversations" in record and "messages" in record:
-        raise _Invalid("format", "has both 'conversations' and 'messages'; keep one")
-    if "conversations" in record:
-        field_name, role_key, text_key = "conversations", "from", "value"
-    elif "messages" in record:
-        field_name, role_key, text_key = "messages", "role", "content"
-    else:
-        raise _Invalid("format", "no 'conversations' (LLaVA) or 'messages' (ShareGPT) list")
-    raw = record[field_name]
-    if not isinstance(raw, list) or not raw:
-        raise _Invalid("format", f"'{field_name}' must be a non-empty list")
-    turns = [_turn(item, f"{field_name}[{i}]", role_key, text_key) for i, item in enumerate(raw)]
+def _messages(record: dict[str, Any]) -> list[_Message]:
+    """The record's turns in order, with the optional top-level system prompt first."""
+    lists = _message_lists(record)
+    messages = [
+        _message(item, f"{name}[{i}]", role_key, text_key)
+        for name, role_key, text_key in lists
+        for i, item in enumerate(record[name])
+    ]
     system = record.get("system")
     if system is not None:  # LLaMA-Factory's top-level system prompt
         if not isinstance(system, str):
             raise _Invalid("format", "'system' must be a string")
-        if turns[0][1].role == "system":
-            raise _Invalid("format", f"both 'system' and a system turn in '{field_name}'")
-        turns.insert(0, ("system", Turn("system", system)))
-    return turns
+        if messages[0].turn.role == "system":
+            raise _Invalid("format", f"both 'system' and a system turn in '{lists[0][0]}'")
+        messages.insert(0, _Message("system", Turn("system", system)))
+    return messages
 
 
-def _turn(item: Any, where: str, role_key: str, text_key: str) -> tuple[str, Turn]:
+def _message_lists(record: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(field, role key, text key) of each list of turns the record's format holds."""
+    formats = [name for name in ("conversations", "messages", "prompt") if name in record]
+    if "completion" in record and "prompt" not in record:
+        raise _Invalid("format", "'completion' without 'prompt' (TRL's prompt / completion)")
+    if len(formats) > 1:
+        raise _Invalid("format", f"has both '{formats[0]}' and '{formats[1]}'; keep one")
+    if not formats:
+        raise _Invalid(
+            "format",
+            "no 'conversations' (LLaVA), 'messages' (ShareGPT, Hugging Face) or 'prompt' + "
+            "'completion' (TRL) list",
+        )
+    if formats[0] == "conversations":
+        lists = [("conversations", "from", "value")]
+    elif formats[0] == "messages":
+        lists = [("messages", "role", "content")]
+    else:
+        if "completion" not in record:
+            raise _Invalid("format", "'prompt' without 'completion' (TRL's prompt / completion)")
+        lists = [("prompt", "role", "content"), ("completion", "role", "content")]
+    for name, _, _ in lists:
+        raw = record[name]
+        if isinstance(raw, str) and name in ("prompt", "completion"):
+            raise _Invalid(
+                "format",
+                f"'{name}' is a string (TRL's standard form): without roles there is no chat "
+                "to template; give 'prompt' and 'completion' as lists of messages",
+            )
+        if not isinstance(raw, list) or not raw:
+            raise _Invalid("format", f"'{name}' must be a non-empty list")
+    return lists
+
+
+def _message(item: Any, where: str, role_key: str, text_key: str) -> _Message:
     if not isinstance(item, dict):
         raise _Invalid("format", f"{where}: expected an object with '{role_key}' and '{text_key}'")
     name, text = item.get(role_key), item.get(text_key)
@@ -174,12 +235,108 @@ def _turn(item: Any, where: str, role_key: str, text_key: str) -> tuple[str, Tur
     if role is None:
         known = ", ".join(sorted(_ROLE_NAMES))
         raise _Invalid("format", f"{where}.{role_key}: {name!r} is not a known role ({known})")
+    if isinstance(text, str):
+        return _Message(where, Turn(role, text))
+    if text_key == "content" and isinstance(text, list):
+        joined, placeholders = _typed_parts(text, f"{where}.{text_key}")
+        return _Message(where, Turn(role, joined), placeholders)
+    wanted = "a string or a list of typed parts" if text_key == "content" else "a string"
+    raise _Invalid("format", f"{where}.{text_key}: expected {wanted}, got {type(text).__name__}")
+
+
+def _typed_parts(parts: list[Any], where: str) -> tuple[str, tuple[_Placeholder, ...]]:
+    """Hugging Face content parts -> the text with a tag at each image / video part, and those
+    parts in order."""
+    pieces, placeholders = [], []
+    for i, part in enumerate(parts):
+        at = f"{where}[{i}]"
+        if not isinstance(part, dict):
+            raise _Invalid(
+                "format",
+                f"{at}: expected a part object with a 'type' (text, image, video), got "
+                f"{type(part).__name__}",
+            )
+        kind = part.get("type")
+        if kind == "text":
+            pieces.append(_text_part(part, at))
+        elif kind in _TAGS:
+            pieces.append(_TAGS[kind])
+            placeholders.append(_Placeholder(kind, at, _inline_file(part, kind, at)))
+        else:
+            raise _Invalid(
+                "format", f"{at}.type: {kind!r} is not a part type this reads (text, image, video)"
+            )
+    return "".join(pieces), tuple(placeholders)
+
+
+def _text_part(part: dict[str, Any], at: str) -> str:
+    text = part.get("text")
     if not isinstance(text, str):
-        # Content given as a list of typed parts (OpenAI style) is not read: say so plainly.
+        raise _Invalid("format", f"{at}.text: expected a string, got {type(text).__name__}")
+    for tag in _TAGS.values():
+        if tag in text:
+            # A tag in a part's text would be one more placeholder than the parts say.
+            raise _Invalid(
+                "format",
+                f"{at}.text: holds {tag}; in a list of parts each image or video is a part of "
+                "its own",
+            )
+    return text
+
+
+def _inline_file(part: dict[str, Any], kind: str, at: str) -> str | None:
+    """The local file an image / video part names itself, or None (taken from the list).
+    Absent keys may be null: Arrow gives every part of a column every part's fields."""
+    if part.get("base64") is not None:
         raise _Invalid(
-            "format", f"{where}.{text_key}: expected a string, got {type(text).__name__}"
+            "format",
+            f"{at}.base64: embedded {kind} data is not read; write it to a file and give its path",
         )
-    return where, Turn(role, text)
+    named = [key for key in _INLINE_KEYS[kind] if part.get(key) is not None]
+    if not named:
+        return None
+    if len(named) > 1:
+        raise _Invalid("format", f"{at}: the file is named twice ({', '.join(named)}); keep one")
+    value = part[named[0]]
+    if isinstance(value, dict) and value.get("bytes") is not None:  # a datasets Image feature
+        raise _Invalid(
+            "format",
+            f"{at}.{named[0]}: {kind} bytes inside the record are not read; save the file and "
+            "give its path",
+        )
+    if not isinstance(value, str) or not value.strip():
+        shown = repr(value) if isinstance(value, str) else type(value).__name__
+        raise _Invalid("format", f"{at}.{named[0]}: expected a file path, got {shown}")
+    if "://" in value or value.startswith("data:"):
+        raise _Invalid(
+            "format",
+            f"{at}.{named[0]}: {value[:80]!r} is a URL; mmtrain data build reads local files: "
+            "download it and give its path",
+        )
+    return value
+
+
+def _files(record: dict[str, Any], messages: list[_Message], kind: str) -> list[str]:
+    """A modality's files in placeholder order: the record's list, or the parts' own files."""
+    listed = _paths(record, kind, _LISTS[kind])
+    parts = [p for message in messages for p in message.placeholders if p.modality == kind]
+    inline = [p for p in parts if p.path is not None]
+    if not inline:
+        return listed
+    if listed:  # an empty list beside inline files is no conflict (a table's empty cell)
+        name = kind if kind in record else _LISTS[kind]
+        raise _Invalid(
+            "format", f"{inline[0].where}: {kind} given inline and in '{name}'; keep one"
+        )
+    bare = next((p for p in parts if p.path is None), None)
+    if bare is not None:
+        raise _Invalid(
+            "format",
+            f"{bare.where}: {'an' if kind == 'image' else 'a'} {kind} part without a file while "
+            f"{inline[0].where} names its own; name each {kind} in its part, or list them all "
+            f"in '{_LISTS[kind]}'",
+        )
+    return [p.path for p in inline if p.path is not None]
 
 
 def _paths(record: dict[str, Any], single: str, plural: str) -> list[str]:
@@ -195,8 +352,16 @@ def _paths(record: dict[str, Any], single: str, plural: str) -> list[str]:
     if not isinstance(paths, list):
         raise _Invalid("format", f"'{name}' must be a path or a list of paths")
     for i, path in enumerate(paths):
+        if isinstance(path, dict) and path.get("bytes") is not None:
+            # A Hugging Face datasets Image column: {"bytes": ..., "path": ...}.
+            raise _Invalid(
+                "format",
+                f"'{name}'[{i}]: {single} bytes inside the record are not read; save the files "
+                f"and list their paths in '{name}'",
+            )
         if not isinstance(path, str) or not path.strip():
-            raise _Invalid("format", f"'{name}'[{i}]: expected a non-empty path, got {path!r}")
+            shown = repr(path) if isinstance(path, (str, type(None))) else type(path).__name__
+            raise _Invalid("format", f"'{name}'[{i}]: expected a non-empty path, got {shown}")
     return list(paths)
 
 
@@ -232,14 +397,27 @@ def _check_texts(turns: list[tuple[str, Turn]]) -> None:
                 raise _Invalid(f"{kind}_tag", f"{where}: {tag} in an assistant turn")
 
 
-def _check_count(turns: list[tuple[str, Turn]], paths: list[str], tag: str, kind: str) -> None:
-    tags = sum(turn.text.count(tag) for _, turn in turns)
-    if tags != len(paths):
+def _check_count(
+    record: dict[str, Any], messages: list[_Message], paths: list[str], kind: str
+) -> None:
+    tag = _TAGS[kind]
+    tags = sum(message.turn.text.count(tag) for message in messages)
+    if tags == len(paths):
+        return
+    parts = sum(p.modality == kind for message in messages for p in message.placeholders)
+    if not parts:
         raise _Invalid(
             f"{kind}_count",
             f"{tags} {tag} tag(s) in the text but {len(paths)} {kind}(s); each {kind} needs "
             f"exactly one {tag} where it goes",
         )
+    name = kind if kind in record else _LISTS[kind]
+    raise _Invalid(
+        f"{kind}_count",
+        f"{tags} {kind} placeholder(s) ({parts} {kind} part(s), {tags - parts} {tag} tag(s)) "
+        f"but {len(paths)} {kind}(s) in '{name}'; each {kind} part takes the next file of "
+        f"'{name}', in order",
+    )
 
 
 # ----------------------------------------------------------------------------- files
@@ -258,6 +436,16 @@ def scan_conversations(path: str | Path) -> Iterator[Conversation | Conversation
         _parse_or_error(record, str(path), index, f"{path.name}[{index}]")
         for index, record in enumerate(records)
     )
+
+
+def scan_records(
+    records: Iterable[Any], path: str | Path
+) -> Iterator[Conversation | ConversationError]:
+    """`scan_conversations` for records already read from a table (the rows of a parquet
+    file): each is named `file:row` (from 1), as table rows are."""
+    path = Path(path)
+    for index, record in enumerate(records):
+        yield _parse_or_error(record, str(path), index, f"{path.name}:{index + 1}")
 
 
 def read_conversations(path: str | Path) -> list[Conversation]:
