@@ -1,5 +1,6 @@
 """`mmtrain quickstart [--out DIR] [--steps N] [--minutes N] [--modalities LIST | --vlm |
---vlm-docs | --diffusion]`: the offline demos of the README (code: `mmtrain.quickstart`).
+--vlm-docs | --vlm-video | --diffusion]`: the offline demos of the README (code:
+`mmtrain.quickstart`).
 
 Builds the Twemoji image-caption set from the `quickstart` extra's packages, trains tiny-clip
 on the CPU for a fixed number of steps (fewer if they do not fit the time budget), evaluates
@@ -11,7 +12,9 @@ emoji in LLaVA's two stages and scores its answers to "What is this?" on held-ou
 against the held-out emoji in a CLIP's features (FD, conditional accuracy). `--vlm-docs`
 trains a native-resolution VLM (tiny-qwen2-vl's shape) to read numbers off small pages it
 draws itself, and scores its answers on held-out pages by ANLS and CER, with their own and
-with shuffled pages (no extra needed).
+with shuffled pages (no extra needed). `--vlm-video` trains the same shape of model to say
+what a shape does in short clips it draws itself (moves, grows, turns), and scores its answers
+on held-out clips with their frames in order and reversed (no extra needed).
 Without an extra it stops (exit 2) with the command that installs it.
 """
 
@@ -83,6 +86,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(default 2000 steps of 32, --minutes default 5; --limit N: N training pages)",
     )
     p.add_argument(
+        "--vlm-video",
+        action="store_true",
+        help="a native-resolution VLM (tiny-qwen2-vl's shape, from scratch) says what a shape "
+        "does in 4-frame clips it draws (moves left/right/up/down, grows, shrinks, turns "
+        "clockwise/anticlockwise); its answers about held-out (shape, motion) pairs are scored "
+        "with the frames in order and reversed (default 1200 steps of 32, --minutes default 6; "
+        "--limit N: N training clips)",
+    )
+    p.add_argument(
         "--diffusion",
         action="store_true",
         help="a small class-conditional DiT (flow matching) drawing emoji of ten classes; its "
@@ -112,12 +124,15 @@ def run(args: argparse.Namespace) -> int:
     from mmtrain.quickstart.emoji_data import MissingPackages
 
     demos = [flag for flag, given in (("--vlm", args.vlm), ("--vlm-docs", args.vlm_docs),
+                                       ("--vlm-video", args.vlm_video),
                                        ("--diffusion", args.diffusion)) if given]  # fmt: skip
     if len(demos) > 1:
-        count_words = {2: "two", 3: "three"}[len(demos)]
+        count_words = {2: "two", 3: "three", 4: "four"}[len(demos)]
         raise UsageError(f"{' and '.join(demos)} are {count_words} demos; give one of them")
     if args.vlm_docs:
         return run_vlm_docs(args)
+    if args.vlm_video:
+        return run_vlm_video(args)
     if args.vlm:
         return run_vlm(args)
     if args.diffusion:
@@ -173,6 +188,30 @@ def run_vlm_docs(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_vlm_video(args: argparse.Namespace) -> int:
+    """`--vlm-video`: the clip demo (`mmtrain.quickstart.vlm_video`). Its flags are checked
+    before anything is written."""
+    from mmtrain.quickstart.vlm_video import VlmVideoConfig, run_vlm_video
+
+    for flag, value in (("--modalities", args.modalities), ("--clip", args.clip),
+                        ("--clip-steps", args.clip_steps)):  # fmt: skip
+        if value is not None:
+            raise UsageError(f"{flag} does not go with --vlm-video (it trains no CLIP)")
+    given = {
+        "out": args.out or Path("runs/quickstart-vlm-video"),
+        "steps": args.steps,
+        "minutes": args.minutes,
+        "batch_size": args.batch_size,
+        "train_clips": args.limit,
+    }
+    config = VlmVideoConfig(**{name: value for name, value in given.items() if value is not None})
+    config.validate()  # FieldError: exit 2, naming the flag
+    progress = _Progress()
+    result = run_vlm_video(config, on_phase=progress.phase, on_step=progress.step)
+    print(vlm_video_summary(result))
+    return 0
+
+
 def run_diffusion(args: argparse.Namespace) -> int:
     """`--diffusion`: the class-conditional DiT demo (`mmtrain.quickstart.diffusion`)."""
     from mmtrain.quickstart.diffusion import DiffusionDemoConfig, run_diffusion_demo
@@ -215,6 +254,7 @@ class _Progress:
     NAMES = {
         "data": "building the emoji data set (mmtrain data build)",
         "pages": "drawing the pages and building their shards (mmtrain data build)",
+        "clips": "drawing the clips and building their shards (mmtrain data build)",
         "calibrate": "timing a few steps against the time budget",
         "train": "training (mmtrain train)",
         "evaluate": "evaluating on the held-out data (mmtrain eval)",
@@ -412,6 +452,59 @@ def vlm_docs_summary(result: Any) -> str:
             f"pages       {paths.raw}/{{train,val}}/*.png, shards {paths.train_shards}, "
             f"{paths.val_shards}",
             f"tokenizer   {paths.tokenizer}  (font licence: {paths.out / 'ATTRIBUTION.txt'})",
+        ]
+    )
+
+
+def vlm_video_summary(result: Any) -> str:
+    """The --vlm-video ending: accuracy with the frames in order and reversed, in all and per
+    motion, how often a reversed clip gets the opposite motion, then where to look."""
+    seconds = result.seconds
+    stages = ", ".join(f"{name} {_clock(s)}" for name, s in seconds.items())
+    v = result.video
+    lines = [
+        "",
+        f"done in {_clock(sum(seconds.values()))} ({stages}); {result.steps} steps on "
+        f"{result.n_train} training clips",
+        "",
+    ]
+    if v.get("accuracy") is None:
+        lines.append("no answers were generated: see eval.json")
+    else:
+        lines += [
+            f'"{v["prompt"]}" on {v["n"]} held-out clips, (shape, motion) pairs on no training '
+            f"clip (chance {_pct(v['chance'])}):",
+            f"  {'motion':<20} {'n':>4} {'in order':>9} {'reversed':>9} {'opposite':>9}",
+            f"  {'all':<20} {v['n']:>4} {_pct(v['accuracy']):>9} "
+            f"{_pct(v['accuracy_frames_reversed']):>9} {_pct(v['reversed_as_opposite']):>9}",
+        ]
+        for motion, row in v.get("by_motion", {}).items():
+            if row["n"]:
+                lines.append(
+                    f"  {motion:<20} {row['n']:>4} {_pct(row['accuracy']):>9} "
+                    f"{_pct(row['accuracy_frames_reversed']):>9} "
+                    f"{_pct(row['reversed_as_opposite']):>9}"
+                )
+        lines.append(
+            "  reversed: the same clips with their frames last to first, scored against the "
+            "clip's own motion; opposite: reversed clips answered with the reverse motion"
+        )
+        if v.get("accuracy_shuffled_clips") is not None:
+            lines.append(
+                f"  with another held-out clip under the same question: "
+                f"{_pct(v['accuracy_shuffled_clips'])}"
+            )
+    lines.append(f"  held out: {', '.join(v['held_out'])}; {v['clip_tokens']} tokens per clip")
+    paths = result.paths
+    return "\n".join(
+        lines
+        + [
+            "",
+            f'eval.json   {result.eval_json}  ("video", "generation", "examples")',
+            f"run folder  {paths.run}  (config.yaml, metrics.jsonl, model.safetensors)",
+            f"clips       {paths.raw}/{{train,val}}/*.mp4, shards {paths.train_shards}, "
+            f"{paths.val_shards}",
+            f"tokenizer   {paths.tokenizer}  (about the clips: {paths.out / 'ATTRIBUTION.txt'})",
         ]
     )
 

@@ -12,6 +12,11 @@ the images move between samples by a fixed derangement (seeded; among samples wi
 number of images and clips, so every prompt still gets as many inputs as it has tags; a
 native VLM's pages keep their own sizes and tokens, eval/visual_batches.py). A model that
 ignores its images scores the same with both; one that uses them scores lower shuffled.
+`exact_match_frames_reversed` is the same check for time: each sample with a clip keeps its
+own clips with their frames in reverse order (the tokens, sizes and frame rates stay). A model
+that reads one frame, or ignores their order, scores the same both ways; on clips whose answer
+depends on the direction of time (moves left / right, grows / shrinks), one that reads the
+order scores lower reversed.
 
 Distributed: every rank reads the list of conversations (the same on all ranks), takes every
 `world_size`-th one from its rank on, and runs the same number of forward passes (a rank short
@@ -90,6 +95,10 @@ __all__ = [
 
 DEFAULT_MAX_NEW_TOKENS = 32
 DEFAULT_EXAMPLES = 8
+# What generation shows each sample (`VLMEvaluator._answers`).
+OWN = "own"  # its own images and clips
+SHUFFLED = "shuffled_images"  # another sample's (`partners`)
+FRAMES_REVERSED = "frames_reversed"  # its own clips, last frame first; samples with clips only
 
 
 # ----------------------------------------------------------------------------- pure pieces
@@ -403,9 +412,12 @@ class VLMEvaluator:
         per_rank = math.ceil(len(self.samples) / self.world)
         return math.ceil(per_rank / self.batch_size)
 
-    def _inputs(self, positions: Sequence[int], dtype: torch.dtype) -> tuple[dict, set[int]]:
+    def _inputs(
+        self, positions: Sequence[int], dtype: torch.dtype, reverse_frames: bool = False
+    ) -> tuple[dict, set[int]]:
         """The pixels of the samples at `positions` (of `self.samples`) as batch entries, in
-        reading order, and the positions whose inputs did not decode (eval/visual_batches)."""
+        reading order (each clip's frames in reverse order with `reverse_frames`), and the
+        positions whose inputs did not decode (eval/visual_batches)."""
         if self.visuals is None:
             return {}, set()
         items = []
@@ -414,7 +426,7 @@ class VLMEvaluator:
             if sample.images or sample.videos:
                 members = self.shards.read(sample.index)
                 items.append((position, sample.key, sample.images, sample.videos, members))
-        return self.visuals.inputs(items, dtype)
+        return self.visuals.inputs(items, dtype, reverse_frames=reverse_frames)
 
     @torch.no_grad()
     def _nll(self, model: nn.Module, device: Any) -> tuple[float, int, set[int]]:
@@ -440,17 +452,22 @@ class VLMEvaluator:
         return total, tokens, broken
 
     @torch.no_grad()
-    def _answers(self, model: nn.Module, device: Any, shuffled: bool) -> list[dict[str, Any]]:
-        """This rank's generated answers, one dict per sample (with its own or, `shuffled`,
-        its partner's images)."""
+    def _answers(self, model: nn.Module, device: Any, variant: str) -> list[dict[str, Any]]:
+        """This rank's generated answers, one dict per sample, shown what `variant` says:
+        OWN, SHUFFLED (the samples that have a partner) or FRAMES_REVERSED (those with a
+        clip)."""
         generator = _generating_module(model)
         device, dtype = _model_parts(model, device)
-        share = [p for p in self._share() if not shuffled or self.partners[p] is not None]
+        share = self._share()
+        if variant == SHUFFLED:
+            share = [p for p in share if self.partners[p] is not None]
+        elif variant == FRAMES_REVERSED:
+            share = [p for p in share if self.samples[p].videos]
         out = []
         for start in range(0, len(share), self.batch_size):
             positions = share[start : start + self.batch_size]
-            sources = [self.partners[p] if shuffled else p for p in positions]
-            inputs, bad = self._inputs(sources, dtype)
+            sources = [self.partners[p] if variant == SHUFFLED else p for p in positions]
+            inputs, bad = self._inputs(sources, dtype, reverse_frames=variant == FRAMES_REVERSED)
             ids, mask = _padded([self.samples[p].prompt_ids for p in positions], self.pad_id, True)
             batch = {"text": ids.to(device), "attention_mask": mask.to(device)}
             batch |= _on_device(inputs, device)
@@ -504,10 +521,11 @@ class VLMEvaluator:
                     "(mmtrain eval RUN_DIR) on the final weights"
                 }
             else:
-                own = _gather_by_key(self._answers(model, device, shuffled=False))
-                moved = _gather_by_key(self._answers(model, device, shuffled=True))
-                report["generation"] = self._generation_summary(own, moved)
-                report["examples"] = self._examples(own, moved)
+                own = _gather_by_key(self._answers(model, device, OWN))
+                moved = _gather_by_key(self._answers(model, device, SHUFFLED))
+                backwards = _gather_by_key(self._answers(model, device, FRAMES_REVERSED))
+                report["generation"] = self._generation_summary(own, moved, backwards)
+                report["examples"] = self._examples(own, moved, backwards)
             report["skipped_samples"] = self.refused
             report["corrupt_samples"] = int(broken_count)
             return report
@@ -515,7 +533,10 @@ class VLMEvaluator:
             model.train(was_training)
 
     def _generation_summary(
-        self, own: dict[str, dict[str, Any]], moved: dict[str, dict[str, Any]]
+        self,
+        own: dict[str, dict[str, Any]],
+        moved: dict[str, dict[str, Any]],
+        backwards: dict[str, dict[str, Any]],
     ) -> dict[str, Any]:
         def mean(results: dict[str, dict[str, Any]], name: str) -> float | None:
             values = [r[name] for r in results.values() if r[name] is not None]
@@ -535,13 +556,20 @@ class VLMEvaluator:
             "cer": sum(r["char_edits"] for r in own.values()) / chars if chars else None,
             "choice_accuracy": mean(own, "choice_accuracy"),
             "n_choice": choices,
+            # the samples with clips, each with its clips' frames in reverse order
+            "exact_match_frames_reversed": mean(backwards, "exact_match"),
+            "token_f1_frames_reversed": mean(backwards, "token_f1"),
             "n": len(own),
             "n_shuffled": len(moved),
+            "n_frames_reversed": len(backwards),
             "max_new_tokens": self.max_new_tokens,
         }
 
     def _examples(
-        self, own: dict[str, dict[str, Any]], moved: dict[str, dict[str, Any]]
+        self,
+        own: dict[str, dict[str, Any]],
+        moved: dict[str, dict[str, Any]],
+        backwards: dict[str, dict[str, Any]],
     ) -> list[dict[str, Any]]:
         """The first `examples` samples by key: what the report's gallery shows."""
         out = []
@@ -564,6 +592,8 @@ class VLMEvaluator:
             if sample.key in moved and partner is not None:
                 example["shuffled_images_from"] = self.samples[partner].key
                 example["generated_shuffled_images"] = moved[sample.key]["generated"]
+            if sample.key in backwards:
+                example["generated_frames_reversed"] = backwards[sample.key]["generated"]
             out.append(example)
         return out
 

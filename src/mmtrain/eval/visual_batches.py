@@ -7,6 +7,8 @@ lists (data/stream/native_inputs.py, the loader's own code, so validation sees w
 saw). Both return the batch entries and the samples whose inputs did not decode: shown as
 zeros of the right shape, left out of the metrics. A VLM always gets its image entry, also
 empty: under FSDP / DDP every rank must run the tower in every forward (models/vlm.py).
+`reverse_frames` hands each clip over with its frames in reverse order (the evaluator's check
+that a model reads time: eval/generation.py); a fixed-size tower takes no clips.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ class FixedImages:
     def __init__(self, transform: ImageTransform):
         self.transform = transform
 
-    def inputs(self, items: Sequence[Item], dtype: torch.dtype) -> tuple[dict[str, Any], set[int]]:
+    def inputs(
+        self, items: Sequence[Item], dtype: torch.dtype, reverse_frames: bool = False
+    ) -> tuple[dict[str, Any], set[int]]:
         t = self.transform
         pixels, broken = [], set()
         for position, key, images, _, members in items:
@@ -58,7 +62,9 @@ class NativeVisuals:
     def __init__(self, native: NativeInputs):
         self.native = native
 
-    def inputs(self, items: Sequence[Item], dtype: torch.dtype) -> tuple[dict[str, Any], set[int]]:
+    def inputs(
+        self, items: Sequence[Item], dtype: torch.dtype, reverse_frames: bool = False
+    ) -> tuple[dict[str, Any], set[int]]:
         out: dict[str, list[Any]] = {IMAGES: [], VIDEOS: [], VIDEO_FPS: []}
         broken = set()
         for position, key, image_names, video_names, members in items:
@@ -77,6 +83,7 @@ class NativeVisuals:
                 out[VIDEO_FPS] += [1.0] * len(clips)
                 continue
             out[IMAGES] += [x.to(dtype) for x in visual.images]
-            out[VIDEOS] += [x.to(dtype) for x in visual.videos]
+            # [T, 3, H, W]: time is the first axis; the frame rate and the tokens stay
+            out[VIDEOS] += [(x.flip(0) if reverse_frames else x).to(dtype) for x in visual.videos]
             out[VIDEO_FPS] += visual.video_fps
         return out, broken

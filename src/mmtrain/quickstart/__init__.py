@@ -9,6 +9,8 @@
   BasicMotions sensor recordings bound to text.
 - `vlm`, `vlm_data`: `--vlm`, LLaVA's two stages on the emoji as conversations.
 - `vlm_docs`, `docs_data`: `--vlm-docs`, a native-resolution VLM reading numbers off pages.
+- `vlm_video`, `video_data`: `--vlm-video`, the same shape of VLM saying what a shape does in
+  short clips, with the frames in order and reversed.
 - `diffusion`, `emoji_classes`: `--diffusion`, a class-conditional DiT drawing emoji of ten
   classes, scored by FD and conditional accuracy in a CLIP's features.
 - `stage0`: the image-text CLIP that `--vlm` (its vision tower) and `--diffusion` (its feature
