@@ -19,7 +19,10 @@ Qwen2VLForConditionalGeneration or Qwen2_5_VLForConditionalGeneration (config.js
 hf. A language model's folder holds the decoder under `towers.text.*` (and a LLaVA's image tower
 under `towers.image.*`, its projector under `projector.*`; a Qwen2-VL's vision tower and merger
 under `towers.vision.*`). The tokenizer, processor, chat template and generation files of a HF
-folder (PROCESSOR_FILES) are copied through, both ways. DIT_DIR is a diffusers
+folder are copied through, both ways; `--to hf` of a run folder (`mmtrain train`'s OUT) carries
+its own, else those of the folder it started from (`init`, else `data.tokenizer`'s, as its
+config.yaml records them) and the chat template it trained with, and refuses a tokenizer that
+does not fit the model's vocabulary (models/formats/hf_processor_files.py). DIT_DIR is a diffusers
 `DiTTransformer2DModel` or SD3 `SD3Transformer2DModel` folder (config.json +
 diffusion_pytorch_model.safetensors, or shards); the denoiser lies under `towers.denoiser.*` (an SD3 folder's is an MMDiT).
 """
@@ -61,7 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "source",
-        help="--from: the OpenCLIP checkpoint file or HF folder; --to: the mmtrain model folder",
+        help="--from: the OpenCLIP checkpoint file or HF folder; --to: the mmtrain model folder "
+        "or run folder",
     )
     p.add_argument(
         "--model",
@@ -95,31 +99,12 @@ def run(args: argparse.Namespace) -> int:
     return _to_openclip(source, args.model, out)
 
 
-# What a HF folder holds beside the weights that its users need to run it: the tokenizer, the
-# image / video processor, the chat template, generation defaults. Copied through both ways.
-PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-                   "special_tokens_map.json", "added_tokens.json", "preprocessor_config.json",
-                   "video_preprocessor_config.json", "processor_config.json",
-                   "chat_template.json", "chat_template.jinja", "generation_config.json")  # fmt: skip
-
-
-def copy_processor_files(source: Path, out: Path) -> list[str]:
-    """Copy the PROCESSOR_FILES `source` has into `out` (each atomically); their names."""
-    from mmtrain.atomic import atomic_write_bytes
-
-    copied = []
-    for name in PROCESSOR_FILES:
-        if (source / name).is_file():
-            atomic_write_bytes(out / name, (source / name).read_bytes())
-            copied.append(name)
-    return copied
-
-
 def _from_hf(source: Path, out: Path) -> int:
     from mmtrain.models.formats.hf import read_hf_model
+    from mmtrain.models.formats.hf_processor_files import folder_processor_files
 
     code = _from_folder(source, out, read_hf_model)
-    copied = copy_processor_files(source, out)
+    copied = folder_processor_files(source).write(out)
     if copied:
         print(f"copied {', '.join(copied)}")
     return code
@@ -156,15 +141,45 @@ def _to_hf(source: Path, out: Path) -> int:
             arch = hf_counterpart(spec)
         except NoHFCounterpart as err:
             raise UsageError(f"{source}: {err}") from None
+        extras = _processor_files(source, spec)  # found and checked before anything is written
         try:
             write_hf_state(spec, weights, out)
         except CheckpointMismatch as err:
             raise UsageError(f"{weights.source}: {err}") from None
-    copied = copy_processor_files(source, out)
+    extras.write(out)
     print(f"wrote {out} ({arch} for transformers, from {source})")
-    if copied:
-        print(f"copied {', '.join(copied)}")
+    for origin, names in extras.by_source().items():
+        print(f"copied {', '.join(names)} from {origin}")
+    for note in extras.notes:
+        print(f"note: {note}")
     return 0
+
+
+def _processor_files(source: Path, spec: ModelSpec):
+    """The tokenizer, chat template, processor and generation files the export carries: a
+    model folder's own, or for a run folder (config.yaml beside the weights) its own, else
+    those of its `init` and `data.tokenizer` (hf_processor_files.py); the tokenizer checked
+    against the model's vocabulary."""
+    from mmtrain.folders import CONFIG_FILE
+    from mmtrain.models.formats.hf import export_vocab_size
+    from mmtrain.models.formats.hf_processor_files import (
+        TOKENIZER_FILES,
+        check_vocabulary,
+        folder_processor_files,
+        processor_files_of_run,
+    )
+
+    if (source / CONFIG_FILE).is_file():
+        extras = processor_files_of_run(source)
+    else:
+        extras = folder_processor_files(source)
+    check_vocabulary(extras, export_vocab_size(spec))
+    if spec.decoder is not None and not set(TOKENIZER_FILES) & set(extras.names()):
+        extras.notes.append(
+            f"no tokenizer in {source}, nor where its config.yaml says it started (init, "
+            "data.tokenizer): transformers needs one beside the weights"
+        )
+    return extras
 
 
 def _to_diffusers(source: Path, out: Path) -> int:

@@ -1,6 +1,8 @@
 """The run's final weights, written one tensor at a time: OUT/model.safetensors (shards and an
 index past 5 GB) + OUT/spec.yaml, LoRA adapters merged, and the adapters alone in
-OUT/lora.safetensors.
+OUT/lora.safetensors. `copy_processor_files` puts beside them, at the start of a run, the
+tokenizer, chat template, processor and generation files of where the run starts, so that
+`convert --to hf OUT` needs nothing outside the run folder.
 
 Under FSDP every rank gathers one parameter at a time (`DTensor.full_tensor()`, a collective)
 and rank 0 writes it before the next is gathered, so no rank ever holds the whole model; the
@@ -11,20 +13,28 @@ written (all ranks agree), so a diverged run never replaces a good export.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from mmtrain.config import LoraConfig
+from mmtrain.config import LoraConfig, RunConfig
 from mmtrain.models import create_model
 from mmtrain.models.build import write_model_folder
+from mmtrain.models.formats.hf_processor_files import (
+    TOKENIZER_FILES,
+    ProcessorFilesError,
+    find_processor_files,
+)
 from mmtrain.models.materialize import full_on_cpu
 from mmtrain.models.safetensors_files import TensorEntry
 from mmtrain.train import parallel
 from mmtrain.train.checkpointer import check_finite_weights
 from mmtrain.train.lora import LORA_FILE, is_adapter, merged, write_lora_file
+
+log = logging.getLogger(__name__)
 
 
 def export_model(
@@ -51,6 +61,38 @@ def export_model(
     if adapters:
         write_lora_file(adapters, loras, out / LORA_FILE)
     write_model_folder(out, model.spec, layout, tensors)
+
+
+def copy_processor_files(config: RunConfig, out: Path) -> list[str]:
+    """Copy into the run folder `out` the tokenizer (with its chat template), processor and
+    generation files of `config.init`'s folder (a {tower: path} init: the text tower's
+    first), else of `data.tokenizer`'s, and the chat template `data.chat_template` names
+    (models/formats/hf_processor_files.py); returns their names. Rank 0 calls it once `out`
+    exists, before the first step. A resumed run keeps the files it started with; files that
+    cannot be found are logged, never a reason to stop training."""
+    if any((out / name).is_file() for name in TOKENIZER_FILES):
+        return []
+    try:
+        found = find_processor_files(
+            None, config.init, config.data.tokenizer, config.data.chat_template, _existing
+        )
+    except ProcessorFilesError as err:
+        log.warning("the run folder gets no tokenizer or processor files: %s", err)
+        return []
+    for note in found.notes:
+        log.info("%s", note)
+    names = found.write(out)
+    if names:
+        log.info("copied %s into %s", ", ".join(names), out)
+    return names
+
+
+def _existing(value: str, key: str) -> Path:
+    """A path of the run config (resolved when the config was loaded), where it is."""
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise ProcessorFilesError(key, f"{value!r} is not found")
+    return path.resolve()
 
 
 def _merged_tensors(

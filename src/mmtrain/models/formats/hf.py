@@ -36,6 +36,7 @@ TEXT_TOWER = "text"  # the decoder's name among a LanguageModel's towers
 __all__ = [
     "HFFolderError",
     "NoHFCounterpart",
+    "export_vocab_size",
     "family_of",
     "hf_counterpart",
     "is_hf_folder",
@@ -108,6 +109,15 @@ def hf_counterpart(spec: ModelSpec) -> str:
         hf_llava.llava_layout(spec)  # raises where LLaVA cannot express the spec
         return hf_llava.ARCHITECTURE
     return hf_llama.hf_architecture(spec.decoder)  # a decoder alone (no towers: spec.py)
+
+
+def export_vocab_size(spec: ModelSpec) -> int | None:
+    """The vocab_size of the folder `write_hf_state` writes for `spec` (the decoder's, or a
+    CLIP text tower's), which its tokenizer must fit; None without a text input."""
+    if spec.decoder is not None:
+        return spec.decoder.vocab_size
+    tower = spec.towers.get(TEXT_TOWER)
+    return getattr(tower.stem, "vocab_size", None) if tower is not None else None
 
 
 def write_hf_model(
