@@ -54,9 +54,11 @@ def _run(folder):
 
 # ----------------------------------------------------------------------------- one process
 def _plain_model_and_optimizer(config):
-    from mmtrain.train.optim import make_optimizer
+    from mmtrain.train.optim import make_optimizer, resolve_optimizer_defaults
 
-    model = mmtrain.create_model(ModelSpec.from_dict(MICRO_SPEC), seed=7)
+    spec = ModelSpec.from_dict(MICRO_SPEC)
+    model = mmtrain.create_model(spec, seed=7)
+    resolve_optimizer_defaults(config.train, spec)  # as the trainer does
     return model, make_optimizer(model, config.train, torch.device("cpu"))
 
 

@@ -32,7 +32,12 @@ from mmtrain.train.lora import (
     merge_lora_state,
     save_lora,
 )
-from mmtrain.train.optim import freeze_parameters, make_optimizer, param_groups
+from mmtrain.train.optim import (
+    freeze_parameters,
+    make_optimizer,
+    param_groups,
+    resolve_optimizer_defaults,
+)
 
 SPEC3 = micro_spec(layers=3)  # three blocks per tower: room for "first N" and "last N"
 
@@ -51,9 +56,11 @@ def batch(n: int = 4, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict
 
 
 def tuning(**towers) -> TrainConfig:
-    return TrainConfig(
+    config = TrainConfig(
         steps=1, batch_size=1, lr=1e-3, towers={k: TowerTrainConfig(**v) for k, v in towers.items()}
     )
+    resolve_optimizer_defaults(config, ModelSpec.from_dict(SPEC3))  # as the trainer does
+    return config
 
 
 def trainable(model) -> set[str]:
@@ -272,7 +279,7 @@ def test_gradients_reach_only_the_adapters_of_a_lora_tower():
             assert p.grad is not None and p.grad.abs().sum() > 0, name
         elif name.startswith("towers."):
             assert p.grad is None, name
-    optimizer = make_optimizer(model, TrainConfig(steps=1, batch_size=1), torch.device("cpu"))
+    optimizer = make_optimizer(model, tuning(), torch.device("cpu"))
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
     assert held == {id(p) for n, p in model.named_parameters() if is_adapter(n) or "." not in n}
 

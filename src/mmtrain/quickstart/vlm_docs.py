@@ -219,6 +219,9 @@ def train_config(
             "lr": config.lr,
             "min_lr": config.lr / 100,
             "weight_decay": config.weight_decay,
+            # the AdamW settings its README figures were measured with
+            "betas": [0.9, 0.98],
+            "eps": 1e-6,
             "warmup_steps": min(steps, max(1, round(config.warmup_fraction * steps))),
             "schedule": "cosine",
             "grad_clip": 1.0,

@@ -9,7 +9,8 @@
 The HTML is self-contained (PNGs as data URIs, inline CSS, no script), so it opens from disk
 without a server; the same PNGs are written beside it for slides and tickets. Missing parts of a
 run (no eval, no plan record, a crashed run without final weights) leave their chart out with a
-note, never an error.
+note, never an error; what does not apply to the run (a logit scale beside a language model's
+loss, a retrieval gallery for a denoiser) is left out without one.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ class Report:
 
     html: Path
     pngs: list[Path] = field(default_factory=list)
-    plots: list[Plot] = field(default_factory=list)  # drawn or not (then `note` says why)
+    # the charts that apply to the run (`make_plots`, `gallery_section`): drawn, or `note` says why
+    plots: list[Plot] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     costs: list[Table] = field(default_factory=list)  # `cost_tables`: [] without a GPU named
 
@@ -75,13 +77,13 @@ def build_report(
     gallery_plots: list[Plot] = []
     stale = set()
     if gallery:
-        from mmtrain.report.gallery import GALLERY_NAMES, retrieval_gallery
+        from mmtrain.report.gallery import GALLERY_NAMES
 
-        gallery_plots = retrieval_gallery(run, device=device)
-        language_model = run.spec is not None and run.spec.decoder is not None
-        title = "Generation gallery" if language_model else "Retrieval gallery"
-        sections.append((title, gallery_plots, True))
-        stale |= set(GALLERY_NAMES)
+        stale |= {"gallery", *GALLERY_NAMES}
+        found = gallery_section(run, device)
+        if found is not None:
+            gallery_plots = found[1]
+            sections.append((found[0], gallery_plots, True))
 
     samples = sample_grids(run)
     if samples:
@@ -113,6 +115,27 @@ def build_report(
     atomic_write_text(html_path, render_html(page))
     log.debug("report written to %s (%d charts)", html_path, len(pngs))
     return Report(html=html_path, pngs=pngs, plots=plots, notes=run.notes, costs=costs)
+
+
+def gallery_section(run: RunData, device: str) -> tuple[str, list[Plot]] | None:
+    """The gallery of the run's kind, when the run has what it shows: a language model's
+    generated answers (eval.json's examples), an image-text model's retrievals on its
+    validation shards (data.val). None for other runs (a denoiser's samples are their own
+    section), or without those: then the report has no gallery section."""
+    from mmtrain.report.gallery import generation_gallery, retrieval_gallery
+
+    spec = run.spec
+    if spec is None:
+        return None
+    if spec.is_language_model():
+        if not run.eval_report.get("examples"):
+            return None
+        return "Generation gallery", generation_gallery(run)
+    modalities = [{spec.towers[a].modality, spec.towers[b].modality} for a, b in spec.pairs]
+    data = run.config.get("data")
+    if {"image", "text"} not in modalities or not (isinstance(data, Mapping) and data.get("val")):
+        return None
+    return "Retrieval gallery", retrieval_gallery(run, device=device)
 
 
 def sample_grids(run: RunData) -> list[Plot]:

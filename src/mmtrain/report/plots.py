@@ -1,6 +1,12 @@
 """The report's plots: one small function per chart, each returning a `Plot` (PNG bytes, or a
 note saying why there is nothing to draw).
 
+Every training run has the general charts (loss, learning rate, throughput, data wait, MFU,
+memory): one left undrawn keeps its note (a crash, an unknown peak). The others belong to some
+runs only (a contrastive model's temperature, communication on several ranks, validation, a
+denoiser's validation): `make_plots` leaves them out, silently, where the run has no data for
+them. The loss is named by the run's objective.
+
 Figures are built as `matplotlib.figure.Figure` objects with the Agg canvas directly, never
 through `pyplot`: no global figure registry, no backend switching, nothing left behind in the
 calling process (a notebook or a training job can build a report safely).
@@ -11,6 +17,7 @@ from __future__ import annotations
 import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -119,19 +126,46 @@ def _missing(name: str, title: str, why: str) -> Plot:
 
 
 # ----------------------------------------------------------------------------- the charts
+# What each objective's loss is (the loss chart's title, then its y axis).
+LOSS_NAMES = {
+    "clip": ("Contrastive loss", "contrastive loss (InfoNCE)"),
+    "siglip": ("Sigmoid contrastive loss", "sigmoid loss (SigLIP)"),
+    "triplet": ("Triplet loss", "triplet margin loss"),
+    "next_token": ("Next-token loss", "cross-entropy per target token (nats)"),
+    "flow_matching": ("Flow-matching loss", "mean squared error of the velocity"),
+}
+
+
+def loss_names(spec: Any) -> tuple[str, str]:
+    """(title, y-axis label) of the run's loss, by its model's objective; a model with a
+    fusion head adds its loss (cross-entropy of the classes or the targets' squared error)."""
+    if spec is None:
+        return "Loss", "loss"
+    if spec.objective == "diffusion":
+        return "Diffusion loss", f"mean squared error of the {spec.denoiser.prediction}"
+    if spec.fusion is None:
+        return LOSS_NAMES.get(spec.objective, ("Loss", "loss"))
+    fusion = "cross-entropy" if spec.fusion.task == "classify" else "squared error"
+    if not spec.pairs:
+        return "Fusion-head loss", f"fusion head's {fusion}"
+    title, _ = LOSS_NAMES.get(spec.objective, ("Loss", "loss"))
+    return f"{title} + fusion-head loss", f"{title.lower()} + weighted {fusion}"
+
+
 def loss_plot(run: RunData) -> Plot:
-    title = "Loss (total and per pair)"
+    name, ylabel = loss_names(run.spec)
+    parts = run.keys("loss/")  # per pair, "fusion"
+    title = f"{name} (total and per part)" if len(parts) > 1 else name
     steps, values = run.series("loss")
     if not values:
         return _missing("loss", title, "no training rows with a finite loss in metrics.jsonl")
     lines = [Line("total", steps, values, smooth=True)]
-    pairs = run.keys("loss/")
-    if len(pairs) > 1:  # with one pair its loss is the total: do not draw it twice
-        lines += [Line(k[len("loss/") :], *run.series(k), smooth=True) for k in pairs]
-    note = (
-        f"one pair ({pairs[0][len('loss/') :]}): its loss is the total" if len(pairs) == 1 else ""
-    )
-    return Plot("loss", title, figure(lines, ylabel="contrastive loss"), note)
+    if len(parts) > 1:  # with one part its loss is the total: do not draw it twice
+        lines += [Line(k[len("loss/") :], *run.series(k), smooth=True) for k in parts]
+    note = ""
+    if len(parts) == 1:
+        note = f"one part ({parts[0][len('loss/') :]}): its loss is the total"
+    return Plot("loss", title, figure(lines, ylabel=ylabel), note)
 
 
 def lr_plot(run: RunData) -> Plot:
@@ -254,6 +288,8 @@ def memory_plot(run: RunData) -> Plot:
 
 
 def eval_plot(run: RunData) -> Plot:
+    if run.spec is not None and run.spec.is_language_model():
+        return perplexity_plot(run)
     title = "Evaluation during training"
     keys = [k for k in run.keys("", run.eval_rows) if k != "step" and _is_recall(k)]
     if not keys:
@@ -273,6 +309,17 @@ def eval_plot(run: RunData) -> Plot:
         percent = [100 * v for v in values]
         lines.append(Line(eval_label(key), steps, percent, style=style, marker="o", color=color))
     return Plot("eval", title, figure(lines, ylabel="% of queries", ylim=(0, 100)))
+
+
+def perplexity_plot(run: RunData) -> Plot:
+    """A language model's validation: perplexity on each validation set, by step."""
+    title = "Validation perplexity during training"
+    keys = [k for k in run.keys("", run.eval_rows) if k.rsplit("/", 1)[-1] == "perplexity"]
+    if not keys:
+        return _missing("eval", title, "no periodic validation rows in metrics.jsonl")
+    lines = [Line(eval_label(k.rsplit("/", 1)[0]) or "validation", *run.series(k, run.eval_rows),
+                  marker="o") for k in keys]  # fmt: skip
+    return Plot("eval", title, figure(lines, ylabel="perplexity (per target token)"))
 
 
 def denoiser_plot(run: RunData) -> Plot:
@@ -310,8 +357,12 @@ PLOTS: tuple[Callable[[RunData], Plot], ...] = (
     eval_plot,
     denoiser_plot,
 )
+# Charts of some runs only: drawn where the run has their data, else left out (no note).
+RUN_SPECIFIC = frozenset({logit_scale_plot, step_time_plot, eval_plot, denoiser_plot})
 
 
 def make_plots(run: RunData) -> list[Plot]:
-    """Every chart of the report, in display order (those without data carry a note)."""
-    return [make(run) for make in PLOTS]
+    """The run's charts in display order: every general chart (one without data carries a
+    note saying why) and the run-specific ones it has data for."""
+    plots = [(make, make(run)) for make in PLOTS]
+    return [plot for make, plot in plots if plot.png is not None or make not in RUN_SPECIFIC]

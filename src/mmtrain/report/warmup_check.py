@@ -47,7 +47,7 @@ def short_warmup(run: RunData) -> Finding | None:
     if not rows or rows[0]["loss"] <= 0 or collapsed_learning_rate(run) is not None:
         return None  # a collapsed run's finding asks for a longer warm-up already
     warmup = int(config_value(run, "train", "warmup_steps", 0))
-    betas = config_value(run, "train", "betas", (0.9, 0.98))
+    betas = config_value(run, "train", "betas", None) or (0.9, 0.98)  # unset: OpenCLIP's
     horizon = adam_horizon(float(betas[1]))
     steps = int(config_value(run, "train", "steps", rows[-1]["step"]))
     advised = min(horizon, max(1, int(WARMUP_SHARE_MAX * steps)))

@@ -45,7 +45,7 @@ from mmtrain.train.diffusion import DiffusionObjective
 from mmtrain.train.local_ranks import run_on_local_ranks
 from mmtrain.train.lora import apply_lora
 from mmtrain.train.objectives import count_targets, token_nll_sum
-from mmtrain.train.optim import freeze_parameters, make_optimizer
+from mmtrain.train.optim import freeze_parameters, make_optimizer, resolve_optimizer_defaults
 from mmtrain.train.parallel import apply_activation_checkpointing
 from mmtrain.train.sequence_parallel import apply_sequence_parallel
 
@@ -293,7 +293,7 @@ def measure_training_step(
         towers[name] = TowerTrainConfig(freeze_blocks=n)
     for name, n in (unlocked_blocks or {}).items():
         towers[name] = TowerTrainConfig(unlocked_blocks=n)
-    optimizer = _trainer_set_up(model, towers, seed)
+    optimizer = _trainer_set_up(model, spec, towers, seed)
     # As the trainer does (train.towers.NAME.activation_checkpointing), only trained towers
     # recompute: a checkpointed frozen block would still keep its input.
     trained = [n for n, t in model.towers.items() if any(p.requires_grad for p in t.parameters())]
@@ -399,9 +399,12 @@ def _towers(
     return towers
 
 
-def _trainer_set_up(model, towers: dict[str, TowerTrainConfig], seed: int) -> torch.optim.Optimizer:
+def _trainer_set_up(
+    model, spec: ModelSpec, towers: dict[str, TowerTrainConfig], seed: int
+) -> torch.optim.Optimizer:
     """Freeze and adapt `model` and build its AdamW through the trainer's own functions."""
     config = TrainConfig(steps=1, batch_size=1, lr=1e-4, towers=towers)
+    resolve_optimizer_defaults(config, spec)  # AdamW's state is the same size whatever they are
     apply_lora(model, config, seed=seed)
     freeze_parameters(model, config)
     return make_optimizer(model, config, torch.device("cpu"))
