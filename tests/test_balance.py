@@ -98,8 +98,8 @@ def _recorded_balance(rank: int, world: int, out) -> float:
     """One row through the recorder, this rank's work rank + 1 (gathered in its all-reduce)."""
     (out / str(rank)).mkdir()
     recorder = MetricsRecorder(out / str(rank), rank=rank, log_every=1, tensorboard=False,
-                               resume_step=0, corrupt_before=0)  # fmt: skip
-    recorder.add(1, {"step_s": 1.0}, {"loss": torch.tensor(2.0)}, {}, 0, [], work=rank + 1.0)
+                               resume_step=0)  # fmt: skip
+    recorder.add(1, {"step_s": 1.0}, {"loss": torch.tensor(2.0)}, {}, {}, [], work=rank + 1.0)
     recorder.flush()
     recorder.close()
     return recorder.history[0]["load_balance"]

@@ -34,7 +34,8 @@ def test_yaml_becomes_typed_config_with_defaults(tmp_path):
     assert isinstance(config, RunConfig)
     assert config.train.lr == 5e-4  # YAML 1.1 would read "5e-4" as a string
     assert config.train.precision == "fp32" and config.checkpoint.keep == 3
-    assert config.data.train[0].path == "shards/" and config.data.train[0].weight == 1.0
+    assert config.data.train[0].path == str(tmp_path / "shards")  # beside the config
+    assert config.data.train[0].weight == 1.0
     assert config.micro_batch_for(4) == 8 and config.accumulation_steps(4) == 1
 
 
@@ -55,25 +56,28 @@ def test_overrides_are_yaml_typed_except_for_string_fields(tmp_path):
     )
     assert config.train.lr == 1e-3 and config.train.compile is True
     assert config.train.betas == (0.9, 0.95) and config.train.grad_clip is None
-    assert config.out == "1e3" and config.seed == 7
+    assert config.out == str(Path.cwd() / "1e3") and config.seed == 7  # text, then a path
     assert (
         config.train.towers["image"].lr == 1e-5 and config.train.towers["image"].freeze_blocks == 2
     )
     assert config.checkpoint.every_minutes == 30.0
 
 
-def test_data_sources_as_path_list_or_weighted_mapping():
+def test_data_sources_as_path_list_or_weighted_mapping(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative paths are taken from the current directory
+
     def sources(value):
         config = config_from_dict(
             {"model": "m", "data": {"train": value}, "train": {"steps": 1, "batch_size": 1}}
         )
         return [(s.path, s.weight) for s in config.data.train]
 
-    assert sources("a/") == [("a/", 1.0)]
-    assert sources(["a/", "b/{0..3}.tar"]) == [("a/", 1.0), ("b/{0..3}.tar", 1.0)]
-    assert sources([{"path": "a/", "weight": 3}, {"path": ["x.tar", "y.tar"]}]) == [
-        ("a/", 3.0),
-        (["x.tar", "y.tar"], 1.0),
+    a, b = str(tmp_path / "a"), str(tmp_path / "b/{0..3}.tar")
+    assert sources("a/") == [(a, 1.0)]
+    assert sources(["a/", "b/{0..3}.tar"]) == [(a, 1.0), (b, 1.0)]
+    assert sources([{"path": "a/", "weight": 3}, {"path": ["x.tar", "/y.tar"]}]) == [
+        (a, 3.0),
+        ([str(tmp_path / "x.tar"), "/y.tar"], 1.0),
     ]
 
 
@@ -164,3 +168,56 @@ def test_guards_eval_and_schedules_are_checked(tmp_path):
     ):
         with pytest.raises(FieldError, match=field):
             load_config(write(tmp_path), [override])
+
+
+def test_paths_in_a_config_are_relative_to_it_and_overrides_to_the_current_directory(
+    tmp_path, monkeypatch
+):
+    """Every path of a config file is taken from the file's folder, every path of an override
+    from the current directory, and the typed config holds them absolute; names (a preset,
+    the byte tokenizer, a chat template) stay names."""
+    folder = tmp_path / "project" / "configs"
+    folder.mkdir(parents=True)
+    (folder / "spec.yaml").write_text("name: x\n")
+    path = folder / "run.yaml"
+    path.write_text(
+        "model: spec.yaml\n"
+        "init: {image: ../baselines/clip, text: ~/text.safetensors}\n"
+        "data:\n"
+        "  train: [{path: ../shards/a, weight: 2}, '../shards/b-{000..003}.tar', s3://bucket/c]\n"
+        "  val: ../shards/val\n"
+        "  tokenizer: ../tok/tokenizer.json\n"
+        "  chat_template: chatml\n"
+        "  cache_dir: ../cache\n"
+        "train: {steps: 10, batch_size: 4}\n"
+        "eval: {extractor: ../runs/clip, extractor_tokenizer: byte}\n"
+        "out: ../runs/one\n"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    config = load_config(path)
+    project = tmp_path / "project"
+    assert config.model == str(folder / "spec.yaml")
+    assert config.init == {"image": str(project / "baselines/clip"),
+                           "text": str(Path.home() / "text.safetensors")}  # fmt: skip
+    assert [s.path for s in config.data.train] == [
+        str(project / "shards/a"), str(project / "shards/b-{000..003}.tar"), "s3://bucket/c"
+    ]  # fmt: skip
+    assert config.data.train[0].weight == 2
+    assert config.data.val[0].path == str(project / "shards/val")
+    assert config.data.tokenizer == str(project / "tok/tokenizer.json")
+    assert config.data.chat_template == "chatml"
+    assert config.data.cache_dir == str(project / "cache")
+    assert config.eval.extractor == str(project / "runs/clip")
+    assert config.eval.extractor_tokenizer == "byte"
+    assert config.out == str(project / "runs/one")
+    # overrides: from the current directory, as a shell's paths are
+    again = load_config(path, ["data.train=shards", "out=runs/two", "data.tokenizer=byte",
+                               "model=tiny-clip", "data.chat_template=my/template.jinja"])  # fmt: skip
+    assert again.data.train[0].path == str(elsewhere / "shards")
+    assert again.out == str(elsewhere / "runs/two")
+    assert (again.data.tokenizer, again.model) == ("byte", "tiny-clip")
+    assert again.data.chat_template == str(elsewhere / "my/template.jinja")
+    # the saved config reads the same from anywhere: loading it again changes nothing
+    assert config_from_dict(config.to_dict()) == config

@@ -305,7 +305,9 @@ def test_padded_and_packed_batches_hold_the_same_samples_and_targets(
     packed.close()
 
 
-def test_refused_samples_are_skipped_and_counted_as_corrupt(tmp_path, shards, tok_dir, raw):
+def test_refused_samples_are_skipped_and_counted_by_kind(tmp_path, shards, tok_dir, raw):
+    """Refused conversations are skipped; those the row cannot hold (an image cut, no answer
+    left) count as too long, the others (a tag without its image, a broken image) corrupt."""
     folder, records, kinds = shards
     spec = tiny_vlm(raw)
     data = TrainData(
@@ -314,8 +316,12 @@ def test_refused_samples_are_skipped_and_counted_as_corrupt(tmp_path, shards, to
     good = len(records) - len(kinds)
     keys = take_samples(data, good)
     assert sorted(keys) == sorted(k for k in records if k not in kinds)  # one epoch, each once
-    assert data.corrupt_samples() == len(kinds)
-    assert Counter(data.loader.corrupt_counts) == Counter(kinds.values())
+    too_long = {"image_cut", "truncated_no_targets"}
+    assert data.too_long_samples() == sum(k in too_long for k in kinds.values())
+    assert data.corrupt_samples() == sum(k not in too_long for k in kinds.values())
+    counted = Counter(data.loader.corrupt_counts) + Counter(data.loader.too_long_counts)
+    assert counted == Counter(kinds.values())
+    assert set(data.loader.too_long_counts) == too_long
     data.close()
 
 
@@ -769,3 +775,209 @@ def test_llava_video_records_build_and_dedup_counts_the_video_bytes(tmp_path):
     assert rejected["undecodable"]["path"].endswith("clips/cut.mp4")
     assert "video 1 of 1" in rejected["undecodable"]["reason"]
     assert read_manifest(out)["modalities"] == ["video", "text"]
+
+
+# ----------------------------------------------------------------------------- formats
+# One conversation (a system prompt, two rounds, an image in each question) in each format
+# `data build` reads. Hugging Face parts are joined as written: LLaVA's "<image>\nWhat is
+# this?" is an image part, then the text "\nWhat is this?".
+SAME_IMAGES = ["coco/b.jpg", "web/c.png"]  # the second round's image is a PNG: order shows
+SAME_LLAVA = {
+    "id": "same",
+    "image": SAME_IMAGES,
+    "conversations": [
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "<image>\nWhat is this?"},
+        {"from": "gpt", "value": "A red square."},
+        {"from": "human", "value": "And <image>?"},
+        {"from": "gpt", "value": "Two dogs."},
+    ],
+}
+SAME_SHAREGPT = {
+    "id": "same",
+    "system": "Be brief.",
+    "messages": [
+        {"role": "user", "content": "<image>\nWhat is this?"},
+        {"role": "assistant", "content": "A red square."},
+        {"role": "user", "content": "And <image>?"},
+        {"role": "assistant", "content": "Two dogs."},
+    ],
+    "images": SAME_IMAGES,
+}
+
+
+def text_part(text: str) -> dict:
+    return {"type": "text", "text": text}
+
+
+def hf_messages(image_parts: list[dict]) -> list[dict]:
+    first, second = image_parts
+    return [
+        {"role": "system", "content": [text_part("Be brief.")]},
+        {"role": "user", "content": [first, text_part("\nWhat is this?")]},
+        {"role": "assistant", "content": [text_part("A red square.")]},
+        {"role": "user", "content": [text_part("And "), second, text_part("?")]},
+        {"role": "assistant", "content": [text_part("Two dogs.")]},
+    ]
+
+
+SAME_HF = {"id": "same", "messages": hf_messages([{"type": "image"}] * 2), "images": SAME_IMAGES}
+SAME_HF_INLINE = {
+    "id": "same",
+    "messages": hf_messages([{"type": "image", "image": p} for p in SAME_IMAGES]),
+}
+SAME_TRL = {
+    "id": "same",
+    "prompt": SAME_HF["messages"][:4],
+    "completion": SAME_HF["messages"][4:],
+    "images": SAME_IMAGES,
+}
+
+
+def write_parquet(path: Path, rows: list[dict]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_one_conversation_in_every_format_builds_the_same_samples(tmp_path, tok_dir, raw):
+    """LLaVA, ShareGPT, Hugging Face parts (listed or inline), TRL prompt / completion and a
+    parquet table of HF messages -> the same shard sample, which encodes to the same ids,
+    labels and images (the chat template's encoding, as training reads it)."""
+    files = image_folder(tmp_path)
+    sources = {
+        "llava.json": json.dumps([SAME_LLAVA]),
+        "sharegpt.jsonl": json.dumps(SAME_SHAREGPT) + "\n",
+        "hf.jsonl": json.dumps(SAME_HF) + "\n",
+        "hf_inline.json": json.dumps([SAME_HF_INLINE]),
+        "trl.jsonl": json.dumps(SAME_TRL) + "\n",
+    }
+    for name, text in sources.items():
+        (tmp_path / name).write_text(text)
+    # Arrow gives every part every field (absent ones null): the reader takes that as written.
+    write_parquet(tmp_path / "hf.parquet", [SAME_HF])
+    decoder = ConversationDecoder.for_spec(
+        tiny_vlm(raw),
+        get_tokenizer(tok_dir / "tokenizer.json"),
+        get_template("chatml"),
+        SEQUENCE,
+        train=False,
+    )
+    built = {}
+    for name in [*sources, "hf.parquet"]:
+        out = tmp_path / f"out-{name}"
+        assert build(tmp_path / name, "--out", out, "--workers", 1) == 0, name
+        (sample,) = built_samples(out)
+        built[name] = (sample, json.loads(sample["json"]), decoder.encode(sample, None))
+
+    reference, meta, encoded = built["llava.json"]
+    # The images in order, stored as they are: the JPEG of the first question, then the PNG.
+    assert (reference["0.jpg"], reference["1.png"]) == (files["coco/b.jpg"], files["web/c.png"])
+    assert trained_text(raw, torch.tensor(encoded.input_ids), torch.tensor(encoded.labels)) == [
+        "A red square.<|im_end|>",
+        "Two dogs.<|im_end|>",
+    ]
+    for name, (sample, other_meta, other) in built.items():
+        assert {k: v for k, v in sample.items() if k != "json"} == {
+            k: v for k, v in reference.items() if k != "json"
+        }, name
+        assert other_meta["messages"] == meta["messages"], name
+        assert other.input_ids == encoded.input_ids and other.labels == encoded.labels, name
+        assert torch.equal(other.images, encoded.images), name
+
+
+def test_bad_parts_are_rejected_with_file_record_and_field(tmp_path):
+    image_folder(tmp_path)
+
+    def record(key: str, content: list, images: list[str]) -> dict:
+        answer = {"role": "assistant", "content": [text_part("No.")]}
+        return {
+            "id": key,
+            "messages": [{"role": "user", "content": content}, answer],
+            "images": images,
+        }
+
+    records = [
+        record("good", [{"type": "image"}, text_part("What?")], ["coco/a.jpg"]),
+        record("audio", [{"type": "audio"}, text_part("What?")], []),
+        record("two", [{"type": "image"}, {"type": "image"}, text_part("?")], ["coco/a.jpg"]),
+        record("remote", [{"type": "image", "url": "http://x.org/a.jpg"}, text_part("?")], []),
+        record("missing", [{"type": "image", "path": "coco/nowhere.jpg"}, text_part("?")], []),
+    ]
+    src = tmp_path / "hf.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out"
+    assert build(src, "--out", out, "--workers", 1, "--max-reject-rate", 0.9) == 0
+    assert [json.loads(s["json"])["id"] for s in built_samples(out)] == ["good"]
+    rejected = build_rejects(out)
+    assert [(r["kind"], r["path"]) for r in rejected] == [
+        ("format", "hf.jsonl:2"),
+        ("image_count", "hf.jsonl:3"),
+        ("format", "hf.jsonl:4"),
+        ("missing_image", str(tmp_path / "coco/nowhere.jpg")),
+    ]
+    reasons = [r["reason"] for r in rejected]
+    assert reasons[0].startswith("messages[0].content[0].type: 'audio' is not a part type")
+    assert "2 image part(s)" in reasons[1] and "1 image(s) in 'images'" in reasons[1]
+    assert reasons[2].startswith("messages[0].content[0].url: 'http://x.org/a.jpg' is a URL")
+    assert "hf.jsonl:5 (id missing): image 1 of 1: no such file" in reasons[3]
+
+
+def test_parquet_of_conversations_builds_with_row_numbers_in_rejects(tmp_path):
+    """A parquet table with a `messages` column is chat data, as a .jsonl of the same records;
+    images embedded as bytes (a datasets Image column) are refused with what to do."""
+    files = image_folder(tmp_path)
+    rows = [
+        {"system": "Be brief.", "messages": SAME_SHAREGPT["messages"], "images": SAME_IMAGES},
+        {"system": "Be brief.", "messages": SAME_SHAREGPT["messages"], "images": SAME_IMAGES[:1]},
+    ]
+    src = write_parquet(tmp_path / "chat.parquet", rows)
+    out = tmp_path / "out"
+    assert build(src, "--out", out, "--workers", 1, "--max-reject-rate", 0.5) == 0
+    (sample,) = built_samples(out)
+    assert (sample["0.jpg"], sample["1.png"]) == (files["coco/b.jpg"], files["web/c.png"])
+    assert json.loads(sample["json"])["source"] == "chat.parquet:1"
+    (rejected,) = build_rejects(out)
+    assert (rejected["kind"], rejected["path"]) == ("image_count", "chat.parquet:2")
+
+    trl = write_parquet(tmp_path / "trl.parquet", [SAME_TRL])
+    assert build(trl, "--out", tmp_path / "out-trl", "--workers", 1) == 0
+    (trl_sample,) = built_samples(tmp_path / "out-trl")
+    assert json.loads(trl_sample["json"])["messages"] == json.loads(sample["json"])["messages"]
+
+    embedded = [
+        {
+            "messages": SAME_SHAREGPT["messages"],
+            "images": [{"bytes": files["coco/b.jpg"], "path": "b.jpg"}] * 2,
+        }
+    ]
+    src = write_parquet(tmp_path / "embedded.parquet", embedded)
+    out = tmp_path / "out-embedded"
+    assert build(src, "--out", out, "--workers", 1) == 2  # every record rejected
+    (rejected,) = build_rejects(out)
+    assert rejected["path"] == "embedded.parquet:1"
+    assert "'images'[0]: image bytes inside the record are not read" in rejected["reason"]
+
+
+def test_which_jsonl_and_parquet_files_are_chat_data(tmp_path):
+    """Conversations in any form are chat data; a prompt and completion as plain strings (TRL's
+    standard form, or any table's text columns) stay a table, as before."""
+    from mmtrain.data.ingest.sources import is_conversation_file
+
+    plain = {"image": "a.jpg", "prompt": "Describe it.", "completion": "A red square."}
+    cases = {
+        "llava": (SAME_LLAVA, True),
+        "sharegpt": (SAME_SHAREGPT, True),
+        "hf": (SAME_HF, True),
+        "trl": (SAME_TRL, True),
+        "plain": (plain, False),
+        "captions": ({"image": "a.jpg", "caption": "A red square."}, False),
+    }
+    for name, (record, chat_data) in cases.items():
+        jsonl = tmp_path / f"{name}.jsonl"
+        jsonl.write_text(json.dumps(record) + "\n")
+        parquet = write_parquet(tmp_path / f"{name}.parquet", [record])
+        assert is_conversation_file(jsonl) is chat_data, name
+        assert is_conversation_file(parquet) is chat_data, name

@@ -263,14 +263,15 @@ def test_init_overrides_and_relative_paths(tmp_path, baseline):
     (tmp_path / "folder").mkdir()
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     assert load_config(tmp_path / "run.yaml").init == str(tmp_path / "folder")
-    assert load_config(tmp_path / "run.yaml", ["init=123"]).init == "123"  # kept as text
+    # an override is text (not the number 123), a path from the current directory
+    assert load_config(tmp_path / "run.yaml", ["init=123"]).init == str(Path.cwd() / "123")
     tree: dict = {}
     apply_override(tree, "init.image=007")
     assert tree == {"init": {"image": "007"}}
     loaded = load_config(
         tmp_path / "run.yaml", ["init=null", "init.image=a/b", "init_strict=false"]
     )
-    assert loaded.init == {"image": "a/b"} and loaded.init_strict is False
+    assert loaded.init == {"image": str(Path.cwd() / "a/b")} and loaded.init_strict is False
     with pytest.raises(FieldError, match=r"init_sha256\.x"):
         load_config(tmp_path / "run.yaml", ["init_sha256={x: abc}"])
 

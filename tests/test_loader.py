@@ -14,7 +14,12 @@ from mmtrain.cli import main
 from mmtrain.data.storage.manifest import write_manifest
 from mmtrain.data.storage.shard_writer import ShardWriter
 from mmtrain.data.storage.shards import ShardSet
-from mmtrain.data.stream.loader import StreamingLoader, merge_rank_states, planned_samples
+from mmtrain.data.stream.loader import (
+    NoValidSamples,
+    StreamingLoader,
+    merge_rank_states,
+    planned_samples,
+)
 from mmtrain.data.stream.order import Segment, epoch_order
 
 
@@ -258,8 +263,16 @@ def test_corrupt_samples_are_counted_and_logged_with_shard_and_key(dirty, caplog
 def test_all_corrupt_data_fails_clearly(tmp_path):
     shards = make_dataset(tmp_path, 30, corrupt=set(range(30)))
     loader = StreamingLoader(shards, decode, 2, max_consecutive_corrupt=20)
-    with pytest.raises(RuntimeError, match="20 corrupt samples in a row"):
+    with pytest.raises(NoValidSamples, match="20 samples in a row on rank 0 could not be"):
         next(iter(loader))
+    # under the bound, a whole epoch refused: no batch can ever be filled, so iterating stops
+    # after 2 x 30 refusals in a row (a run that long holds one whole epoch) instead of
+    # cycling through the epochs for ever
+    loader = StreamingLoader(shards, decode, 2, max_consecutive_corrupt=1000)
+    with pytest.raises(NoValidSamples, match="every sample of a whole epoch") as caught:
+        next(iter(loader))
+    assert caught.value.in_a_row == {"corrupt": 60}
+    assert loader.corrupt_counts == {"bad member": 60}
 
 
 def test_truncated_shard_is_read_up_to_the_damage(tmp_path):

@@ -165,9 +165,10 @@ def test_stage_one_then_stage_two(tmp_path, shards):
 
 @pytest.mark.parametrize("pack", [False, True], ids=["padded-crash", "packed-sigterm"])
 def test_resume_is_exact(tmp_path, shards, pack, monkeypatch):
-    """Stopped after step 3, then rerun: the same weights as a run never stopped. Padded rows
-    stop dead (a crash: the checkpoint of step 2 resumes); packed rows get a SIGTERM during
-    step 3's forward (the step finishes, its checkpoint is written, the run exits)."""
+    """Stopped, then rerun: the same weights as a run never stopped. Padded rows stop dead
+    after step 3 (a crash: the checkpoint of step 2 resumes); packed rows get a SIGTERM during
+    step 4's forward, a step after the step-2 checkpoint (the step finishes, its checkpoint is
+    written, the run exits)."""
     whole = train(_config(tmp_path / "whole", shards, data={"pack": pack}, train={"steps": 6}))
     # The stopped run's packed images travel as uint8 and are normalised on the device (as on
     # CUDA): the same float32 arithmetic as the workers', so the same weights still.
@@ -178,7 +179,7 @@ def test_resume_is_exact(tmp_path, shards, pack, monkeypatch):
 
         def forward_then_signal(self, batch):
             calls.append(1)
-            if len(calls) == 5:  # step 3's first micro-batch (2 per step)
+            if len(calls) == 7:  # step 4's first micro-batch (2 per step)
                 os.kill(os.getpid(), signal.SIGTERM)
             return forward(self, batch)
 
@@ -188,7 +189,7 @@ def test_resume_is_exact(tmp_path, shards, pack, monkeypatch):
     else:
         train(config, halt_after_step=3)
     resumed = train(config)
-    assert resumed.resumed_from == (3 if pack else 2)
+    assert resumed.resumed_from == (4 if pack else 2)
     a, b = _weights(tmp_path / "whole"), _weights(tmp_path / "stopped")
     assert a.keys() == b.keys()
     for name in a:

@@ -13,6 +13,9 @@ in every checkpoint, so a run folder says exactly what produced it.
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -23,6 +26,8 @@ import yaml
 
 from mmtrain.plan.config import SP_ATTENTION
 from mmtrain.structured import FieldError, check_choice, from_dict, to_dict
+
+log = logging.getLogger(__name__)
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp64")  # fp64: a reference mode for tests
 SCHEDULES = ("cosine", "constant")
@@ -89,7 +94,10 @@ class VisionDataConfig:
 class DataConfig:
     train: list[DataSource]
     val: list[DataSource] = field(default_factory=list)
-    tokenizer: str = "byte"  # "byte", a tokenizer.json, or OpenCLIP's BPE merges file
+    # "byte", a tokenizer.json (or a folder holding one), or OpenCLIP's BPE merges file; left
+    # out: the folder of `init` when it is a chat model's (tokenizer and chat template), else
+    # "byte"
+    tokenizer: str = "byte"
     workers: int = 0  # decode processes per rank; never changes the order of samples
     shuffle_window: int = 1000  # samples shuffled together inside the shard order
     # Labels of fusion heads: the sample's `.cls` member, else this field of its `.json` member
@@ -227,9 +235,12 @@ class TrainConfig:
     tf32: bool = True  # fp32 on CUDA: matmuls/convolutions on TF32 tensor cores (false: IEEE fp32)
     lr: float = 5e-4
     min_lr: float = 0.0  # the cosine schedule ends here
-    weight_decay: float = 0.2
-    betas: tuple[float, float] = (0.9, 0.98)
-    eps: float = 1e-6
+    # AdamW's settings; null: the workload's default (train/optim.py WORKLOAD_DEFAULTS: a
+    # language model's from transformers, a contrastive model's from OpenCLIP, a denoiser's from
+    # diffusers), filled in at the run's start and recorded in its config.yaml.
+    weight_decay: float | None = None
+    betas: tuple[float, float] | None = None
+    eps: float | None = None
     warmup_steps: int = 0
     schedule: str = "cosine"
     grad_clip: float | None = 1.0  # max global grad norm; null: no clipping
@@ -369,15 +380,12 @@ class RunConfig:
         _at_least("train.min_lr", t.min_lr, 0.0)
         if t.min_lr > t.lr:
             raise FieldError("train.min_lr", f"{t.min_lr} is above train.lr {t.lr}")
-        _at_least("train.weight_decay", t.weight_decay, 0.0)
         _at_least("train.warmup_steps", t.warmup_steps, 0)
         if t.warmup_steps > t.steps:
             raise FieldError(
                 "train.warmup_steps", f"{t.warmup_steps} is more than train.steps {t.steps}"
             )
-        for i, beta in enumerate(t.betas):
-            if not 0.0 <= beta < 1.0:
-                raise FieldError(f"train.betas[{i}]", f"must be in [0, 1), got {beta}")
+        _check_optimizer_settings(t)
         if t.grad_clip is not None and t.grad_clip <= 0:
             raise FieldError("train.grad_clip", f"must be positive or null, got {t.grad_clip}")
         if t.ema is not None and not 0.0 < t.ema < 1.0:
@@ -459,6 +467,17 @@ class RunConfig:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _check_optimizer_settings(t: TrainConfig) -> None:
+    """AdamW's settings where the config sets them (null: the workload's default, valid)."""
+    if t.weight_decay is not None:
+        _at_least("train.weight_decay", t.weight_decay, 0.0)
+    for i, beta in enumerate(t.betas or ()):
+        if not 0.0 <= beta < 1.0:
+            raise FieldError(f"train.betas[{i}]", f"must be in [0, 1), got {beta}")
+    if t.eps is not None and t.eps <= 0:
+        raise FieldError("train.eps", f"must be positive, got {t.eps}")
 
 
 def _at_least(path: str, value: float, low: float) -> None:
@@ -565,8 +584,10 @@ def parse_yaml(text: str, source: str = "") -> Any:
 def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> RunConfig:
     """Read CONFIG.yaml, apply `key=value` overrides, type and validate (for one rank).
 
-    A relative model spec file is looked up next to the config first, so a recipe and its spec
-    can live side by side; data paths and `out` are relative to the working directory.
+    Paths written in the file (the model spec, `init`, data, tokenizer, chat template, `out`,
+    ...: `resolve_paths`) are relative to the file; paths given as overrides are relative to
+    the current directory, as a shell's are. All of them are absolute in the result, so the
+    run's saved config reads the same files from any directory.
     """
     path = Path(path)
     try:
@@ -576,7 +597,10 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> RunCo
     data = parse_yaml(text, str(path)) or {}
     if not isinstance(data, dict):
         raise FieldError("", f"{path}: a run config is a mapping, got {type(data).__name__}")
-    _resolve_relative(data, path.parent)
+    try:
+        resolve_paths(data, path.absolute().parent)
+    except FieldError as err:
+        raise FieldError(err.path, f"{err.message} (in {path})") from None
     for item in overrides:
         apply_override(data, item)
     try:
@@ -588,8 +612,9 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> RunCo
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:
     """Type a (YAML) tree into RunConfig; `data.train` and `data.val` also accept a path or
-    a list of paths. Validates for the fewest ranks it runs on, one sequence-parallel group
-    (the loop validates again for its world size)."""
+    a list of paths, and relative paths are taken from the current directory (made absolute).
+    Validates for the fewest ranks it runs on, one sequence-parallel group (the loop validates
+    again for its world size)."""
     data = dict(data)
     if isinstance(data.get("data"), dict):
         section = dict(data["data"])
@@ -597,7 +622,12 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
             if key in section:
                 section[key] = _sources(section[key], f"data.{key}")
         data["data"] = section
+    if isinstance(data.get("eval"), dict):
+        data["eval"] = dict(data["eval"])  # resolved below: the caller's tree stays as it is
+    resolve_paths(data, Path.cwd())
+    _tokenizer_from_starting_folder(data)
     config = from_dict(RunConfig, data)
+    config.out = _absolute(config.out, Path.cwd())  # also the default `out`
     config.validate(world_size=max(config.train.sequence_parallel, 1))
     return config
 
@@ -614,24 +644,114 @@ def _sources(value: Any, path: str) -> list[Any]:
     return [{"path": v} if isinstance(v, str) else v for v in value]
 
 
-def _resolve_relative(data: dict[str, Any], base: Path) -> None:
+def _tokenizer_from_starting_folder(data: dict[str, Any]) -> None:
+    """`data.tokenizer` left out while `init` is a chat model's folder (a tokenizer.json and a
+    chat template: tokenizer_config.json's or chat_template.jinja): that folder, so the run
+    reads text as the model was trained to (and `data.chat_template` left out then means the
+    folder's template). A folder without a template (a CLIP's) does not decide for the run."""
+    section = data.get("data")
+    if not isinstance(section, dict) or section.get("tokenizer") is not None:
+        return
+    init = data.get("init")
+    folders = [init] if isinstance(init, str) else []
+    if isinstance(init, dict):  # the language model's tower first
+        folders = [v for k, v in sorted(init.items(), key=lambda kv: kv[0] != "text")]
+    for folder in (Path(f) for f in folders if isinstance(f, str)):
+        if (folder / "tokenizer.json").is_file() and _has_chat_template(folder):
+            section["tokenizer"] = str(folder)
+            log.info("data.tokenizer left out: the tokenizer and chat template of %s", folder)
+            return
+
+
+def _has_chat_template(folder: Path) -> bool:
+    if (folder / "chat_template.jinja").is_file():
+        return True
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))
+
+
+# ----------------------------------------------------------------------------- paths
+# Values of path fields that are names, not files (kept as written unless a file of that name
+# lies where a relative path would point).
+TOKENIZER_NAMES = ("byte",)
+
+
+def resolve_paths(data: dict[str, Any], base: Path) -> None:
+    """Make the relative paths of a config tree absolute against `base`, in place: `model`
+    (a spec file; a preset name stays), `init` (a path, or one per tower), `out`, data
+    sources (folders, globs, brace patterns; s3:// stays), `data.tokenizer` ("byte" stays),
+    `data.chat_template` (a template name stays), `data.cache_dir`, `eval.extractor` and
+    `eval.extractor_tokenizer`. Absolute paths and remote URLs are left as they are."""
+    from mmtrain.spec import preset_names  # torch-free; here to keep spec out of config's imports
+
+    presets = {name.lower() for name in preset_names()}
     model = data.get("model")
-    if isinstance(model, str) and model.endswith((".yaml", ".yml", ".json")):
-        if not Path(model).is_absolute() and (base / model).exists():
-            data["model"] = str(base / model)
-    # `init` paths, like the model spec, are looked up next to the config first.
+    if isinstance(model, str) and not _is_name(model, base, presets, lower=True):
+        data["model"] = _absolute(model, base)
     init = data.get("init")
     if isinstance(init, str):
-        data["init"] = _next_to(init, base)
+        data["init"] = _absolute(init, base)
     elif isinstance(init, dict):
-        data["init"] = {k: _next_to(v, base) if isinstance(v, str) else v for k, v in init.items()}
+        data["init"] = {k: _absolute(v, base) if isinstance(v, str) else v for k, v in init.items()}
+    if isinstance(data.get("out"), str):
+        data["out"] = _absolute(data["out"], base)
+    section = data.get("data")
+    if isinstance(section, dict):
+        for key in ("train", "val"):
+            if key in section:
+                section[key] = _absolute_sources(section[key], base)
+        tokenizer = section.get("tokenizer")
+        if isinstance(tokenizer, str) and not _is_name(tokenizer, base, TOKENIZER_NAMES):
+            section["tokenizer"] = _absolute(tokenizer, base)
+        template = section.get("chat_template")
+        if isinstance(template, str) and not _is_template_name(template, base):
+            section["chat_template"] = _absolute(template, base)
+        if isinstance(section.get("cache_dir"), str):
+            section["cache_dir"] = _absolute(section["cache_dir"], base)
+    evaluation = data.get("eval")
+    if isinstance(evaluation, dict):
+        if isinstance(evaluation.get("extractor"), str):
+            evaluation["extractor"] = _absolute(evaluation["extractor"], base)
+        tokenizer = evaluation.get("extractor_tokenizer")
+        if isinstance(tokenizer, str) and not _is_name(tokenizer, base, TOKENIZER_NAMES):
+            evaluation["extractor_tokenizer"] = _absolute(tokenizer, base)
 
 
-def _next_to(path: str, base: Path) -> str:
-    """`base/path` when `path` is relative and exists there, else `path` as written."""
-    if path and not Path(path).is_absolute() and (base / path).exists():
-        return str(base / path)
-    return path
+def _absolute(path: str, base: Path) -> str:
+    """`path` against `base` (normalised, links kept), `~` expanded; URLs and absolute paths
+    as they are."""
+    if not path or "://" in path:
+        return path
+    expanded = os.path.expanduser(path)
+    if os.path.isabs(expanded):
+        return expanded
+    return os.path.normpath(os.path.join(base, expanded))
+
+
+def _absolute_sources(value: Any, base: Path) -> Any:
+    """`data.train` / `data.val` in any of their forms, with each path made absolute."""
+    if isinstance(value, str):
+        return _absolute(value, base)
+    if isinstance(value, dict) and "path" in value:
+        return {**value, "path": _absolute_sources(value["path"], base)}
+    if isinstance(value, list):
+        return [_absolute_sources(v, base) for v in value]
+    return value
+
+
+def _is_name(value: str, base: Path, names: typing.Iterable[str], lower: bool = False) -> bool:
+    """True when `value` is one of `names` and no file of that name lies beside the config."""
+    key = value.lower() if lower else value
+    return key in names and not (base / value).exists()
+
+
+def _is_template_name(value: str, base: Path) -> bool:
+    """A chat template's name (plain, chatml, ...) has no path separator and no suffix; a file
+    or folder of that name beside the config is taken as a path."""
+    return "/" not in value and "." not in value and not (base / value).exists()
 
 
 # ----------------------------------------------------------------------------- overrides
@@ -737,4 +857,5 @@ __all__ = [
     "diff_configs",
     "load_config",
     "parse_yaml",
+    "resolve_paths",
 ]

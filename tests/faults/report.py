@@ -77,8 +77,14 @@ ROWS = [
     Row(
         "Faults",
         "SIGTERM during data loading, during the forward pass, during a checkpoint write",
-        "the step finishes, a checkpoint is written and verified, exit code 0; the rerun resumes",
-        ("tests/faults/test_signals.py::test_sigterm_ends_with_a_valid_checkpoint_and_exit_0",),
+        "with no step since the last checkpoint the run stops where it is (that checkpoint "
+        "stands); otherwise the step finishes and a checkpoint is written and verified; exit "
+        "code 0 either way; the rerun resumes",
+        (
+            "tests/faults/test_signals.py::test_sigterm_ends_with_a_valid_checkpoint_and_exit_0",
+            "tests/test_run_stops.py::test_a_signal_before_the_first_step_completes_stops_the_"
+            "run_where_it_is",
+        ),
     ),
     Row(
         "Faults",
@@ -133,6 +139,33 @@ ROWS = [
         (
             "tests/faults/test_distributed.py::test_a_killed_rank_stops_the_"
             "survivor_clearly_and_a_restart_resumes",
+        ),
+    ),
+    Row(
+        "Faults",
+        "Data no batch can be filled from (every sample too long for data.sequence_length, "
+        "or undecodable)",
+        "the run stops in its first step with exit 2 naming the field to change (the positions "
+        "the samples need and the largest image), and records why for `mmtrain doctor`, "
+        "instead of cycling through its epochs",
+        (
+            "tests/test_run_stops.py::test_a_row_too_short_for_every_sample_stops_at_once_with_"
+            "exit_2",
+            "tests/test_loader.py::test_all_corrupt_data_fails_clearly",
+        ),
+    ),
+    Row(
+        "Faults",
+        "The same command run again with a changed LoRA rank, LoRA <-> full fine-tuning, "
+        "another spec, freezing or EMA",
+        "refused with exit 2 naming each changed key and both values; the checkpoint is left "
+        "byte for byte as it was; settings a resume may change (steps, learning rate, weight "
+        "decay) apply from the next step with a warning",
+        (
+            "tests/test_resume_changes.py::test_a_change_of_the_checkpoints_tensors_is_refused_"
+            "naming_it",
+            "tests/test_resume_changes.py::test_a_changed_learning_rate_and_weight_decay_apply_"
+            "from_the_resumed_step",
         ),
     ),
     # -- hostile data --------------------------------------------------------------------

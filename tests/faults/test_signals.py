@@ -1,6 +1,7 @@
 """SIGTERM (a preemption notice) during data loading, during the forward pass and during a
-checkpoint write: each run finishes its step, writes a valid checkpoint and exits 0; running the
-same command again ends bitwise where an uninterrupted run ends.
+checkpoint write: a run with no step since its last checkpoint stops at once (that checkpoint
+stands), one with a step since finishes its step and writes a valid checkpoint; each exits 0,
+and running the same command again ends bitwise where an uninterrupted run ends.
 
 The signal is raised from inside the child (a hook at the exact place) so that it lands where
 the test says; a real `python -m mmtrain train` process stopped from outside covers the CLI's
@@ -49,11 +50,13 @@ class SigtermInside:
         setattr(owner, name, wrapped)
 
 
-# Where the signal lands, and the step whose checkpoint the run stops with: a signal during
-# step 3's checkpoint write is seen at the next step boundary (the loop checks before it saves).
+# Where the signal lands, and the step whose checkpoint the run stops with. The run saves every
+# step: in step 3's data loading or forward no step has completed since step 2's checkpoint,
+# so the run stops there at once; during step 3's checkpoint write step 3 has completed, and
+# the signal is seen at the next step boundary (the loop checks before it saves).
 PLACES = {
-    "data loading": (SigtermInside("mmtrain.train.data", "TrainData.next_batch"), 3),
-    "forward": (SigtermInside("mmtrain.models.build", "MultimodalModel.forward"), 3),
+    "data loading": (SigtermInside("mmtrain.train.data", "TrainData.next_batch"), 2),
+    "forward": (SigtermInside("mmtrain.models.build", "MultimodalModel.forward"), 2),
     "checkpoint write": (SigtermInside("mmtrain.checkpoint", "save_file"), 4),
 }
 

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     for run in runs:
         findings = each[str(run.run_dir)]
         if not run.train_rows:
-            print(f"{run.run_dir}: no training steps recorded yet")
+            print(f"{run.run_dir}: no training step recorded" + (":" if findings else " yet"))
         elif not findings:
             print(f"{run.run_dir}: no finding in {len(run.train_rows)} steps")
         elif len(runs) > 1:

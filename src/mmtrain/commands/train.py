@@ -63,9 +63,12 @@ def run(args: argparse.Namespace) -> int:
     if result.resumed_from is not None:
         print(f"resumed from step {result.resumed_from}")
     if result.stopped_by_signal:
-        print(
-            f"stopped by a signal at step {result.step}; checkpoint written in {result.out}/checkpoints"
+        where = (
+            f"its checkpoint in {result.out}/checkpoints resumes the run"
+            if result.step
+            else "no step was trained, nothing to resume"
         )
+        print(f"stopped by a signal at step {result.step}; {where}")
         return 0
     print(
         f"done: {result.step} steps, {result.samples_seen} samples, last loss {result.last_loss:.4f}, "
@@ -120,7 +123,7 @@ class _Progress:
         elapsed = time.monotonic() - self.start
         eta = elapsed / done * (self.total - step) if done else 0.0
         text = (
-            f"step {step}/{self.total}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  "
+            f"step {step}/{self.total}  loss {row['loss']:.4f}  lr {_learning_rates(row)}  "
             f"{row['samples_per_s']:.1f} samples/s  data wait {100 * row['data_wait_fraction']:.0f}%"
             + (f"  MFU {100 * row['mfu']:.1f}%" if "mfu" in row else "")
             + f"  ETA {_duration(eta)}"
@@ -172,6 +175,14 @@ class _Hints:
 
     def close(self) -> None:
         self.check()
+
+
+def _learning_rates(row: dict[str, Any]) -> str:
+    """The run's lr (its main tower's: a language model's decoder) and beside it the towers
+    whose lr differs: `1.20e-03 (image 5.90e-05)`."""
+    from mmtrain.train.optim import per_tower, row_tower_lrs
+
+    return per_tower(row_tower_lrs(row), usual=row["lr"], style=".2e")
 
 
 def _duration(seconds: float) -> str:

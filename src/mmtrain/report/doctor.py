@@ -16,6 +16,7 @@ import dataclasses
 import statistics
 
 from mmtrain.plan.comm import COMM_SHARE_LIMIT
+from mmtrain.report.data_checks import corrupt_samples, refused_data, too_long_samples
 from mmtrain.report.finding import Finding, config_value, steady_rows
 from mmtrain.report.layout_check import SEQUENCE_COLLECTIVES, sequence_groups_across_nodes
 from mmtrain.report.memory_check import memory
@@ -37,7 +38,6 @@ STALL_SHARE = 0.5
 STALLED_STEPS = 0.1
 # (communication: plan/comm.py's COMM_SHARE_LIMIT, the threshold the run warns at)
 EXPOSED_PREFIX = "comm_exposed_s/"  # the rows' breakdown of comm_exposed_s by collective
-CORRUPT_SHARE = 0.01  # unreadable samples above 1 in 100: the shards, not bad luck
 # MFU under half what the planner expects of the workload on the device: the step spends its
 # time on something other than the model's matmuls (the planner's figures are midpoints of
 # published ranges; a run within a factor of two of one is not where the time goes)
@@ -57,7 +57,9 @@ def diagnose(run: RunData) -> list[Finding]:
         rank_balance,
         _mfu,
         memory,
-        _data_quality,
+        corrupt_samples,
+        too_long_samples,
+        refused_data,
         _non_finite,
         _loss_spikes,
         collapsed_learning_rate,
@@ -238,42 +240,6 @@ def _mfu_advice(evidence: dict) -> str:
     changes.append(f"if memory allows, train.micro_batch={larger} (small matrices leave the "
                    "cores idle)")  # fmt: skip
     return "; then ".join(changes)
-
-
-def _data_quality(run: RunData) -> Finding | None:
-    rows = [r for r in run.train_rows if "corrupt_samples" in r and "samples_seen" in r]
-    if not rows:
-        return None
-    corrupt, seen = int(rows[-1]["corrupt_samples"]), int(rows[-1]["samples_seen"])
-    share = corrupt / (corrupt + seen) if corrupt + seen else 0.0
-    if share <= CORRUPT_SHARE:
-        return None
-    before = [0, *(int(r["corrupt_samples"]) for r in rows[:-1])]
-    steps = [r["step"] for r, b in zip(rows, before, strict=True) if r["corrupt_samples"] > b]
-    sources = config_value(run, "data", "train", None) or ["SHARDS"]
-    sources = [sources] if isinstance(sources, (str, dict)) else sources
-    paths = [s["path"] if isinstance(s, dict) else str(s) for s in sources]  # resolved: dicts
-    inspect = " ; ".join(f"mmtrain data inspect {path}" for path in paths)
-    return Finding(
-        kind="data_quality",
-        severity="warning",
-        evidence={
-            "corrupt_samples": corrupt,
-            "samples_seen": seen,
-            "corrupt_fraction": round(share, 4),
-        },  # fmt: skip
-        why=(
-            f"{share:.1%} of the samples read could not be decoded and were skipped (above "
-            f"{CORRUPT_SHARE:.0%}): the run trains on a different mix than the manifest says, "
-            "and pays for reading them"
-        ),
-        advice=(
-            f"find them: {inspect} ; rebuild the shards with mmtrain data build (it refuses "
-            "files that do not decode)"
-        ),
-        cost_s=share * sum(r.get("step_s", 0.0) for r in rows),
-        steps=steps,
-    )
 
 
 def _mean_step_s(run: RunData) -> float:

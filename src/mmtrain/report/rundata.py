@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 # the trainer's records besides the plan: its ranks ("layout", at each start) and the
 # recorder's steps worth tracing ("non_finite", "loss_spike": loss and sample keys)
-EVENT_KINDS = ("layout", "non_finite", "loss_spike")
+EVENT_KINDS = ("layout", "non_finite", "loss_spike", "stopped")
 EVAL_PARTS = ("val", "eval", "retrieval", "zeroshot", "clip_score", "probe", "fusion")
 GIB = 2**30
 

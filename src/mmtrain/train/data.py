@@ -39,9 +39,9 @@ from mmtrain.data.storage.s3 import is_remote
 from mmtrain.data.storage.shards import ShardSet
 from mmtrain.data.stream.buckets import NO_BUCKET, Buckets
 from mmtrain.data.stream.conversation_batches import ConversationBatcher, ConversationDecoder
-from mmtrain.data.stream.denoiser_inputs import DenoiserDecoder
+from mmtrain.data.stream.denoiser_inputs import DenoiserDecoder, check_first_samples
 from mmtrain.data.stream.labels import label_value, read_class
-from mmtrain.data.stream.loader import StreamingLoader
+from mmtrain.data.stream.loader import NoValidSamples, StreamingLoader
 from mmtrain.data.stream.media import MediaError
 from mmtrain.data.stream.order import apportion, mixing_schedule
 from mmtrain.data.stream.sample_sizes import bucket_ids
@@ -168,6 +168,9 @@ class TrainData:
         self.conversations = (
             ConversationBatcher(config.data, spec) if spec.is_language_model() else None
         )
+        # What a refusal of every sample is told against (`_unfillable`).
+        self.row_length = self.conversations.sequence_length if self.conversations else None
+        self.native = spec.vision is not None
         self.tokenizer = (
             get_tokenizer(config.data.tokenizer)
             if "text" in _modalities(spec) and self.conversations is None
@@ -177,6 +180,8 @@ class TrainData:
         self.class_names = config.data.class_names
         self.video_stride = config.data.video_stride
         self.buckets, bucket_ids = _buckets(config, spec, sources, rank)
+        if spec.denoiser is not None:  # latents / text features of other components: exit 2
+            check_first_samples(sources, spec, self.buckets)
         self.spec = spec  # the spec whose sizes the current transforms produce
         self.uint8_pixels = uint8_pixels
         options = dict(
@@ -309,7 +314,10 @@ class TrainData:
         index = self._current_source()
         if index not in self._streams:
             self._streams[index] = _endless(self.loaders[index])
-        batch = next(self._streams[index])
+        try:
+            batch = next(self._streams[index])
+        except NoValidSamples as err:
+            raise _unfillable(err, self.row_length, self.native) from None
         self._micro_batches += 1
         self.last_keys = batch.pop("__key__", [])
         return batch
@@ -337,7 +345,12 @@ class TrainData:
 
     def corrupt_samples(self) -> int:
         """Corrupt samples this rank skipped since this object was made or last rewound."""
-        return sum(sum(loader.corrupt_counts.values()) for loader in self.loaders)
+        return sum(loader.refusals.total("corrupt") for loader in self.loaders)
+
+    def too_long_samples(self) -> int:
+        """Samples this rank skipped as too long for the row (data.sequence_length), since
+        this object was made or last rewound."""
+        return sum(loader.refusals.total("too_long") for loader in self.loaders)
 
     def state_dict(self) -> dict[str, Any]:
         """Loader position (a collective under torch.distributed: call it on every rank)."""
@@ -364,7 +377,7 @@ class TrainData:
         states = state["sources"] if mixed else [state]
         for loader, saved in zip(self.loaders, states, strict=True):
             loader.load_state_dict(saved)
-            loader.corrupt_counts.clear()
+            loader.refusals.clear()
         self._micro_batches = int(state["steps"]) * self.accumulation if mixed else 0
 
     def _stop_streams(self) -> None:
@@ -378,6 +391,36 @@ class TrainData:
             loader.close()
             for source in loader.plan.sources:
                 source.close()
+
+
+def _unfillable(err: NoValidSamples, row_length: int | None, native: bool) -> FieldError:
+    """Why no batch can be filled, naming the setting to change: `data.sequence_length` when
+    most refusals were samples too long for the row (the positions they need and the input
+    taking the most), else the data."""
+    too_long = err.in_a_row.get("too_long", 0)
+    if too_long * 2 < sum(err.in_a_row.values()) or not err.details:
+        return FieldError(
+            "data.train",
+            f"{err}; check the shards with `mmtrain data inspect` (and `data build`'s rejects)",
+        )
+    needed = max(int(d.get("needed_positions", 0)) for d in err.details)
+    largest = max(err.details, key=lambda d: int(d.get("largest_input_positions", 0)))
+    row = row_length if row_length is not None else largest.get("max_length")
+    what = largest.get("largest_input") or (
+        f"an input of {largest.get('largest_input_positions', 0)} positions"
+    )
+    budget = (
+        ", or a smaller pixel budget (data.vision.image_max_tokens, sample_max_tokens) so "
+        "that images take fewer positions"
+        if native
+        else ""
+    )
+    return FieldError(
+        "data.sequence_length",
+        f"{row} positions per row hold none of the samples: {too_long} in a row were too long "
+        f"(they need up to {needed} positions; the largest input: {what}); give "
+        f"data.sequence_length={needed} or more{budget}",
+    )
 
 
 def _shard_cache(config: RunConfig) -> ShardCache | None:

@@ -42,12 +42,13 @@ from mmtrain.folders import CONFIG_FILE
 from mmtrain.losses import logit_scale_value
 from mmtrain.plan.comm import COMM_SHARE_LIMIT
 from mmtrain.spec import ModelSpec, load_spec
+from mmtrain.structured import FieldError
 from mmtrain.train import parallel
 from mmtrain.train.checkpointer import Checkpointer
 from mmtrain.train.comm_timing import CommTimer
 from mmtrain.train.data import TrainData
 from mmtrain.train.ema import Ema
-from mmtrain.train.export import export_model
+from mmtrain.train.export import copy_processor_files, export_model
 from mmtrain.train.lora import lora_towers
 from mmtrain.train.metrics import (
     detect_peak_flops,
@@ -61,13 +62,23 @@ from mmtrain.train.metrics import (
 )
 from mmtrain.train.model_setup import build_model
 from mmtrain.train.objectives import NextTokenObjective, objectives_for
-from mmtrain.train.optim import make_optimizer, make_scheduler, scale_learning_rates
+from mmtrain.train.optim import (
+    apply_changed_settings,
+    group_settings,
+    main_lr,
+    make_optimizer,
+    make_scheduler,
+    parameter_counts,
+    resolve_optimizer_defaults,
+    scale_learning_rates,
+)
 from mmtrain.train.precision import make_precision
-from mmtrain.train.recorder import MetricsRecorder
+from mmtrain.train.recorder import REFUSED, MetricsRecorder
 from mmtrain.train.resolution import check_schedules, spec_at
+from mmtrain.train.resume_check import check_resumable
 from mmtrain.train.rng import restore_rank_rng_state, seed_everything
 from mmtrain.train.sequence_parallel import apply_sequence_parallel, unsplit
-from mmtrain.train.signals import StopOnSignal
+from mmtrain.train.signals import StopOnSignal, StopRequested
 from mmtrain.train.state import TrainState
 from mmtrain.train.step import forward_backward, inject_fault, move_batch, optimizer_step
 from mmtrain.train.validator import Validator
@@ -90,6 +101,7 @@ class TrainResult:
     skipped_steps: int = 0  # non-finite loss or gradients, fp16 overflows
     rollbacks: int = 0  # returns to the last checkpoint after non-finite steps in a row
     corrupt_samples: int = 0
+    too_long_samples: int = 0  # skipped: longer than data.sequence_length lets a row hold
     last_loss: float = math.nan
     # The last recorder.HISTORY_ROWS rows written to metrics.jsonl (which keeps them all).
     history: list[dict[str, Any]] = field(default_factory=list)
@@ -110,16 +122,19 @@ def train(
     resuming reproduces an uninterrupted run.
     """
     trainer = Trainer(config, on_step)
-    with trainer.stop, trainer.comm:
-        while trainer.state.step < trainer.t.steps:
-            trainer.step()
-            if halt_after_step is not None and trainer.state.step >= halt_after_step:
-                return trainer.halt()
-            if trainer.state.nonfinite_in_a_row >= config.guards.max_nonfinite_in_a_row:
-                trainer.roll_back()
-                continue
-            if trainer.checkpoint_when_due():
-                break  # stopped by a signal, checkpoint written
+    try:
+        with trainer.stop, trainer.comm:
+            while trainer.state.step < trainer.t.steps:
+                trainer.step()
+                if halt_after_step is not None and trainer.state.step >= halt_after_step:
+                    return trainer.halt()
+                if trainer.state.nonfinite_in_a_row >= config.guards.max_nonfinite_in_a_row:
+                    trainer.roll_back()
+                    continue
+                if trainer.checkpoint_when_due():
+                    break  # stopped by a signal, checkpoint written
+    except StopRequested:
+        return trainer.stop_now()
     return trainer.finish()
 
 
@@ -132,11 +147,12 @@ class Trainer:
         config.validate(world_size=self.world)
         t = config.train
         # The ranks of a sequence-parallel group read the same samples (data rank); only its
-        # first counts what they read (corrupt samples), once.
+        # first counts what they read (corrupt and too-long samples), once.
         sequence = t.sequence_parallel
         self.data_rank, self.data_world = self.rank // sequence, self.world // sequence
         self.counts_data = self.rank % sequence == 0
         self.spec = spec = load_spec(config.model)
+        resolve_optimizer_defaults(t, spec)  # AdamW's settings left out: the workload's
         check_schedules(spec, t.resolution_schedule, t.frames_schedule)
         # Fails early where it cannot run; fp32 on CUDA uses TF32 unless train.tf32 is false.
         self.precision = make_precision(t.precision, env.device, tf32=t.tf32)
@@ -149,6 +165,8 @@ class Trainer:
 
         self.checkpointer = Checkpointer(config, spec, self.out, self.rank, self.world)
         ckpt = self.checkpointer.latest()
+        if ckpt is not None:  # settings that change its tensors: exit 2 naming them
+            check_resumable(ckpt.meta, config, spec)
         if ckpt is None:
             seed_everything(config.seed)
         on_cuda = env.device.type == "cuda"
@@ -196,12 +214,16 @@ class Trainer:
         )
         self.state = TrainState()
         if ckpt is not None:
+            configured = group_settings(self.optimizer)
             self._restore(ckpt)
             log.info("resuming from %s (step %d, %d samples seen)",
                      ckpt.path, self.state.step, self.state.samples_seen)  # fmt: skip
+            self._apply_changed_settings(ckpt, configured)
         self.resumed_from = ckpt.step if ckpt is not None else None
         del ckpt  # the weights now live in the model and optimizer
-        self.stop = StopOnSignal()
+        # The step of the newest checkpoint: a signal with no step since then stops at once.
+        self.saved_step = self.state.step
+        self.stop = StopOnSignal(nothing_to_save=lambda: self.state.step <= self.saved_step)
         self.stopped_by_signal = False
         self.injected: set[int] = set()  # fault injection: each step corrupted once
         self.warned_comm_share = False
@@ -212,10 +234,9 @@ class Trainer:
             self.comm.attach(self.trained)
         log.info(
             "training %s: %d ranks x %d micro-batch x %d accumulation = %d per step, "
-            "%d steps, %s on %s (%d frozen parameters)%s",
+            "%d steps, %s on %s (%s)%s",
             spec.name, self.data_world, self.micro_batch, self.accumulation, t.batch_size,
-            t.steps, t.precision, env.device,
-            sum(p.numel() for p in model.parameters() if not p.requires_grad),
+            t.steps, t.precision, env.device, parameter_counts(model),
             f"; each a group of {sequence} ranks splitting the sequence ({self.sequence_attention})"
             if sequence > 1 else "",
         )  # fmt: skip
@@ -230,13 +251,16 @@ class Trainer:
         config = self.config
         if self.rank == 0:
             _save_resolved_config(config, self.out)
+            # the tokenizer, chat template and processor the run reads text with, so that
+            # the run folder exports whole (`convert --to hf`) wherever its sources go
+            copy_processor_files(config, self.out)
         recorder = MetricsRecorder(
             self.out,
             rank=self.rank,
             log_every=config.metrics.log_every,
             tensorboard=config.metrics.tensorboard,
             resume_step=self.state.step,
-            corrupt_before=self.state.corrupt_before,
+            refused_before=self.state.refused_before,
             skipped_before=self.state.skipped,
             on_step=on_step,
         )
@@ -266,7 +290,11 @@ class Trainer:
         reset_peak_memory(device)
 
         t0 = time.perf_counter()
-        micro_batches, keys, counts = self._next_micro_batches(step_spec)
+        try:
+            micro_batches, keys, counts = self._next_micro_batches(step_spec)
+        except FieldError as err:  # no batch can be filled: the run folder says why (doctor)
+            self.recorder.record("stopped", state.step, {"field": err.path, "message": err.message})
+            raise
         t1 = time.perf_counter()
         self.comm.start_step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -338,7 +366,7 @@ class Trainer:
         mean = {"loss": loss, **{f"loss/{k}": v for k, v in parts.items()}}
         local = {"grad_norm": norm, **self._model_values()}
         host = {
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": main_lr(self.optimizer.param_groups, self.spec),  # the main tower's
             **{f"lr/{g['name']}": g["lr"] for g in self.optimizer.param_groups},
             "samples_seen": state.samples_seen,
             "skipped_steps": state.skipped,
@@ -365,7 +393,7 @@ class Trainer:
             with self.precision.autocast(), unsplit(self.model, self.spec):
                 host.update(self.validator.run(self.trained, state.step))
         work = counts.get("rank_flops")
-        self.recorder.add(state.step, host, mean, local, self._corrupt_now(), keys, work)
+        self.recorder.add(state.step, host, mean, local, self._refused_now(), keys, work)
         if validate or self.recorder.due(state.step) or state.step == t.steps:
             self.recorder.flush()
 
@@ -411,6 +439,7 @@ class Trainer:
                 step, self.model, self.optimizer, self._saved_state(), self.state.samples_seen,
                 self.ema,
             )  # fmt: skip
+            self.saved_step = step
         if signalled:
             log.warning("stopped by a signal after step %d; checkpoint written, exiting", step)
             self.stopped_by_signal = True
@@ -423,18 +452,39 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "scaler": scaler.state_dict() if scaler is not None else {},
             "loader": self.data.state_dict(),
-            "counters": self.state.counters(self._corrupt_total()),
+            "counters": self.state.counters(self._refused_totals()),
         }
         return state
 
-    def _corrupt_now(self) -> int:
-        """Corrupt samples this rank counts (a sequence-parallel group's first rank only)."""
-        return self.data.corrupt_samples() if self.counts_data else 0
+    def _refused_now(self) -> dict[str, int]:
+        """Samples this rank skipped, corrupt and too long (a sequence-parallel group's first
+        rank only counts them)."""
+        if not self.counts_data:
+            return dict.fromkeys(REFUSED, 0)
+        return {
+            "corrupt_samples": self.data.corrupt_samples(),
+            "too_long_samples": self.data.too_long_samples(),
+        }
 
-    def _corrupt_total(self) -> int:
-        """Corrupt samples of the whole run over all ranks (a collective)."""
-        (now,) = sum_over_ranks([float(self._corrupt_now())])
-        return self.state.corrupt_before + int(round(now))
+    def _refused_totals(self) -> dict[str, int]:
+        """Skipped samples of the whole run over all ranks, by counter (a collective)."""
+        now = sum_over_ranks([float(self._refused_now()[name]) for name in REFUSED])
+        before = self.state.refused_before
+        totals = zip(REFUSED, now, strict=True)
+        return {name: before.get(name, 0) + int(round(n)) for name, n in totals}
+
+    def _apply_changed_settings(self, ckpt: Checkpoint, configured: list[dict[str, Any]]) -> None:
+        """The learning rates and AdamW settings the config changed since the checkpoint
+        apply from here on (the checkpoint's optimizer and schedule carry the old ones)."""
+        old = (ckpt.meta.get("config") or {}).get("train") or {}
+        changed = diff_configs(old, self.config.to_dict()["train"], "train.")
+        factor = self.config.guards.rollback_lr_factor**self.state.rollbacks
+        applied = apply_changed_settings(
+            self.optimizer, self.scheduler, configured, changed, factor
+        )
+        if applied and self.rank == 0:
+            log.warning("the config changed %s since the checkpoint: the new values apply from "
+                        "step %d on", ", ".join(applied), self.state.step + 1)  # fmt: skip
 
     def _restore(self, ckpt: Checkpoint) -> None:
         """Everything but a full checkpoint's weights (loaded before wrapping)."""
@@ -465,16 +515,33 @@ class Trainer:
         factor = self.config.guards.rollback_lr_factor
         if factor != 1.0:
             scale_learning_rates(self.optimizer, self.scheduler, factor)
-        self.recorder.corrupt_before = state.corrupt_before
+        self.recorder.refused_before.update(state.refused_before)
         self.recorder.rewind(state.step)
 
     # ------------------------------------------------------------------------- finish
+    def stop_now(self) -> TrainResult:
+        """A signal with no step since the last checkpoint: stop where the run was, with no
+        collective (ranks may be anywhere in a step) and nothing written; the newest
+        checkpoint stands. The loader's workers are shut down."""
+        self.stopped_by_signal = True
+        log.warning("stopped by a signal at step %d; the newest checkpoint stands", self.state.step)
+        self.recorder.close()
+        self.data.close()
+        if self.validator is not None:
+            self.validator.close()
+        return TrainResult(
+            out=self.out, step=self.state.step, samples_seen=self.state.samples_seen,
+            resumed_from=self.resumed_from, stopped_by_signal=True,
+            skipped_steps=self.state.skipped, rollbacks=self.state.rollbacks,
+            history=self.recorder.history,
+        )  # fmt: skip
+
     def halt(self) -> TrainResult:
         """Stop dead (`halt_after_step`), as a crash would: no checkpoint, no final weights
         (the rows measured so far are written, as a logging step would)."""
         self.recorder.flush()
         self.recorder.close()
-        result = self._result(self._corrupt_total())
+        result = self._result(self._refused_totals())
         self.data.close()
         if self.validator is not None:
             self.validator.close()
@@ -495,7 +562,7 @@ class Trainer:
             self.validator.close()
         parallel.barrier()
         self.recorder.close()
-        result = self._result(self._corrupt_total(), report)
+        result = self._result(self._refused_totals(), report)
         self.data.close()
         # Free the DDP wrapper while the process group is still alive. Its C++ reducer frees
         # without releasing the GIL; were it to hold the group's last reference, the group's
@@ -513,7 +580,9 @@ class Trainer:
         if self.ema is not None:
             self.ema.export(self.model, self.out / "ema", self.rank)
 
-    def _result(self, corrupt: int, eval_report: dict[str, Any] | None = None) -> TrainResult:
+    def _result(
+        self, refused: dict[str, int], eval_report: dict[str, Any] | None = None
+    ) -> TrainResult:
         state, history = self.state, self.recorder.history
         return TrainResult(
             out=self.out,
@@ -523,7 +592,8 @@ class Trainer:
             stopped_by_signal=self.stopped_by_signal,
             skipped_steps=state.skipped,
             rollbacks=state.rollbacks,
-            corrupt_samples=corrupt,
+            corrupt_samples=refused["corrupt_samples"],
+            too_long_samples=refused["too_long_samples"],
             last_loss=history[-1]["loss"] if history else math.nan,
             history=history,
             eval=eval_report,

@@ -13,19 +13,30 @@
   pooling and projection are layer L + 1; layer l gets the tower's lr x decay^(L + 1 - l). So
   the output layers keep the tower's lr, the last block gets lr x decay, the first block
   lr x decay^L and the stem lr x decay^(L + 1). Adapters of a LoRA tower follow their block.
+- AdamW's weight decay, betas and eps left out of a config take the defaults of the
+  workload's anchor (`WORKLOAD_DEFAULTS`), filled in once at the start of a run
+  (`resolve_optimizer_defaults`), so the run's config.yaml records what it trained with.
+- The run's learning rate (`lr` in metrics.jsonl, the progress line) is its main tower's
+  (`main_lr`): a language model's decoder, else the tower with the most trainable parameters.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from mmtrain.config import TowerTrainConfig, TrainConfig
+from mmtrain.spec import DECODER_TOWER, ModelSpec
 from mmtrain.structured import FieldError, closest
 from mmtrain.train.lora import is_adapter
+
+log = logging.getLogger(__name__)
 
 # Parameters registered directly on a module (not inside Linear/Conv) that are embeddings.
 EMBEDDING_NAMES = frozenset(
@@ -41,6 +52,67 @@ EMBEDDING_NAMES = frozenset(
     }
 )
 GROUP_OTHER = "head"  # logit scale/bias, fusion head: everything outside the towers
+
+
+# ----------------------------------------------------------------------------- defaults
+@dataclass(frozen=True)
+class OptimizerDefaults:
+    """AdamW's settings a workload's anchor trains with when its user sets none."""
+
+    weight_decay: float
+    betas: tuple[float, float]
+    eps: float
+    source: str  # whose defaults these are (the start log names them)
+
+
+WORKLOAD_DEFAULTS: dict[str, OptimizerDefaults] = {
+    # transformers' TrainingArguments (weight_decay 0.0, adam_beta1 0.9, adam_beta2 0.999,
+    # adam_epsilon 1e-8): what LLaMA-Factory's and LLaVA's fine-tuning scripts train with.
+    "language model": OptimizerDefaults(
+        0.0, (0.9, 0.999), 1e-8, "transformers' TrainingArguments, as LLaMA-Factory and LLaVA"
+    ),
+    # OpenCLIP's training defaults (open_clip_train/params.py: --wd 0.2; for ViT models beta1
+    # 0.9, beta2 0.98, eps 1e-6, the CLIP paper's): every tower here is a transformer.
+    "contrastive model": OptimizerDefaults(0.2, (0.9, 0.98), 1e-6, "OpenCLIP's for ViT models"),
+    # diffusers' training scripts (examples/text_to_image and the others: --adam_weight_decay
+    # 1e-2, --adam_beta1 0.9, --adam_beta2 0.999, --adam_epsilon 1e-08).
+    "denoiser": OptimizerDefaults(1e-2, (0.9, 0.999), 1e-8, "diffusers' training scripts"),
+}
+OPTIMIZER_FIELDS = ("weight_decay", "betas", "eps")
+
+
+def workload(spec: ModelSpec) -> str:
+    """The key of `WORKLOAD_DEFAULTS` for a model: a decoder LM (with or without vision) is a
+    language model, a DiT a denoiser; towers with pairs or a fusion head a contrastive model."""
+    if spec.is_language_model():
+        return "language model"
+    if spec.is_generator():
+        return "denoiser"
+    return "contrastive model"
+
+
+def resolve_optimizer_defaults(config: TrainConfig, spec: ModelSpec) -> list[str]:
+    """Fill the AdamW settings `config` leaves out (null) with `spec`'s workload defaults, in
+    place, and say so in the log; returns the fields filled. Explicit values are kept (a
+    tower's `weight_decay` overrides the run's either way)."""
+    kind = workload(spec)
+    defaults = WORKLOAD_DEFAULTS[kind]
+    filled = [name for name in OPTIMIZER_FIELDS if getattr(config, name) is None]
+    for name in filled:
+        setattr(config, name, getattr(defaults, name))
+    if filled:
+        log.info("%s left out: the defaults of a %s (%s)",
+                 ", ".join(f"train.{name}" for name in filled), kind, defaults.source)  # fmt: skip
+    return filled
+
+
+def _require_resolved(config: TrainConfig, fields: Sequence[str] = OPTIMIZER_FIELDS) -> None:
+    missing = [f"train.{name}" for name in fields if getattr(config, name) is None]
+    if missing:
+        raise ValueError(
+            f"{', '.join(missing)} not resolved: call resolve_optimizer_defaults(config, spec) "
+            "before building the optimizer"
+        )
 
 
 def freeze_parameters(model: nn.Module, config: TrainConfig) -> int:
@@ -142,6 +214,7 @@ def param_groups(model: nn.Module, config: TrainConfig) -> list[dict]:
 
     Each group carries `name` (e.g. "image/decay") for logging. Only trainable parameters.
     """
+    _require_resolved(config, ("weight_decay",))  # what the groups take of the three
     groups: dict[str, dict] = {}
     tower_lrs = _tower_lrs(model, config)
     seen: set[int] = set()
@@ -170,14 +243,104 @@ def param_groups(model: nn.Module, config: TrainConfig) -> list[dict]:
 def make_optimizer(
     model: nn.Module, config: TrainConfig, device: torch.device
 ) -> torch.optim.AdamW:
-    """AdamW over `param_groups`; fused kernels on CUDA (the same maths, fewer launches)."""
-    return torch.optim.AdamW(
+    """AdamW over `param_groups`; fused kernels on CUDA (the same maths, fewer launches). Its
+    effective settings go to the log: what the run trains with, whatever the config left out."""
+    _require_resolved(config)
+    optimizer = torch.optim.AdamW(
         param_groups(model, config),
         lr=config.lr,
         betas=config.betas,
         eps=config.eps,
         fused=device.type == "cuda",
     )
+    log.info("%s", describe_optimizer(optimizer.param_groups, config))
+    return optimizer
+
+
+def describe_optimizer(groups: Sequence[Mapping], config: TrainConfig) -> str:
+    """One line: AdamW's peak learning rate and weight decay per tower, betas, eps, schedule."""
+    lrs = tower_values(groups, "lr")
+    decays = tower_values([g for g in groups if g["name"].endswith("/decay")], "weight_decay")
+    betas = ", ".join(f"{b:g}" for b in config.betas)
+    schedule = f"{config.schedule} schedule"
+    if config.schedule == "cosine":
+        schedule += f" down to {config.min_lr:g}"
+    warmup = config.warmup_steps
+    schedule += f" after {warmup} warm-up steps" if warmup else ", no warm-up"
+    return (
+        f"optimizer AdamW: lr {per_tower(lrs)}; weight decay "
+        f"{per_tower(decays, config.weight_decay)} (none on norms, biases, embeddings); "
+        f"betas ({betas}); eps {config.eps:g}; {schedule}"
+    )
+
+
+def per_tower(values: Mapping[str, float], usual: float | None = None, style: str = "g") -> str:
+    """`0.001` when every tower has the same value; else the usual one (`usual`, or the
+    commonest) and the towers that differ beside it: `0.05 (image 0.3)`."""
+    if not values:
+        return format(usual, style) if usual is not None else "-"
+    counts = list(values.values())
+    first = usual if usual in counts else max(counts, key=counts.count)
+    others = [f"{name} {value:{style}}" for name, value in values.items() if value != first]
+    return format(first, style) + (f" ({', '.join(others)})" if others else "")
+
+
+# ----------------------------------------------------------------------------- the run's lr
+def tower_of(group_name: str) -> str:
+    """The tower a parameter group belongs to ("image/block3/decay" -> "image"; "head")."""
+    return group_name.split("/", 1)[0]
+
+
+def tower_values(groups: Sequence[Mapping], key: str) -> dict[str, float]:
+    """The largest `key` of each tower's groups, in group order: with layer-wise decay (factors
+    at most 1) a tower's lr is its output layers'."""
+    values: dict[str, float] = {}
+    for group in groups:
+        tower = tower_of(group["name"])
+        values[tower] = max(values.get(tower, group[key]), group[key])
+    return values
+
+
+def row_tower_lrs(row: Mapping[str, object]) -> dict[str, float]:
+    """Each tower's learning rate from a metrics row's `lr/GROUP` keys (as `tower_values`)."""
+    groups = [{"name": k[len("lr/") :], "lr": v} for k, v in row.items() if k.startswith("lr/")]
+    return tower_values(groups, "lr")
+
+
+def main_tower(groups: Sequence[Mapping], spec: ModelSpec) -> str:
+    """The tower whose learning rate is the run's: a language model's decoder when it trains,
+    else the tower (or "head") with the most trainable parameters."""
+    sizes: dict[str, int] = {}
+    for group in groups:
+        tower = tower_of(group["name"])
+        sizes[tower] = sizes.get(tower, 0) + sum(p.numel() for p in group["params"])
+    if spec.is_language_model() and DECODER_TOWER in sizes:
+        return DECODER_TOWER
+    return max(sizes, key=sizes.__getitem__)
+
+
+def main_lr(groups: Sequence[Mapping], spec: ModelSpec) -> float:
+    """The run's learning rate now: its main tower's (`main_tower`)."""
+    return tower_values(groups, "lr")[main_tower(groups, spec)]
+
+
+def parameter_counts(model: nn.Module) -> str:
+    """The model's size as the start log gives it: `12.3M trainable, 7.0B frozen parameters`
+    (a parameter FSDP shards counts whole)."""
+    trainable = frozen = 0
+    for param in model.parameters():
+        if param.requires_grad:
+            trainable += param.numel()
+        else:
+            frozen += param.numel()
+    return f"{_count(trainable)} trainable, {_count(frozen)} frozen parameters"
+
+
+def _count(n: int) -> str:
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
 
 
 def lr_factor(config: TrainConfig) -> Callable[[int], float]:
@@ -203,6 +366,49 @@ def make_scheduler(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR over `lr_factor`; its state_dict holds only numbers (weights_only-loadable)."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config))
+
+
+# What a resume takes from the run's config instead of the checkpoint, when the config changed
+# it: AdamW's settings per group, and the learning rates (the schedule's base rates).
+RESUME_SETTINGS = ("weight_decay", "betas", "eps")
+LR_KEYS = ("lr", "lr_layer_decay")
+
+
+def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each group's learning rate and AdamW settings as the config made them (before a
+    checkpoint's state is loaded over them)."""
+    return [{k: g[k] for k in ("lr", *RESUME_SETTINGS)} for g in optimizer.param_groups]
+
+
+def apply_changed_settings(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    configured: list[dict[str, Any]],
+    changed: Sequence[str],
+    lr_factor: float = 1.0,
+) -> list[str]:
+    """After a resume loaded the checkpoint's optimizer and schedule (which carry the rates and
+    AdamW settings the run started with), put back what the config now changes (`changed`:
+    dotted keys of `train`): a weight decay, betas or eps, and the learning rates, rebased on
+    the config's times `lr_factor` (the rollbacks' reductions so far), from this step of the
+    schedule on. Nothing changed: nothing touched, so a resume stays bitwise exact. Returns
+    what was applied."""
+    applied = []
+    for name in RESUME_SETTINGS:
+        if any(key == f"train.{name}" or key.endswith(f".{name}") for key in changed):
+            for group, wanted in zip(optimizer.param_groups, configured, strict=True):
+                group[name] = wanted[name]
+            applied.append(name)
+    if any(key == "train.lr" or key.rsplit(".", 1)[-1] in LR_KEYS for key in changed):
+        base = [wanted["lr"] * lr_factor for wanted in configured]
+        factor = scheduler.get_last_lr()[0] / scheduler.base_lrs[0] if scheduler.base_lrs[0] else 0
+        scheduler.base_lrs = base
+        for group, lr in zip(optimizer.param_groups, base, strict=True):
+            group["initial_lr"] = lr
+            group["lr"] = lr * factor
+        scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]  # what get_last_lr says
+        applied.append("lr")
+    return applied
 
 
 def scale_learning_rates(

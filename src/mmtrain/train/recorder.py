@@ -27,6 +27,9 @@ from mmtrain.train.metrics import LossSpikes, MetricsWriter
 log = logging.getLogger(__name__)
 
 HISTORY_ROWS = 10_000  # rows kept in memory (TrainResult.history); metrics.jsonl keeps all
+# The counters of skipped samples each row carries, the run's totals over all ranks: samples
+# that did not decode or were refused, and samples too long for the row (data/stream/refusals.py).
+REFUSED = ("corrupt_samples", "too_long_samples")
 
 
 @dataclass
@@ -35,7 +38,7 @@ class _Pending:
     host: dict[str, Any]
     mean: dict[str, torch.Tensor]  # averaged over ranks (each rank's share of a loss)
     local: dict[str, torch.Tensor]  # the same on every rank (gradient norm, global counts)
-    corrupt: int  # this rank's corrupt samples so far (summed over ranks)
+    refused: dict[str, int]  # this rank's skipped samples so far by counter (summed over ranks)
     keys: list[str]  # the step's sample keys, to name the culprits of a loss spike
     work: float | None  # this rank's share of the step's model FLOPs (gathered: load_balance)
 
@@ -51,7 +54,7 @@ class MetricsRecorder:
         log_every: int,
         tensorboard: bool,
         resume_step: int,
-        corrupt_before: int,
+        refused_before: dict[str, int] | None = None,
         skipped_before: int = 0,
         on_step: Callable[[dict[str, Any]], None] | None = None,
     ):
@@ -59,7 +62,8 @@ class MetricsRecorder:
             out, enabled=rank == 0, tensorboard=tensorboard, resume_step=resume_step
         )
         self.rank, self.log_every, self.on_step = rank, log_every, on_step
-        self.corrupt_before = corrupt_before
+        # The run's skipped samples (REFUSED counters) before this process counted any.
+        self.refused_before = {name: 0 for name in REFUSED} | dict(refused_before or {})
         self.spikes = LossSpikes()
         self.skipped_before = skipped_before  # the run's skipped steps at the last row written
         self.pending: list[_Pending] = []
@@ -71,14 +75,14 @@ class MetricsRecorder:
         host: dict[str, Any],
         mean: dict[str, torch.Tensor],
         local: dict[str, torch.Tensor],
-        corrupt: int,
+        refused: dict[str, int],
         keys: list[str],
         work: float | None = None,
     ) -> None:
-        """`work`: this rank's model FLOPs of the step, where ranks' inputs differ in cost (a
+        """`refused`: this rank's skipped samples so far, {REFUSED counter: n}. `work`: this rank's model FLOPs of the step, where ranks' inputs differ in cost (a
         language model's rows); the row then carries `load_balance`, the ranks' mean work over
         the heaviest rank's (1.0: even; a step lasts as long as its heaviest rank)."""
-        self.pending.append(_Pending(step, host, mean, local, corrupt, keys, work))
+        self.pending.append(_Pending(step, host, mean, local, refused, keys, work))
 
     def due(self, step: int) -> bool:
         return step % self.log_every == 0
@@ -88,8 +92,8 @@ class MetricsRecorder:
         if not self.pending:
             return
         values = self._read_pending()
-        for pending, (mean, local, corrupt, loads) in zip(self.pending, values, strict=True):
-            row = {**mean, **local, **pending.host, "corrupt_samples": corrupt}
+        for pending, (mean, local, refused, loads) in zip(self.pending, values, strict=True):
+            row = {**mean, **local, **pending.host, **refused}
             if loads and max(loads) > 0:
                 row["load_balance"] = sum(loads) / len(loads) / max(loads)
             if "target_tokens" in row and row.get("step_s"):
@@ -113,17 +117,17 @@ class MetricsRecorder:
             )  # fmt: skip
             self.writer.record("loss_spike", pending.step, event)
 
-    def _read_pending(self) -> list[tuple[dict[str, float], dict[str, float], int, list]]:
+    def _read_pending(self) -> list[tuple[dict[str, float], dict[str, float], dict, list]]:
         """The pending steps' values as numbers: means over ranks, local values, the
-        corrupt-sample totals and every rank's work, from one all-reduce and one device->host
+        skipped-sample totals and every rank's work, from one all-reduce and one device->host
         transfer (each rank's work travels in its own slot of a zero vector: the sum gathers)."""
         pending, world = self.pending, world_size()
         means = [v.reshape(()).double() for p in pending for v in p.mean.values()]
         locals_ = [v.reshape(()).double() for p in pending for v in p.local.values()]
         device = (means + locals_)[0].device if means or locals_ else torch.device("cpu")
-        corrupt = torch.tensor([p.corrupt for p in pending], dtype=torch.float64, device=device)
+        refused = [p.refused.get(name, 0) for p in pending for name in REFUSED]
         parts = [torch.stack(means).to(device)] if means else []
-        parts.append(corrupt)
+        parts.append(torch.tensor(refused, dtype=torch.float64, device=device))
         gather = world > 1 and all(p.work is not None for p in pending)
         if gather:
             slots = torch.zeros(len(pending), world, dtype=torch.float64)
@@ -132,21 +136,24 @@ class MetricsRecorder:
         summed = sum_tensor_over_ranks(torch.cat(parts))
         flat = torch.cat([summed, torch.stack(locals_).to(device)]) if locals_ else summed
         numbers = flat.tolist()  # the one read of the logging interval
-        n_mean, n = len(means), len(pending)
+        n_mean, n, n_refused = len(means), len(pending), len(pending) * len(REFUSED)
         mean_values = iter(v / world for v in numbers[:n_mean])
-        corrupt_totals = numbers[n_mean : n_mean + n]
+        refused_totals = iter(numbers[n_mean : n_mean + n_refused])
         n_work = n * world if gather else 0
-        works = numbers[n_mean + n : n_mean + n + n_work]
+        works = numbers[n_mean + n_refused : n_mean + n_refused + n_work]
         loads = [works[i * world : (i + 1) * world] for i in range(n)] if gather else [[]] * n
-        local_values = iter(numbers[n_mean + n + n_work :])
+        local_values = iter(numbers[n_mean + n_refused + n_work :])
         return [
             (
                 {name: next(mean_values) for name in p.mean},
                 {name: next(local_values) for name in p.local},
-                self.corrupt_before + int(round(total)),
+                {
+                    name: self.refused_before[name] + int(round(next(refused_totals)))
+                    for name in REFUSED
+                },
                 load,
             )
-            for p, total, load in zip(pending, corrupt_totals, loads, strict=True)
+            for p, load in zip(pending, loads, strict=True)
         ]
 
     def _write(self, step: int, row: dict[str, Any]) -> None:

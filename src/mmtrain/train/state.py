@@ -2,37 +2,41 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
 @dataclass
 class TrainState:
-    """Optimizer steps and samples done, steps skipped, rollbacks, corrupt samples seen before
-    this process started (the loader counts the ones since), and the rollback guard's count
-    of non-finite steps in a row (not saved: a resume starts a new count)."""
+    """Optimizer steps and samples done, steps skipped, rollbacks, the samples skipped before
+    this process started (corrupt and too long: the loader counts the ones since), and the
+    rollback guard's count of non-finite steps in a row (not saved: a resume starts anew)."""
 
     step: int = 0
     samples_seen: int = 0
     skipped: int = 0
     rollbacks: int = 0
-    corrupt_before: int = 0
+    refused_before: dict[str, int] = field(default_factory=dict)  # {REFUSED counter: n}
     nonfinite_in_a_row: int = 0
 
-    def counters(self, corrupt_samples: int) -> dict[str, int]:
-        """The checkpoint's "counters"; `corrupt_samples`: the run's total over all ranks."""
+    def counters(self, refused: dict[str, int]) -> dict[str, int]:
+        """The checkpoint's "counters"; `refused`: the run's skipped samples over all ranks,
+        {"corrupt_samples": n, "too_long_samples": m}."""
         return {
             "step": self.step,
             "samples_seen": self.samples_seen,
             "skipped_steps": self.skipped,
-            "corrupt_samples": corrupt_samples,
+            **refused,
             "rollbacks": self.rollbacks,
         }
 
     def load_counters(self, counters: dict[str, Any]) -> None:
         self.step, self.samples_seen = counters["step"], counters["samples_seen"]
         self.skipped = counters["skipped_steps"]
-        self.corrupt_before = counters["corrupt_samples"]
+        self.refused_before = {
+            "corrupt_samples": counters["corrupt_samples"],
+            "too_long_samples": counters.get("too_long_samples", 0),  # older checkpoints: none
+        }
         self.rollbacks = counters.get("rollbacks", 0)
 
     def count_step(self, batch_size: int, stepped: bool, bad: bool) -> None:

@@ -146,7 +146,7 @@ def probe_size(sample: dict[str, Any], input: str) -> tuple[int, ...]:
         member = next((m for m in LATENT_MEMBERS if m in sample), None)
         if member is None:
             raise MediaError("no .npy latent member")
-        return _npy_shape(sample[member])[1:]
+        return npy_shape(sample[member])[1:]
     ext = next((e for e in MODALITY_EXTENSIONS[input] if e in sample), None)
     if ext is None:
         raise MediaError(f"no {input} member")
@@ -162,7 +162,7 @@ def video_size(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[int, 
     return video_header(data, max_pixels)[:3]
 
 
-def _npy_shape(data: bytes) -> tuple[int, ...]:
+def npy_shape(data: bytes) -> tuple[int, ...]:
     """The shape in a .npy header (the array itself is not read)."""
     buffer = io.BytesIO(data)
     try:

@@ -395,16 +395,23 @@ def id_positions(sample: EncodedSample, image_token_id: int, image_length: int) 
     return [image_length if t == image_token_id else 1 for t in sample.input_ids]
 
 
+# Refusals of a conversation that does not fit the row (`max_length`): the loader counts them
+# as too long for `data.sequence_length`, apart from corrupt samples.
+TOO_LONG_KINDS = frozenset({"image_cut", "video_cut", "truncated_no_targets"})
+
+
 class RefusedSample(ValueError):
     """A conversation that must not be trained on: `kind` (image_count, no_targets, image_cut,
-    video_cut, truncated_no_targets) and `reason`, as a `rejects.jsonl` line wants them."""
+    video_cut, truncated_no_targets) and `reason`, as a `rejects.jsonl` line wants them.
+    `detail`: numbers a summary of many refusals needs (a too-long one's `needed_positions`,
+    `max_length` and `largest_input_positions`)."""
 
-    def __init__(self, kind: str, reason: str):
-        self.kind, self.reason = kind, reason
+    def __init__(self, kind: str, reason: str, detail: dict[str, Any] | None = None):
+        self.kind, self.reason, self.detail = kind, reason, detail
         super().__init__(f"{kind}: {reason}")
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.kind, self.reason))  # picklable: rebuilt from its fields
+        return (type(self), (self.kind, self.reason, self.detail))  # rebuilt from its fields
 
 
 def encode_segments(
@@ -580,6 +587,10 @@ def _truncate(
         return sample
     ids, labels = sample.input_ids[:keep], sample.labels[:keep]
     needed = sum(sizes)
+    inputs = [size for size, token in zip(sizes, sample.input_ids, strict=True)
+              if token in (marks.image_token_id, marks.video_token_id)]  # fmt: skip
+    detail = {"needed_positions": needed, "max_length": max_length,
+              "largest_input_positions": max(inputs, default=0)}  # fmt: skip
     for kind, _, token, inputs in _kinds(conv, marks):
         kept = ids.count(token)
         if kept < inputs:
@@ -587,6 +598,7 @@ def _truncate(
                 f"{kind}_cut",
                 f"{conv.key}: max_length {max_length} cuts {kind} {kept + 1} of {inputs} (the "
                 f"conversation needs {needed} positions)",
+                detail,
             )
     truncated = EncodedSample(ids, labels, sample.spans)
     if truncated.targets == 0:
@@ -594,5 +606,6 @@ def _truncate(
             "truncated_no_targets",
             f"{conv.key}: max_length {max_length} leaves no assistant token (the conversation "
             f"needs {needed} positions)",
+            detail,
         )
     return truncated

@@ -54,6 +54,7 @@ import torch
 from mmtrain.config import DataConfig
 from mmtrain.data.stream.chat_templates import (
     IGNORE_INDEX,
+    TOO_LONG_KINDS,
     ChatTemplate,
     EncodedSample,
     Placeholders,
@@ -70,7 +71,7 @@ from mmtrain.data.stream.conversations import (
     parse_conversation,
 )
 from mmtrain.data.stream.media import DEFAULT_MAX_PIXELS, MediaError
-from mmtrain.data.stream.native_inputs import NativeInputs, VisualInputs
+from mmtrain.data.stream.native_inputs import Measured, NativeInputs, VisualInputs
 from mmtrain.data.stream.packing import (
     PAD_DOCUMENT,
     PackedRow,
@@ -105,14 +106,18 @@ NO_IMAGE_ID = -1
 
 class SkippedSample(ValueError):
     """A sample the loader skips and counts. `reason` is a short kind (the loader's counter key:
-    no_targets, image_cut, image_count, ...); the message says what and where."""
+    no_targets, image_cut, image_count, ...); the message says what and where. `skip_kind`
+    is what the loader counts it as: "too_long" for a conversation the row cannot hold
+    (`TOO_LONG_KINDS`), else "corrupt"; `detail` carries a too-long one's numbers (positions
+    needed, the row's, the largest input's) for the run's summary of them."""
 
-    def __init__(self, reason: str, message: str):
-        self.reason = reason
+    def __init__(self, reason: str, message: str, detail: dict[str, Any] | None = None):
+        self.reason, self.detail = reason, detail
+        self.skip_kind = "too_long" if reason in TOO_LONG_KINDS else "corrupt"
         super().__init__(message)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.reason, str(self)))
+        return (type(self), (self.reason, str(self), self.detail))
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,6 +149,23 @@ def read_conversation(sample: dict[str, Any]) -> tuple[Conversation, list[bytes]
     if missing:
         raise MediaError(f"{key}: json lists member(s) {missing} that the sample lacks")
     return conv, [sample[name] for name in conv.images], [sample[name] for name in conv.videos]
+
+
+def _largest_input(measured: Measured, tokens: Sequence[int]) -> dict[str, Any]:
+    """The image or clip of a sample that takes the most LM positions: its size as stored
+    and at the tower, for a message saying what does not fit."""
+    index = max(range(len(tokens)), key=tokens.__getitem__, default=None)
+    if index is None:
+        return {}
+    stored = [*measured.images, *measured.videos][index]
+    shape = measured.shapes[index]
+    kind = "image" if index < len(measured.images) else "video"
+    frames = f"{stored.frames} frames of " if kind == "video" else ""
+    return {
+        "largest_input": f"{kind} of {frames}{stored.width}x{stored.height} px "
+        f"({shape.width}x{shape.height} at the tower: {tokens[index]} positions)",
+        "largest_input_positions": tokens[index],
+    }
 
 
 class ConversationDecoder:
@@ -269,7 +291,12 @@ class ConversationDecoder:
             video_lengths=video_tokens,
             wrap=self.wrap,
         )
-        encoded = self._encode(conv, marks)
+        try:
+            encoded = self._encode(conv, marks)
+        except SkippedSample as err:
+            if err.detail is not None:  # name the input that takes the most positions
+                err.detail.update(_largest_input(measured, [*image_tokens, *video_tokens]))
+            raise
         visual = self.native.decode(conv.key, images, videos, measured)
         return ConversationSample(encoded.input_ids, encoded.labels, encoded.spans, visual=visual)
 
@@ -284,7 +311,7 @@ class ConversationDecoder:
                 placeholders=marks,
             )
         except RefusedSample as err:
-            raise SkippedSample(err.kind, err.reason) from None
+            raise SkippedSample(err.kind, err.reason, err.detail) from None
         except FieldError as err:  # text ids equal to the image token: this sample's text
             raise SkippedSample(err.path, f"{conv.key}: {err.message}") from None
         labels = [IGNORE_INDEX, *encoded.labels[1:]]  # nothing predicts the first id

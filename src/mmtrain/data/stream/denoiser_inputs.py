@@ -24,11 +24,13 @@ import numpy as np
 import torch
 from PIL import Image
 
+from mmtrain.data.storage.shards import ShardSet
 from mmtrain.data.stream.buckets import (
     LATENT_MEMBERS,
     NO_BUCKET,
     Buckets,
     cover_crop,
+    npy_shape,
     probe_size,
     video_size,
 )
@@ -46,7 +48,9 @@ from mmtrain.data.stream.transforms import (
     ImageTransform,
     VideoTransform,
 )
+from mmtrain.denoiser_spec import DenoiserSpec
 from mmtrain.spec import ModelSpec
+from mmtrain.structured import FieldError
 
 TEXT_MEMBERS = {"text_hidden": "text_hidden.npy", "text_pooled": "text_pooled.npy"}
 
@@ -162,6 +166,87 @@ class DenoiserDecoder:
         if self.video_stride is None:
             return None
         return (float(rng.random()) if self.train else 0.5), self.video_stride
+
+
+def check_first_samples(
+    sources: Sequence[ShardSet], spec: ModelSpec, buckets: Buckets | None = None
+) -> None:
+    """Before the first step: the first sample of each source against what the denoiser takes
+    (a latent's [C, (T,) H, W], the cached text features' shapes), so that latents of another
+    VAE or features of another text encoder fail at once with FieldError naming the spec field,
+    the shard and the sample's shape, instead of being skipped one by one as corrupt."""
+    d = spec.denoiser
+    assert d is not None
+    for i, source in enumerate(sources):
+        if len(source) == 0:
+            continue
+        sample = source.read(0)
+        where = f"data.train[{i}] ({source.shard_path(0).name}, sample {source.key(0)!r})"
+        if d.input == "latent":
+            _check_latent(sample, d, buckets, where)
+        if d.is_mmdit():
+            _check_text_features(sample, d, where)
+
+
+def _check_latent(sample: dict[str, Any], d: DenoiserSpec, buckets: Buckets | None,
+                  where: str) -> None:  # fmt: skip
+    member = next((m for m in LATENT_MEMBERS if m in sample), None)
+    if member is None:
+        return  # no latent at all: a sample the loader counts as corrupt, like any other
+    try:
+        shape = npy_shape(sample[member])
+    except MediaError:
+        return
+    want = d.sample_shape()
+    if len(shape) != len(want):
+        raise FieldError(
+            "denoiser.frames",
+            f"{where} holds a latent of shape {list(shape)}; the spec's denoiser takes "
+            f"{list(want)} ([C, T, H, W] for a video denoiser, [C, H, W] otherwise)",
+        )
+    if shape[0] != d.channels:
+        raise FieldError(
+            "denoiser.channels",
+            f"{where} holds a latent of shape {list(shape)}: {shape[0]} channels, the spec's "
+            f"denoiser takes {d.channels}; latents of another VAE need a spec made for it",
+        )
+    size = tuple(shape[1:])
+    if buckets is not None or size == tuple(want[1:]):
+        return  # buckets take their own shapes (a sample in none is skipped and counted)
+    field = "denoiser.frames" if d.is_video() and size[0] != d.frames else "denoiser.sample_size"
+    raise FieldError(
+        field,
+        f"{where} holds a latent of shape {list(shape)}, the spec's denoiser takes "
+        f"{list(want)}; set the spec's size to the latents' or give data.buckets: "
+        f"[{list(size)}] (a bucket of the latents' size)",
+    )
+
+
+def _check_text_features(sample: dict[str, Any], d: DenoiserSpec, where: str) -> None:
+    fields = {
+        "text_hidden": (
+            ("denoiser.text_tokens", "denoiser.text_width"),
+            (d.text_tokens, d.text_width),
+        ),
+        "text_pooled": (("denoiser.pooled_width",), (d.pooled_width,)),
+    }
+    for key, member in TEXT_MEMBERS.items():
+        if member not in sample:
+            continue
+        try:
+            shape = npy_shape(sample[member])
+        except MediaError:
+            continue
+        names, want = fields[key]
+        if tuple(shape) == want:
+            continue
+        wrong = [n for n, a, b in zip(names, shape, want, strict=False) if a != b] or [names[0]]
+        raise FieldError(
+            wrong[0],
+            f"{where} holds .{member} of shape {list(shape)}, the spec's MMDiT takes "
+            f"{list(want)} ({', '.join(names)}); features of another text encoder need a spec "
+            "made for it, or encode the captions again with the spec's encoders",
+        )
 
 
 def _member(sample: dict[str, Any], modality: str) -> str:

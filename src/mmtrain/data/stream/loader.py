@@ -62,6 +62,7 @@ from mmtrain.data.stream.order import (
     sample_rng,
     steps_in,
 )
+from mmtrain.data.stream.refusals import NoValidSamples, Refusal, Refusals, epoch_share, refusal_of
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,14 @@ STATE_VERSION = 1
 Decode = Callable[[dict[str, Any], np.random.Generator], dict[str, torch.Tensor]]
 Collate = Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]]
 
-__all__ = ["StreamingLoader", "merge_rank_states", "planned_samples", "Collate", "Decode"]
+__all__ = [
+    "StreamingLoader",
+    "NoValidSamples",
+    "merge_rank_states",
+    "planned_samples",
+    "Collate",
+    "Decode",
+]
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -216,16 +224,6 @@ def _check_rank(rank: int, world_size: int) -> None:
 
 # ----------------------------------------------------------------------------- workers
 @dataclass
-class _Corrupt:
-    entry: int  # index in the task
-    position: int
-    key: str
-    shard: str
-    reason: str
-    message: str
-
-
-@dataclass
 class _TaskResult:
     """Decoded samples of one task: rows of `tensors` are the valid entries, in order."""
 
@@ -234,7 +232,7 @@ class _TaskResult:
     valid: list[int]  # task entry of each row
     tensors: dict[str, torch.Tensor]
     keys: list[str]
-    corrupt: list[_Corrupt] = field(default_factory=list)
+    corrupt: list[Refusal] = field(default_factory=list)
 
     def pin_memory(self) -> _TaskResult:
         """The result with page-locked tensors: the DataLoader's pin thread calls this, so a
@@ -274,9 +272,7 @@ class _TaskDataset(torch.utils.data.Dataset):
             except STORAGE_ERRORS:
                 raise  # the storage failed, not the sample: skipping would change the stream
             except Exception as err:  # any failure of one sample's bytes is that sample's fault
-                reason = getattr(err, "reason", None)
-                reason = reason if isinstance(reason, str) else type(err).__name__
-                corrupt.append(_Corrupt(entry, position, key, shard, reason, str(err)))
+                corrupt.append(refusal_of(err, entry, position, key, shard))
                 continue
             outputs.append(_check_output(out, key))
             valid.append(entry)
@@ -363,8 +359,11 @@ class StreamingLoader:
 
     sources: one `ShardSet`, or several mixed by `weights` (default: by size) into epochs of
       `epoch_samples` positions (default: all samples).
-    decode: `decode(sample, rng) -> {name: tensor}`; raising marks the sample corrupt. `rng` is
-      seeded from (seed, epoch, global position): random crops are the same after a resume.
+    decode: `decode(sample, rng) -> {name: tensor}`; raising marks the sample corrupt (or too
+      long, for an error whose `skip_kind` says so: refusals.py). `rng` is seeded from (seed,
+      epoch, global position): random crops are the same after a resume.
+    max_consecutive_corrupt: refusals in a row past which iterating raises NoValidSamples (also
+      earlier, once a whole epoch was refused: no batch can ever be filled).
     batch_size: samples per batch on this rank.
     drop_tail: the last positions of an epoch that do not fill a batch on every rank are left
       out; by default they are padded with samples from the start of the epoch (wrap-around).
@@ -417,13 +416,12 @@ class StreamingLoader:
         self.with_keys = with_keys
         # Page-locked batches copy to the GPU asynchronously; meaningless without CUDA.
         self.pin_memory = pin_memory and torch.cuda.is_available()
-        self.max_consecutive_corrupt = max_consecutive_corrupt
         if steps_in(self.plan.epoch_length(0), world_size, batch_size, drop_tail) == 0:
             raise ValueError(
                 f"{self.plan.epoch_length(0)} samples per epoch give no batch of {world_size} ranks x "
                 f"{batch_size}: lower the batch size or keep the tail (drop_tail=False)"
             )
-        self.corrupt_counts: Counter[str] = Counter()
+        self.refusals = Refusals(rank, max_consecutive_corrupt)
         self._workers = dict(
             num_workers=num_workers,
             prefetch_factor=prefetch_factor,
@@ -435,6 +433,16 @@ class StreamingLoader:
         self.set_epoch(0)
 
     # --------------------------------------------------------------- position
+    @property
+    def corrupt_counts(self) -> Counter[str]:
+        """Corrupt samples skipped, per reason (since made or `refusals.clear()`)."""
+        return self.refusals.counts["corrupt"]
+
+    @property
+    def too_long_counts(self) -> Counter[str]:
+        """Samples skipped as too long for the row, per reason (refusals.py)."""
+        return self.refusals.counts["too_long"]
+
     @property
     def seed(self) -> int:
         return self.plan.seed
@@ -614,7 +622,6 @@ class StreamingLoader:
         """Batches of the next `batch_size` valid samples, with the stream entry after each."""
         pieces: list[tuple[_TaskResult, int, int]] = []  # (result, first row, end row)
         have = 0
-        bad_in_a_row = 0
         for result in results:
             if result.first != entry:
                 raise RuntimeError(f"task for entry {result.first} arrived, expected {entry}")
@@ -622,10 +629,9 @@ class StreamingLoader:
             row = lo = 0
             for i in range(result.count):
                 if i in corrupt:
-                    bad_in_a_row += 1
-                    self._report(corrupt[i], bad_in_a_row)
+                    self._report(corrupt[i])
                     continue
-                bad_in_a_row = 0
+                self.refusals.accepted()
                 row += 1
                 have += 1
                 if have == self.batch_size:
@@ -642,30 +648,22 @@ class StreamingLoader:
     ) -> Iterator[tuple[dict[str, Any] | None, int]]:
         """One batch per task, collated by the worker (None when no sample of it was valid),
         with the stream entry after it."""
-        bad_in_a_row = 0
         for result in results:
             if result.first != entry:
                 raise RuntimeError(f"task for entry {result.first} arrived, expected {entry}")
             corrupt = {c.entry: c for c in result.corrupt}
             for i in range(result.count):
-                bad_in_a_row = bad_in_a_row + 1 if i in corrupt else 0
                 if i in corrupt:
-                    self._report(corrupt[i], bad_in_a_row)
+                    self._report(corrupt[i])
+                else:
+                    self.refusals.accepted()
             entry += result.count
             yield (self._collate([(result, 0, len(result.valid))]) if result.valid else None), entry
 
-    def _report(self, bad: _Corrupt, in_a_row: int) -> None:
-        self.corrupt_counts[bad.reason] += 1
-        logger.warning(
-            "skipped corrupt sample %r of %s (epoch %d, position %d): %s: %s",
-            bad.key, bad.shard, self.epoch, bad.position, bad.reason, bad.message,
-        )  # fmt: skip
-        if in_a_row >= self.max_consecutive_corrupt:
-            raise RuntimeError(
-                f"{in_a_row} corrupt samples in a row on rank {self.rank} (last: {bad.key!r} of "
-                f"{bad.shard}: {bad.message}); check the data with `mmtrain data inspect` and the "
-                "decode function"
-            )
+    def _report(self, bad: Refusal) -> None:
+        """Count and log a skipped sample; NoValidSamples once no batch can be filled."""
+        share = epoch_share(self.plan.epoch_length(self.epoch), self.world_size)
+        self.refusals.refused(bad, self.epoch, share)
 
     def _collate(self, pieces: list[tuple[_TaskResult, int, int]]) -> dict[str, Any]:
         if len(pieces) == 1 and pieces[0][1] == 0 and pieces[0][2] == len(pieces[0][0].valid):
