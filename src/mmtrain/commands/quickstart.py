@@ -165,50 +165,43 @@ def run_vlm(args: argparse.Namespace) -> int:
 
 
 def run_vlm_docs(args: argparse.Namespace) -> int:
-    """`--vlm-docs`: the document-reading demo (`mmtrain.quickstart.vlm_docs`). Its flags are
-    checked before anything is written."""
+    """`--vlm-docs`: the document-reading demo (`mmtrain.quickstart.vlm_docs`)."""
     from mmtrain.quickstart.vlm_docs import VlmDocsConfig, run_vlm_docs
 
-    for flag, value in (("--modalities", args.modalities), ("--clip", args.clip),
-                        ("--clip-steps", args.clip_steps)):  # fmt: skip
-        if value is not None:
-            raise UsageError(f"{flag} does not go with --vlm-docs (it trains no CLIP)")
-    given = {
-        "out": args.out or Path("runs/quickstart-vlm-docs"),
-        "steps": args.steps,
-        "minutes": args.minutes,
-        "batch_size": args.batch_size,
-        "train_pages": args.limit,
-    }
-    config = VlmDocsConfig(**{name: value for name, value in given.items() if value is not None})
-    config.validate()  # FieldError: exit 2, naming the flag
-    progress = _Progress()
-    result = run_vlm_docs(config, on_phase=progress.phase, on_step=progress.step)
-    print(vlm_docs_summary(result))
-    return 0
+    return _native_demo(args, "--vlm-docs", VlmDocsConfig, "train_pages", run_vlm_docs,
+                        vlm_docs_summary)  # fmt: skip
 
 
 def run_vlm_video(args: argparse.Namespace) -> int:
-    """`--vlm-video`: the clip demo (`mmtrain.quickstart.vlm_video`). Its flags are checked
-    before anything is written."""
+    """`--vlm-video`: the clip demo (`mmtrain.quickstart.vlm_video`)."""
     from mmtrain.quickstart.vlm_video import VlmVideoConfig, run_vlm_video
 
-    for flag, value in (("--modalities", args.modalities), ("--clip", args.clip),
+    return _native_demo(args, "--vlm-video", VlmVideoConfig, "train_clips", run_vlm_video,
+                        vlm_video_summary)  # fmt: skip
+
+
+def _native_demo(
+    args: argparse.Namespace, flag: str, make_config, limit_field: str, run_demo, summarise
+) -> int:
+    """A native-resolution VLM demo (`mmtrain.quickstart.native_demo`), which trains no CLIP:
+    its flags checked before anything is written, its config (`--limit` sets `limit_field`,
+    the training samples), its run with progress lines, its summary."""
+    for name, value in (("--modalities", args.modalities), ("--clip", args.clip),
                         ("--clip-steps", args.clip_steps)):  # fmt: skip
         if value is not None:
-            raise UsageError(f"{flag} does not go with --vlm-video (it trains no CLIP)")
+            raise UsageError(f"{name} does not go with {flag} (it trains no CLIP)")
     given = {
-        "out": args.out or Path("runs/quickstart-vlm-video"),
+        "out": args.out,  # None: the demo's own default, runs/quickstart-vlm-docs or -video
         "steps": args.steps,
         "minutes": args.minutes,
         "batch_size": args.batch_size,
-        "train_clips": args.limit,
+        limit_field: args.limit,
     }
-    config = VlmVideoConfig(**{name: value for name, value in given.items() if value is not None})
+    config = make_config(**{name: value for name, value in given.items() if value is not None})
     config.validate()  # FieldError: exit 2, naming the flag
     progress = _Progress()
-    result = run_vlm_video(config, on_phase=progress.phase, on_step=progress.step)
-    print(vlm_video_summary(result))
+    result = run_demo(config, on_phase=progress.phase, on_step=progress.step)
+    print(summarise(result))
     return 0
 
 
@@ -295,12 +288,9 @@ def _clock(seconds: float) -> str:
 
 def summary(result: Any) -> str:
     """What the user reads at the end: the numbers against chance, then where to look."""
-    seconds = result.seconds
-    stages = ", ".join(f"{name} {_clock(s)}" for name, s in seconds.items())
     lines = [
         "",
-        f"done in {_clock(sum(seconds.values()))} ({stages}); {result.steps} steps on "
-        f"{result.n_train} training pairs",
+        _done(result, f"{result.steps} steps on {result.n_train} training pairs"),
         "",
         f"held-out retrieval on {result.n_val} emoji never seen in training "
         f"(chance: R@1 {_pct(result.chance['R@1'])}, R@5 {_pct(result.chance['R@5'])})",
@@ -315,6 +305,13 @@ def summary(result: Any) -> str:
     return "\n".join(lines + _where(result, data))
 
 
+def _done(result: Any, trained: str) -> str:
+    """Every summary's first line: how long in all and per stage, then what was trained."""
+    seconds = result.seconds
+    stages = ", ".join(f"{name} {_clock(s)}" for name, s in seconds.items())
+    return f"done in {_clock(sum(seconds.values()))} ({stages}); {trained}"
+
+
 def _pct(value: float) -> str:
     return f"{100 * value:.1f}%"
 
@@ -322,13 +319,10 @@ def _pct(value: float) -> str:
 def modalities_summary(result: Any) -> str:
     """The --modalities ending: every direction against its chance level, zero-shot accuracy,
     then where to look."""
-    seconds = result.seconds
-    stages = ", ".join(f"{name} {_clock(s)}" for name, s in seconds.items())
     held = ", ".join(f"{n} {m}" for m, n in result.n_by_modality.items())
     lines = [
         "",
-        f"done in {_clock(sum(seconds.values()))} ({stages}); {result.steps} steps on "
-        f"{result.n_train} training pairs",
+        _done(result, f"{result.steps} steps on {result.n_train} training pairs"),
         "",
         f"held-out retrieval, never seen in training ({held} pairs):",
         f"  {'direction':<18} {'R@1':>6} {'R@5':>6} {'R@10':>6}   chance R@1 / R@5 / R@10",
@@ -354,16 +348,16 @@ def modalities_summary(result: Any) -> str:
 def vlm_summary(result: Any) -> str:
     """The --vlm ending: held-out answer scores with own and shuffled images, a few answers,
     then where to look."""
-    seconds = result.seconds
-    stages = ", ".join(f"{name} {_clock(s)}" for name, s in seconds.items())
     steps = result.steps
     clip = f"CLIP {steps['clip']} steps" if steps["clip"] else f"CLIP from {result.clip_run}"
     generation = result.generation
     lines = [
         "",
-        f"done in {_clock(sum(seconds.values()))} ({stages}); {clip}, projector "
-        f"{steps['stage1']} steps, projector + LM {steps['stage2']} steps, on {result.n_train} "
-        "training emoji",
+        _done(
+            result,
+            f"{clip}, projector {steps['stage1']} steps, projector + LM {steps['stage2']} steps, "
+            f"on {result.n_train} training emoji",
+        ),
         "",
     ]
     if "token_f1" not in generation:
@@ -400,14 +394,11 @@ def vlm_docs_summary(result: Any) -> str:
     """The --vlm-docs ending: ANLS with own and shuffled pages, CER and exact match, in all and
     per page shape, the pages' tokens against the budget, the pages misread, then where to
     look."""
-    seconds = result.seconds
-    stages = ", ".join(f"{name} {_clock(s)}" for name, s in seconds.items())
     d = result.documents
     tokens = d["page_tokens"]
     lines = [
         "",
-        f"done in {_clock(sum(seconds.values()))} ({stages}); {result.steps} steps on "
-        f"{result.n_train} training pages",
+        _done(result, f"{result.steps} steps on {result.n_train} training pages"),
         "",
     ]
     if d.get("anls") is None:
@@ -442,30 +433,16 @@ def vlm_docs_summary(result: Any) -> str:
                           for m in misread[:6])  # fmt: skip
         more = f" and {len(misread) - 6} more" if len(misread) > 6 else ""
         lines.append(f"  misread: {shown}{more}")
-    paths = result.paths
-    return "\n".join(
-        lines
-        + [
-            "",
-            f'eval.json   {result.eval_json}  ("documents", "generation", "examples")',
-            f"run folder  {paths.run}  (config.yaml, metrics.jsonl, model.safetensors)",
-            f"pages       {paths.raw}/{{train,val}}/*.png, shards {paths.train_shards}, "
-            f"{paths.val_shards}",
-            f"tokenizer   {paths.tokenizer}  (font licence: {paths.out / 'ATTRIBUTION.txt'})",
-        ]
-    )
+    return "\n".join(lines + _native_where(result, "documents", "pages", "*.png", "font licence"))
 
 
 def vlm_video_summary(result: Any) -> str:
     """The --vlm-video ending: accuracy with the frames in order and reversed, in all and per
     motion, how often a reversed clip gets the opposite motion, then where to look."""
-    seconds = result.seconds
-    stages = ", ".join(f"{name} {_clock(s)}" for name, s in seconds.items())
     v = result.video
     lines = [
         "",
-        f"done in {_clock(sum(seconds.values()))} ({stages}); {result.steps} steps on "
-        f"{result.n_train} training clips",
+        _done(result, f"{result.steps} steps on {result.n_train} training clips"),
         "",
     ]
     if v.get("accuracy") is None:
@@ -495,32 +472,33 @@ def vlm_video_summary(result: Any) -> str:
                 f"{_pct(v['accuracy_shuffled_clips'])}"
             )
     lines.append(f"  held out: {', '.join(v['held_out'])}; {v['clip_tokens']} tokens per clip")
+    return "\n".join(lines + _native_where(result, "video", "clips", "*.mp4", "about the clips"))
+
+
+def _native_where(result: Any, block: str, label: str, pattern: str, attribution: str) -> list[str]:
+    """The closing lines of `--vlm-docs` and `--vlm-video`: eval.json and the `block` the demo
+    added, the run folder, the raw files (`label`, `pattern` in each split) and the shards,
+    the tokenizer and ATTRIBUTION.txt (`attribution` says what it is about)."""
     paths = result.paths
-    return "\n".join(
-        lines
-        + [
-            "",
-            f'eval.json   {result.eval_json}  ("video", "generation", "examples")',
-            f"run folder  {paths.run}  (config.yaml, metrics.jsonl, model.safetensors)",
-            f"clips       {paths.raw}/{{train,val}}/*.mp4, shards {paths.train_shards}, "
-            f"{paths.val_shards}",
-            f"tokenizer   {paths.tokenizer}  (about the clips: {paths.out / 'ATTRIBUTION.txt'})",
-        ]
-    )
+    return [
+        "",
+        f'eval.json   {result.eval_json}  ("{block}", "generation", "examples")',
+        f"run folder  {paths.run}  (config.yaml, metrics.jsonl, model.safetensors)",
+        f"{label:<12}{paths.raw}/{{train,val}}/{pattern}, shards {paths.train_shards}, "
+        f"{paths.val_shards}",
+        f"tokenizer   {paths.tokenizer}  ({attribution}: {paths.out / 'ATTRIBUTION.txt'})",
+    ]
 
 
 def diffusion_summary(result: Any) -> str:
     """The --diffusion ending: FD against the untrained model and the floor, conditional
     accuracy against the real images', then where to look."""
-    seconds = result.seconds
-    stages = ", ".join(f"{name} {_clock(s)}" for name, s in seconds.items())
     steps = result.steps
     clip = f"CLIP {steps['clip']} steps" if steps["clip"] else f"CLIP from {result.clip_run}"
     d = result.diffusion
     lines = [
         "",
-        f"done in {_clock(sum(seconds.values()))} ({stages}); {clip}, DiT {steps['dit']} steps "
-        f"on {result.n_train} training emoji",
+        _done(result, f"{clip}, DiT {steps['dit']} steps on {result.n_train} training emoji"),
         "",
         f"{d['fd_n']} samples for the classes of held-out emoji never seen in training, against "
         f"those images, in the features of {d['extractor']} (lower is closer):",

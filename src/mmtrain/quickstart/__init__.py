@@ -11,6 +11,8 @@
 - `vlm_docs`, `docs_data`: `--vlm-docs`, a native-resolution VLM reading numbers off pages.
 - `vlm_video`, `video_data`: `--vlm-video`, the same shape of VLM saying what a shape does in
   short clips, with the frames in order and reversed.
+- `native_demo`: what `--vlm-docs` and `--vlm-video` share (their common settings, the
+  tiny-qwen2-vl spec over their BPE, the training config, the held-out answers).
 - `diffusion`, `emoji_classes`: `--diffusion`, a class-conditional DiT drawing emoji of ten
   classes, scored by FD and conditional accuracy in a CLIP's features.
 - `stage0`: the image-text CLIP that `--vlm` (its vision tower) and `--diffusion` (its feature

@@ -38,21 +38,14 @@ recalled rather than read digit by digit.
 from __future__ import annotations
 
 import io
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from mmtrain.atomic import atomic_write_bytes, atomic_write_text
-from mmtrain.quickstart.vlm_data import (
-    BOS,
-    CHAT_TEMPLATE,
-    CONVERSATIONS_FILE,
-    EOS,
-    TokenizerFolder,
-)
+from mmtrain.atomic import atomic_write_text
+from mmtrain.quickstart.vlm_data import TokenizerFolder, write_bpe_folder, write_llava_split
 
 PROMPTS = ("What is the number?", "What does the page say?", "Read the number on the page.")
 EVAL_PROMPT = PROMPTS[0]  # what every held-out page is asked
@@ -268,14 +261,9 @@ def conversation(page: Page) -> dict[str, Any]:
 def write_split(folder: Path, pages: list[Page]) -> tuple[Path, list[dict[str, Any]]]:
     """KEY.png for every page and `folder/conversations.json` naming them (LLaVA records, in
     key order); returns its path and the records."""
-    folder.mkdir(parents=True, exist_ok=True)
-    records = []
-    for page in pages:
-        atomic_write_bytes(folder / f"{page.key}.png", png_bytes(page))
-        records.append(conversation(page))
-    path = folder / CONVERSATIONS_FILE
-    atomic_write_text(path, json.dumps(records, indent=1) + "\n")
-    return path, records
+    return write_llava_split(
+        folder, ((f"{p.key}.png", png_bytes(p), conversation(p)) for p in pages)
+    )
 
 
 def prompt_texts(records: list[dict[str, Any]]) -> list[str]:
@@ -292,13 +280,7 @@ def write_tokenizer(
     folder: Path, records: list[dict[str, Any]], vocab_size: int
 ) -> TokenizerFolder:
     """The BPE of the prompts (module docstring), with `vlm_data`'s chat template beside it."""
-    from mmtrain.data.stream.tokenizer import train_bpe
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_bpe(prompt_texts(records), vocab_size, folder / "tokenizer.json")
-    config = {"bos_token": BOS, "eos_token": EOS, "chat_template": CHAT_TEMPLATE}
-    atomic_write_text(folder / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
-    return TokenizerFolder(folder, tokenizer.vocab_size, tokenizer.sot_id, tokenizer.eot_id)
+    return write_bpe_folder(folder, prompt_texts(records), vocab_size)
 
 
 def write_attribution(out: Path, seed: int, n_val: int) -> Path:

@@ -30,7 +30,6 @@ answers are eight phrases, all seen in training), stored with `vlm_data`'s chat 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,13 +37,12 @@ from typing import Any
 
 import numpy as np
 
-from mmtrain.atomic import atomic_write_bytes, atomic_write_text
+from mmtrain.atomic import atomic_write_text
 from mmtrain.quickstart.vlm_data import (
-    BOS,
-    CHAT_TEMPLATE,
-    CONVERSATIONS_FILE,
-    EOS,
     TokenizerFolder,
+    training_texts,
+    write_bpe_folder,
+    write_llava_split,
 )
 
 PROMPTS = ("What happens?", "What does the shape do?", "Describe the motion.")
@@ -233,37 +231,17 @@ def conversation(clip: Clip) -> dict[str, Any]:
 def write_split(folder: Path, clips: list[Clip]) -> tuple[Path, list[dict[str, Any]]]:
     """KEY.mp4 for every clip and `folder/conversations.json` naming them (LLaVA records, in
     key order); returns its path and the records."""
-    folder.mkdir(parents=True, exist_ok=True)
-    records = []
-    for clip in clips:
-        atomic_write_bytes(folder / f"{clip.key}.mp4", mp4_bytes(clip))
-        records.append(conversation(clip))
-    path = folder / CONVERSATIONS_FILE
-    atomic_write_text(path, json.dumps(records, indent=1) + "\n")
-    return path, records
-
-
-def training_texts(records: list[dict[str, Any]]) -> list[str]:
-    """What the BPE learns from: each training conversation as the template renders it, less
-    the special tokens and the video tag."""
-    texts = []
-    for record in records:
-        question, answer = (turn["value"] for turn in record["conversations"])
-        texts.append(f"USER: {question.replace('<video>', '')}\nASSISTANT: {answer}\n")
-    return texts
+    return write_llava_split(
+        folder, ((f"{c.key}.mp4", mp4_bytes(c), conversation(c)) for c in clips)
+    )
 
 
 def write_tokenizer(
     folder: Path, records: list[dict[str, Any]], vocab_size: int
 ) -> TokenizerFolder:
-    """The BPE of the training conversations, with `vlm_data`'s chat template beside it."""
-    from mmtrain.data.stream.tokenizer import train_bpe
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_bpe(training_texts(records), vocab_size, folder / "tokenizer.json")
-    config = {"bos_token": BOS, "eos_token": EOS, "chat_template": CHAT_TEMPLATE}
-    atomic_write_text(folder / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
-    return TokenizerFolder(folder, tokenizer.vocab_size, tokenizer.sot_id, tokenizer.eot_id)
+    """The BPE of the training conversations (`vlm_data.training_texts`, less the video tag),
+    with `vlm_data`'s chat template beside it."""
+    return write_bpe_folder(folder, training_texts(records, tag="<video>"), vocab_size)
 
 
 ATTRIBUTION = """\
@@ -330,7 +308,6 @@ __all__ = [
     "mp4_bytes",
     "outline",
     "render",
-    "training_texts",
     "write_attribution",
     "write_split",
     "write_tokenizer",

@@ -24,17 +24,21 @@ The answer follows "ASSISTANT:" after a space, as every word inside a name does,
 one spelling in tokens wherever it stands in a name. [SOT] and [EOT] are the BPE's own special
 tokens (one id each, which the template check requires); only the answer and [EOT] are trained.
 The image placeholder is one id past the tokenizer's vocabulary, which no text can produce.
+
+The tokenizer folder (`write_bpe_folder`) and the writer of a split's media files beside its
+conversations.json (`write_llava_split`) also serve `--vlm-docs` and `--vlm-video`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mmtrain.atomic import atomic_write_text
+from mmtrain.atomic import atomic_write_bytes, atomic_write_text
 
 PROMPTS = ("What is this?", "What is in this picture?", "Which emoji is this?", "Name this emoji.")
 EVAL_PROMPT = PROMPTS[0]  # what every held-out emoji is asked
@@ -107,14 +111,15 @@ class TokenizerFolder:
         return self.vocab_size
 
 
-def training_texts(records: list[dict[str, Any]]) -> list[str]:
+def training_texts(records: list[dict[str, Any]], tag: str = "<image>") -> list[str]:
     """What the BPE learns from: every training conversation as the template renders it, less
-    the special tokens and the image tag (neither is text for the BPE to split). The prompts
-    and role names come once per conversation, as in training, so they merge into few ids."""
+    the special tokens and the media tag `tag` (neither is text for the BPE to split). The
+    prompts and role names come once per conversation, as in training, so they merge into few
+    ids."""
     texts = []
     for record in records:
         question, answer = (turn["value"] for turn in record["conversations"])
-        texts.append(f"USER: {question.replace('<image>', '')}\nASSISTANT: {answer}\n")
+        texts.append(f"USER: {question.replace(tag, '')}\nASSISTANT: {answer}\n")
     return texts
 
 
@@ -122,13 +127,35 @@ def write_tokenizer(
     folder: Path, records: list[dict[str, Any]], vocab_size: int
 ) -> TokenizerFolder:
     """Train the BPE on the training conversations and write it with its chat template."""
+    return write_bpe_folder(folder, training_texts(records), vocab_size)
+
+
+def write_bpe_folder(folder: Path, texts: list[str], vocab_size: int) -> TokenizerFolder:
+    """A byte-level BPE of `texts` (at most `vocab_size` ids) in `folder`, with the chat
+    template beside it in `tokenizer_config.json`: the tokenizer folder of every VLM demo."""
     from mmtrain.data.stream.tokenizer import train_bpe
 
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_bpe(training_texts(records), vocab_size, folder / "tokenizer.json")
+    tokenizer = train_bpe(texts, vocab_size, folder / "tokenizer.json")
     config = {"bos_token": BOS, "eos_token": EOS, "chat_template": CHAT_TEMPLATE}
     atomic_write_text(folder / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
     return TokenizerFolder(folder, tokenizer.vocab_size, tokenizer.sot_id, tokenizer.eot_id)
+
+
+def write_llava_split(
+    folder: Path, samples: Iterable[tuple[str, bytes, dict[str, Any]]]
+) -> tuple[Path, list[dict[str, Any]]]:
+    """Each sample's media file (its name and bytes) and `folder/conversations.json` of their
+    LLaVA records, in the order given; returns its path and the records. The records name
+    their files (`"image"` / `"video"`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    records = []
+    for name, data, record in samples:
+        atomic_write_bytes(folder / name, data)
+        records.append(record)
+    path = folder / CONVERSATIONS_FILE
+    atomic_write_text(path, json.dumps(records, indent=1) + "\n")
+    return path, records
 
 
 __all__ = [
@@ -140,6 +167,8 @@ __all__ = [
     "conversation",
     "prompt_for",
     "training_texts",
+    "write_bpe_folder",
     "write_conversations",
+    "write_llava_split",
     "write_tokenizer",
 ]

@@ -37,16 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from mmtrain.config import VisionDataConfig
-from mmtrain.quickstart.budget import fit_steps, step_seconds
-from mmtrain.quickstart.common import (
-    ChatPaths,
-    Phase,
-    PhaseClock,
-    StepHook,
-    build_shards,
-    check_out,
-)
-from mmtrain.quickstart.config import QuickstartConfig
+from mmtrain.quickstart.budget import fit_steps
+from mmtrain.quickstart.common import ChatPaths, Phase, StepHook, build_shards
 from mmtrain.quickstart.docs_data import (
     EVAL_PROMPT,
     SHAPES,
@@ -57,51 +49,50 @@ from mmtrain.quickstart.docs_data import (
     write_split,
     write_tokenizer,
 )
+from mmtrain.quickstart.native_demo import (
+    OUTPUTS,
+    PRESET,
+    NativeDemoConfig,
+    add_eval_block,
+    begin,
+    held_out_answers,
+    mean,
+    native_spec,
+    native_train_config,
+    time_native_steps,
+    train_run,
+    vision_budget,
+)
 from mmtrain.quickstart.vlm_data import TokenizerFolder
-from mmtrain.spec import ModelSpec, load_spec
+from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
 
 log = logging.getLogger(__name__)
 
-# What OUT may hold besides a user's files (check_out refuses anything else).
-OUTPUTS = ("data", "model.yaml", "run", "ATTRIBUTION.txt", "tokenizer")
-PRESET = "tiny-qwen2-vl"
-
 
 @dataclass
-class VlmDocsConfig:
-    """What `mmtrain quickstart --vlm-docs` runs; the defaults fit 6 minutes on 2 idle cores."""
+class VlmDocsConfig(NativeDemoConfig):
+    """What `mmtrain quickstart --vlm-docs` runs; the defaults fit 6 minutes on 2 idle cores.
+    The training settings it shares with `--vlm-video` (batch 32, lr 2e-3, 128 positions a
+    row, ...) are `native_demo.NativeDemoConfig`'s."""
 
     out: Path = Path("runs/quickstart-vlm-docs")
     # Held-out ANLS measured at rope_theta 3: 59.5% after 1,000 steps, 97.9% after 2,000 (about
     # 0.11 s a step on 2 cores: 3 min 49 s with the validation, README).
     steps: int = 2000
     minutes: float = 5.0  # upper bound on training time: fewer steps on a slower machine
-    fit_budget: bool = True
-    batch_size: int = 32
-    lr: float = 2e-3
-    warmup_fraction: float = 0.1
-    weight_decay: float = 0.1
     train_pages: int = 4000
     val_pages: int = 100
-    vocab_size: int = 320  # at most: the prompts' BPE ends smaller (read its vocab_size)
     # The decoder's rotary base (the preset's 1e6 is for long contexts): see `docs_spec`.
     rope_theta: float = 3.0
-    sequence_length: int = 128  # a packed row's LM positions: 2 to 3 pages with their text
     # data.vision: every page between these token counts (one token = 8 x 8 pixels here)
     image_min_tokens: int = 4
     image_max_tokens: int = 40
     sample_max_tokens: int = 40
     eval_batch_size: int = 100
-    build_workers: int = 2
-    seed: int = 0
 
     def validate(self) -> None:
-        for name in ("steps", "batch_size", "vocab_size", "sequence_length", "eval_batch_size"):
-            if getattr(self, name) < 1:
-                raise FieldError(name, f"must be at least 1, got {getattr(self, name)}")
-        if not self.minutes > 0:
-            raise FieldError("--minutes", f"must be positive, got {self.minutes}")
+        super().validate()
         if self.train_pages < max(len(SHAPES), self.batch_size):
             raise FieldError(
                 "--limit",
@@ -119,11 +110,6 @@ class VlmDocsConfig:
             image_max_tokens=self.image_max_tokens,
             sample_max_tokens=self.sample_max_tokens,
         )
-
-    def budget(self) -> QuickstartConfig:
-        """The step budget in the form `budget.plan_steps` reads."""
-        return QuickstartConfig(steps=self.steps, minutes=self.minutes, batch_size=self.batch_size,
-                                fit_budget=self.fit_budget)  # fmt: skip
 
 
 @dataclass
@@ -151,7 +137,8 @@ class VlmDocsResult:
 # ----------------------------------------------------------------------------- the model
 def docs_spec(tokens: TokenizerFolder, config: VlmDocsConfig) -> ModelSpec:
     """The tiny-qwen2-vl preset over the tokenizer's ids plus the image and video placeholders
-    (the two ids past them), with the decoder's rotary base `config.rope_theta`.
+    (the two ids past them), with the decoder's rotary base `config.rope_theta`
+    (`native_demo.native_spec`).
 
     Why the base: M-RoPE gives a page's tokens (time, row, column) positions and turns the
     head's frequency pairs by them in sections (`mrope_section` [2, 3, 3] of a head of 16: time,
@@ -162,29 +149,14 @@ def docs_spec(tokens: TokenizerFolder, config: VlmDocsConfig) -> ModelSpec:
     to 0.76 per row): the k-th digit of the answer can look k columns into the line. On these
     pages, 1,000 steps read 59.5% ANLS at base 3 against 8.1% at 1e6 (the same data, model and
     seed; 0.0% and 0.8% with shuffled pages)."""
-    data = load_spec(PRESET).to_dict()
-    data["name"] = "quickstart-vlm-docs"
-    data["vision_tokens"].update(
-        image_token_id=tokens.vocab_size, video_token_id=tokens.vocab_size + 1
-    )
-    data["decoder"].update(
-        vocab_size=tokens.vocab_size + 2,
-        max_positions=config.sequence_length,
-        bos_id=tokens.bos_id,
-        eos_ids=[tokens.eos_id],
-        rope_theta=config.rope_theta,
-    )
-    spec = ModelSpec.from_dict(data)
-    spec.validate()
-    return spec
+    return native_spec("quickstart-vlm-docs", tokens, config)
 
 
 def page_tokens(spec: ModelSpec, config: VlmDocsConfig, pages: list[Page]) -> list[int]:
     """LM tokens of each page under the run's budget: `visual_budget`'s rule, the loader's."""
-    from mmtrain.visual_budget import ImageSize, budget_of
+    from mmtrain.visual_budget import ImageSize
 
-    assert spec.vision is not None
-    budget = budget_of(spec.vision, config.vision())
+    budget = vision_budget(spec, config.vision())
     return [budget.tokens([ImageSize(p.height, p.width)])[0] for p in pages]
 
 
@@ -195,116 +167,29 @@ def train_config(
     """The `mmtrain train` config (as a dict): packed rows, the pages' budget, and validation
     with generation on the held-out pages at the end (eval.json)."""
     vision = config.vision()
-    return {
-        "model": str(paths.spec),
-        "data": {
-            "train": str(paths.train_shards),
-            "val": str(paths.val_shards),
-            "tokenizer": str(tokens.tokenizer),
-            "chat_template": str(tokens.folder),
-            "sequence_length": config.sequence_length,
-            "pack": True,
-            "vision": {
-                "image_min_tokens": vision.image_min_tokens,
-                "image_max_tokens": vision.image_max_tokens,
-                "sample_max_tokens": vision.sample_max_tokens,
-            },
-            "workers": 0,  # a page of a few hundred pixels decodes in far less than a step
-            "shuffle_window": 4096,
-        },
-        "train": {
-            "steps": steps,
-            "batch_size": config.batch_size,
-            "precision": "fp32",
-            "lr": config.lr,
-            "min_lr": config.lr / 100,
-            "weight_decay": config.weight_decay,
-            # the AdamW settings its README figures were measured with
-            "betas": [0.9, 0.98],
-            "eps": 1e-6,
-            "warmup_steps": min(steps, max(1, round(config.warmup_fraction * steps))),
-            "schedule": "cosine",
-            "grad_clip": 1.0,
-            "device": "cpu",
-        },
-        "eval": {"every_steps": None, "batch_size": config.eval_batch_size},  # at the end
-        "checkpoint": {"every_steps": None, "every_minutes": 5, "keep": 1},
-        "metrics": {"log_every": 10},
-        "seed": config.seed,
-        "out": str(paths.run),
+    budget = {
+        "image_min_tokens": vision.image_min_tokens,
+        "image_max_tokens": vision.image_max_tokens,
+        "sample_max_tokens": vision.sample_max_tokens,
     }
+    # the AdamW settings its README figures were measured with
+    adamw = {"betas": [0.9, 0.98], "eps": 1e-6}
+    return native_train_config(config, paths, tokens, steps, budget, adamw)
 
 
 def time_docs_steps(spec: ModelSpec, config: VlmDocsConfig, pages: list[Page]) -> float:
-    """Seconds per optimizer step on this CPU: a probe of up to 16 rows, each a page of the
-    training pages' most common size and its prompt, forward, backward and AdamW (timed as
-    `budget.time_steps` does), scaled up linearly to `batch_size` samples."""
-    import torch
-
-    from mmtrain.models import create_model
-    from mmtrain.train.measure_step import native_language_batch, next_token_loss
-
-    assert spec.vision is not None
-    budget = _budget(spec, config)
-    shapes = [budget.shapes([_size(p)])[0] for p in pages[: 4 * len(SHAPES)]]
-    shape = max(shapes, key=lambda s: s.tokens(spec.vision))  # the dearest: a cautious estimate
-    positions = shape.tokens(spec.vision) + 16  # the prompt and the answer: about 16 ids
-    probe = min(16, config.batch_size)
-    model = create_model(spec, seed=0)
-    batch = native_language_batch(spec, probe, positions, ((1, shape.height, shape.width),),
-                                  torch.Generator().manual_seed(0))  # fmt: skip
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def loss():
-        return next_token_loss(model(batch), batch["labels"])
-
-    return step_seconds(loss, optimizer) * config.batch_size / probe
-
-
-def _budget(spec: ModelSpec, config: VlmDocsConfig):
-    from mmtrain.visual_budget import budget_of
-
-    assert spec.vision is not None
-    return budget_of(spec.vision, config.vision())
-
-
-def _size(page: Page):
+    """Seconds per optimizer step on this CPU (`native_demo.time_native_steps`): rows of a
+    page of the training pages' dearest size, scaled up to `batch_size` samples."""
     from mmtrain.visual_budget import ImageSize
 
-    return ImageSize(page.height, page.width)
+    assert spec.vision is not None
+    budget = vision_budget(spec, config.vision())
+    shapes = [budget.shapes([ImageSize(p.height, p.width)])[0] for p in pages[: 4 * len(SHAPES)]]
+    shape = max(shapes, key=lambda s: s.tokens(spec.vision))  # the dearest: a cautious estimate
+    return time_native_steps(spec, config.batch_size, shape)
 
 
 # ----------------------------------------------------------------------------- the report
-def page_answers(
-    config: VlmDocsConfig, paths: DocsPaths, tokens: TokenizerFolder
-) -> list[dict[str, Any]]:
-    """Every held-out page's greedy answer, with its own page and with another's: the
-    validation's evaluator (`VLMEvaluator`, the run's budget, template and seed) asked to keep
-    all of them as examples, for the per-shape figures (the validation keeps eight)."""
-    from mmtrain import load_model
-    from mmtrain.eval.generation import VLMEvaluator
-
-    model = load_model(paths.run).eval()
-    evaluator = VLMEvaluator(
-        model.spec,
-        paths.val_shards,
-        batch_size=config.eval_batch_size,
-        tokenizer=str(tokens.tokenizer),
-        chat_template=str(tokens.folder),
-        max_length=config.sequence_length,
-        max_new_tokens=8,  # 4 digits, the space before them and [EOT], with room to spare
-        examples=config.val_pages,
-        seed=config.seed,
-        rank=0,
-        world_size=1,
-        budget=_budget(model.spec, config),
-    )
-    try:
-        return evaluator.report(model)["examples"]
-    finally:
-        evaluator.close()
-
-
 def documents_block(
     report: dict[str, Any],
     answers: list[dict[str, Any]],
@@ -328,11 +213,11 @@ def documents_block(
         by_shape[shape.name] = {
             "n": len(rows),
             "tokens": tokens_of[rows[0]["id"]] if rows else None,
-            "anls": _mean([a["anls"] for a in rows]),
-            "anls_shuffled_pages": _mean(
+            "anls": mean([a["anls"] for a in rows]),
+            "anls_shuffled_pages": mean(
                 [anls(a["generated_shuffled_images"], a["reference"]) for a in moved]
             ),
-            "exact_match": _mean([a["exact_match"] for a in rows]),
+            "exact_match": mean([a["exact_match"] for a in rows]),
         }
     misread = [
         {"id": a["id"], "shape": shape_of.get(a["id"]), "reference": a["reference"],
@@ -362,34 +247,14 @@ def documents_block(
     }
 
 
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
-def write_documents(paths: DocsPaths, block: dict[str, Any]) -> dict[str, Any]:
-    """Add the `documents` block to OUT/run/eval.json (written by the validation), atomically;
-    returns the whole document."""
-    from mmtrain.atomic import atomic_write_text
-
-    document = json.loads(paths.eval_json.read_text(encoding="utf-8"))
-    document["documents"] = block
-    atomic_write_text(paths.eval_json, json.dumps(document, indent=2, default=str) + "\n")
-    return document
-
-
 # ----------------------------------------------------------------------------- the whole run
 def run_vlm_docs(
     config: VlmDocsConfig, on_phase: Phase | None = None, on_step: StepHook | None = None
 ) -> VlmDocsResult:
     """Data, calibration, training with the held-out validation, the documents block; see the
     module docstring. Raises FieldError for bad settings (before writing anything)."""
-    config.validate()
-    check_out(config.out, OUTPUTS)
     paths = DocsPaths(config.out)
-    for folder in (paths.out / "data", paths.run, paths.tokenizer):
-        shutil.rmtree(folder, ignore_errors=True)  # an interrupted run starts them afresh
-    phase = on_phase or (lambda name, detail: None)
-    lap = PhaseClock()
+    phase, lap = begin(config, paths, on_phase)
 
     phase(
         "pages",
@@ -414,19 +279,16 @@ def run_vlm_docs(
         config.budget(), phase, lap, lambda: time_docs_steps(spec, config, train_pages)
     )
 
-    from mmtrain.config import config_from_dict
-    from mmtrain.train.loop import train
-
     phase("train", f"{steps} steps of {config.batch_size} pages, then the held-out pages")
-    hook = None if on_step is None else lambda row: on_step({**row, "total_steps": steps})
-    train(config_from_dict(train_config(config, paths, tokens, steps)), on_step=hook)
+    train_run(train_config(config, paths, tokens, steps), on_step)
     lap("train")
 
     phase("evaluate", "each held-out page's answer, for the figures per page shape")
-    answers = page_answers(config, paths, tokens)
+    # max_new_tokens: 4 digits, the space before them and [EOT], with room to spare
+    answers = held_out_answers(config, paths, tokens, config.vision(), config.val_pages, 8)
     report = json.loads(paths.eval_json.read_text(encoding="utf-8"))
     block = documents_block(report, answers, train_pages + val_pages, counts, config)
-    document = write_documents(paths, block)
+    document = add_eval_block(paths, "documents", block)
     shutil.copy2(paths.out / "ATTRIBUTION.txt", paths.run / "ATTRIBUTION.txt")
     lap("evaluate")
     return VlmDocsResult(
@@ -448,10 +310,8 @@ __all__ = [
     "VlmDocsResult",
     "docs_spec",
     "documents_block",
-    "page_answers",
     "page_tokens",
     "run_vlm_docs",
     "time_docs_steps",
     "train_config",
-    "write_documents",
 ]

@@ -40,16 +40,22 @@ from pathlib import Path
 from typing import Any
 
 from mmtrain.config import VisionDataConfig
-from mmtrain.quickstart.budget import fit_steps, step_seconds
-from mmtrain.quickstart.common import (
-    ChatPaths,
-    Phase,
-    PhaseClock,
-    StepHook,
-    build_shards,
-    check_out,
+from mmtrain.quickstart.budget import fit_steps
+from mmtrain.quickstart.common import ChatPaths, Phase, StepHook, build_shards
+from mmtrain.quickstart.native_demo import (
+    OUTPUTS,
+    PRESET,
+    NativeDemoConfig,
+    add_eval_block,
+    begin,
+    held_out_answers,
+    mean,
+    native_spec,
+    native_train_config,
+    time_native_steps,
+    train_run,
+    vision_budget,
 )
-from mmtrain.quickstart.config import QuickstartConfig
 from mmtrain.quickstart.video_data import (
     EVAL_PROMPT,
     FPS,
@@ -66,19 +72,17 @@ from mmtrain.quickstart.video_data import (
     write_tokenizer,
 )
 from mmtrain.quickstart.vlm_data import TokenizerFolder
-from mmtrain.spec import ModelSpec, load_spec
+from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
 
 log = logging.getLogger(__name__)
 
-# What OUT may hold besides a user's files (check_out refuses anything else).
-OUTPUTS = ("data", "model.yaml", "run", "ATTRIBUTION.txt", "tokenizer")
-PRESET = "tiny-qwen2-vl"
-
 
 @dataclass
-class VlmVideoConfig:
-    """What `mmtrain quickstart --vlm-video` runs; the defaults fit 8 minutes on 2 idle cores."""
+class VlmVideoConfig(NativeDemoConfig):
+    """What `mmtrain quickstart --vlm-video` runs; the defaults fit 8 minutes on 2 idle cores.
+    The training settings it shares with `--vlm-docs` (batch 32, lr 2e-3, 128 positions a
+    row, ...) are `native_demo.NativeDemoConfig`'s."""
 
     out: Path = Path("runs/quickstart-vlm-video")
     # Held-out accuracy after 1,200 steps: 93.8% in order, 0.0% reversed (README; about 0.12 s
@@ -86,26 +90,13 @@ class VlmVideoConfig:
     # after 800, 91.4% after 1,200, reversed 3.1%, 0.0%, 0.0%: the curve has flattened.
     steps: int = 1200
     minutes: float = 6.0  # upper bound on training time: fewer steps on a slower machine
-    fit_budget: bool = True
-    batch_size: int = 32
-    lr: float = 2e-3
-    warmup_fraction: float = 0.1
-    weight_decay: float = 0.1
     train_clips: int = 2400
     val_clips: int = 128
-    vocab_size: int = 320  # at most: the conversations' BPE may end smaller
     rope_theta: float = 1e6  # the decoder's rotary base, the preset's: see `video_spec`
-    sequence_length: int = 128  # a packed row's LM positions: 2 to 3 clips with their text
     eval_batch_size: int = 128
-    build_workers: int = 2
-    seed: int = 0
 
     def validate(self) -> None:
-        for name in ("steps", "batch_size", "vocab_size", "sequence_length", "eval_batch_size"):
-            if getattr(self, name) < 1:
-                raise FieldError(name, f"must be at least 1, got {getattr(self, name)}")
-        if not self.minutes > 0:
-            raise FieldError("--minutes", f"must be positive, got {self.minutes}")
+        super().validate()
         least = max(len(TRAINED), self.batch_size)
         if self.train_clips < least:
             raise FieldError(
@@ -132,11 +123,6 @@ class VlmVideoConfig:
             frame_max_tokens=tokens,
         )
 
-    def budget(self) -> QuickstartConfig:
-        """The step budget in the form `budget.plan_steps` reads."""
-        return QuickstartConfig(steps=self.steps, minutes=self.minutes, batch_size=self.batch_size,
-                                fit_budget=self.fit_budget)  # fmt: skip
-
 
 @dataclass
 class VideoPaths(ChatPaths):
@@ -162,7 +148,8 @@ class VlmVideoResult:
 # ----------------------------------------------------------------------------- the model
 def video_spec(tokens: TokenizerFolder, config: VlmVideoConfig) -> ModelSpec:
     """The tiny-qwen2-vl preset over the tokenizer's ids plus the image and video placeholders
-    (the two ids past them), with the decoder's rotary base `config.rope_theta`.
+    (the two ids past them), with the decoder's rotary base `config.rope_theta`
+    (`native_demo.native_spec`).
 
     Why the preset's base (1e6) is kept, where `vlm_docs` lowers it to 3: M-RoPE turns each
     head's frequency pairs by a token's (time, row, column) positions in sections
@@ -173,30 +160,15 @@ def video_spec(tokens: TokenizerFolder, config: VlmVideoConfig) -> ModelSpec:
     hundred steps: 91.4% held-out accuracy after 1,200 steps at base 1e6 against 93.8% at 3
     (117 and 120 of 128 clips; 0.0% reversed both), 79.7% against 84.4% after 400 steps: no
     clear difference, so the preset stays."""
-    data = load_spec(PRESET).to_dict()
-    data["name"] = "quickstart-vlm-video"
-    data["vision_tokens"].update(
-        image_token_id=tokens.vocab_size, video_token_id=tokens.vocab_size + 1
-    )
-    data["decoder"].update(
-        vocab_size=tokens.vocab_size + 2,
-        max_positions=config.sequence_length,
-        bos_id=tokens.bos_id,
-        eos_ids=[tokens.eos_id],
-        rope_theta=config.rope_theta,
-    )
-    spec = ModelSpec.from_dict(data)
-    spec.validate()
-    return spec
+    return native_spec("quickstart-vlm-video", tokens, config)
 
 
 def clip_shape(spec: ModelSpec, config: VlmVideoConfig):
     """A clip's (frames, height, width) at the tower under the run's budget: `visual_budget`'s
     rule, the loader's (every clip has the same size)."""
-    from mmtrain.visual_budget import ClipSize, budget_of
+    from mmtrain.visual_budget import ClipSize
 
-    assert spec.vision is not None
-    budget = budget_of(spec.vision, config.vision())
+    budget = vision_budget(spec, config.vision())
     return budget.shapes([ClipSize(FRAMES, float(FPS), SIDE, SIDE)])[0]
 
 
@@ -205,105 +177,26 @@ def train_config(
     config: VlmVideoConfig, paths: VideoPaths, tokens: TokenizerFolder, steps: int
 ) -> dict[str, Any]:
     """The `mmtrain train` config (as a dict): packed rows, the clips' budget, and validation
-    with generation on the held-out clips at the end (eval.json)."""
+    with generation on the held-out clips at the end (eval.json). AdamW's betas and eps are
+    left to the workload's defaults."""
     vision = config.vision()
-    return {
-        "model": str(paths.spec),
-        "data": {
-            "train": str(paths.train_shards),
-            "val": str(paths.val_shards),
-            "tokenizer": str(tokens.tokenizer),
-            "chat_template": str(tokens.folder),
-            "sequence_length": config.sequence_length,
-            "pack": True,
-            "vision": {
-                "video_fps": vision.video_fps,
-                "video_min_frames": vision.video_min_frames,
-                "video_max_frames": vision.video_max_frames,
-                "frame_min_tokens": vision.frame_min_tokens,
-                "frame_max_tokens": vision.frame_max_tokens,
-            },
-            "workers": 0,  # 4 frames of 32 x 32 decode in far less than a step
-            "shuffle_window": 4096,
-        },
-        "train": {
-            "steps": steps,
-            "batch_size": config.batch_size,
-            "precision": "fp32",
-            "lr": config.lr,
-            "min_lr": config.lr / 100,
-            "weight_decay": config.weight_decay,
-            "warmup_steps": min(steps, max(1, round(config.warmup_fraction * steps))),
-            "schedule": "cosine",
-            "grad_clip": 1.0,
-            "device": "cpu",
-        },
-        "eval": {"every_steps": None, "batch_size": config.eval_batch_size},  # at the end
-        "checkpoint": {"every_steps": None, "every_minutes": 5, "keep": 1},
-        "metrics": {"log_every": 10},
-        "seed": config.seed,
-        "out": str(paths.run),
+    budget = {
+        "video_fps": vision.video_fps,
+        "video_min_frames": vision.video_min_frames,
+        "video_max_frames": vision.video_max_frames,
+        "frame_min_tokens": vision.frame_min_tokens,
+        "frame_max_tokens": vision.frame_max_tokens,
     }
+    return native_train_config(config, paths, tokens, steps, budget)
 
 
 def time_video_steps(spec: ModelSpec, config: VlmVideoConfig) -> float:
-    """Seconds per optimizer step on this CPU: a probe of up to 16 rows, each a clip at the
-    run's size and its prompt, forward, backward and AdamW (timed as `budget.time_steps`
-    does), scaled up linearly to `batch_size` samples."""
-    import torch
-
-    from mmtrain.models import create_model
-    from mmtrain.train.measure_step import native_language_batch, next_token_loss
-
-    assert spec.vision is not None
-    shape = clip_shape(spec, config)
-    positions = shape.tokens(spec.vision) + 16  # the prompt and the answer: about 16 ids
-    probe = min(16, config.batch_size)
-    model = create_model(spec, seed=0)
-    batch = native_language_batch(spec, probe, positions,
-                                  ((shape.frames, shape.height, shape.width),),
-                                  torch.Generator().manual_seed(0))  # fmt: skip
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def loss():
-        return next_token_loss(model(batch), batch["labels"])
-
-    return step_seconds(loss, optimizer) * config.batch_size / probe
+    """Seconds per optimizer step on this CPU (`native_demo.time_native_steps`): rows of a
+    clip at the run's size, scaled up to `batch_size` samples."""
+    return time_native_steps(spec, config.batch_size, clip_shape(spec, config))
 
 
 # ----------------------------------------------------------------------------- the report
-def clip_answers(
-    config: VlmVideoConfig, paths: VideoPaths, tokens: TokenizerFolder
-) -> list[dict[str, Any]]:
-    """Every held-out clip's greedy answer, with its frames in order and reversed: the
-    validation's evaluator (`VLMEvaluator`, the run's budget, template and seed) asked to keep
-    all of them as examples, for the per-motion figures (the validation keeps eight)."""
-    from mmtrain import load_model
-    from mmtrain.eval.generation import VLMEvaluator
-    from mmtrain.visual_budget import budget_of
-
-    model = load_model(paths.run).eval()
-    assert model.spec.vision is not None
-    evaluator = VLMEvaluator(
-        model.spec,
-        paths.val_shards,
-        batch_size=config.eval_batch_size,
-        tokenizer=str(tokens.tokenizer),
-        chat_template=str(tokens.folder),
-        max_length=config.sequence_length,
-        max_new_tokens=8,  # the longest answer is 3 to 4 ids and [EOT]
-        examples=config.val_clips,
-        seed=config.seed,
-        rank=0,
-        world_size=1,
-        budget=budget_of(model.spec.vision, config.vision()),
-    )
-    try:
-        return evaluator.report(model)["examples"]
-    finally:
-        evaluator.close()
-
-
 def video_block(
     report: dict[str, Any], answers: list[dict[str, Any]], clips: list[Clip], tokens: int
 ) -> dict[str, Any]:
@@ -320,11 +213,11 @@ def video_block(
         backwards = [a for a in rows if "generated_frames_reversed" in a]
         by_motion[motion] = {
             "n": len(rows),
-            "accuracy": _mean([a["exact_match"] for a in rows]),
-            "accuracy_frames_reversed": _mean(
+            "accuracy": mean([a["exact_match"] for a in rows]),
+            "accuracy_frames_reversed": mean(
                 [float(a["generated_frames_reversed"] == motion) for a in backwards]
             ),
-            "reversed_as_opposite": _mean(
+            "reversed_as_opposite": mean(
                 [float(a["generated_frames_reversed"] == REVERSED[motion]) for a in backwards]
             ),
         }
@@ -343,7 +236,7 @@ def video_block(
         # each question with another held-out clip: the answers depend on the clip at all
         "accuracy_shuffled_clips": generation.get("exact_match_shuffled_images"),
         "chance": 1 / len(MOTIONS),
-        "reversed_as_opposite": _mean(opposite),
+        "reversed_as_opposite": mean(opposite),
         "prompt": EVAL_PROMPT,
         "held_out": [f"{shape} {motion}" for shape, motion in HELD_OUT],
         "clip_tokens": tokens,
@@ -352,34 +245,14 @@ def video_block(
     }
 
 
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
-def write_video(paths: VideoPaths, block: dict[str, Any]) -> dict[str, Any]:
-    """Add the `video` block to OUT/run/eval.json (written by the validation), atomically;
-    returns the whole document."""
-    from mmtrain.atomic import atomic_write_text
-
-    document = json.loads(paths.eval_json.read_text(encoding="utf-8"))
-    document["video"] = block
-    atomic_write_text(paths.eval_json, json.dumps(document, indent=2, default=str) + "\n")
-    return document
-
-
 # ----------------------------------------------------------------------------- the whole run
 def run_vlm_video(
     config: VlmVideoConfig, on_phase: Phase | None = None, on_step: StepHook | None = None
 ) -> VlmVideoResult:
     """Data, calibration, training with the held-out validation, the video block; see the
     module docstring. Raises FieldError for bad settings (before writing anything)."""
-    config.validate()
-    check_out(config.out, OUTPUTS)
     paths = VideoPaths(config.out)
-    for folder in (paths.out / "data", paths.run, paths.tokenizer):
-        shutil.rmtree(folder, ignore_errors=True)  # an interrupted run starts them afresh
-    phase = on_phase or (lambda name, detail: None)
-    lap = PhaseClock()
+    phase, lap = begin(config, paths, on_phase)
 
     phase(
         "clips",
@@ -402,19 +275,16 @@ def run_vlm_video(
 
     steps, seconds = fit_steps(config.budget(), phase, lap, lambda: time_video_steps(spec, config))
 
-    from mmtrain.config import config_from_dict
-    from mmtrain.train.loop import train
-
     phase("train", f"{steps} steps of {config.batch_size} clips, then the held-out clips")
-    hook = None if on_step is None else lambda row: on_step({**row, "total_steps": steps})
-    train(config_from_dict(train_config(config, paths, tokens, steps)), on_step=hook)
+    train_run(train_config(config, paths, tokens, steps), on_step)
     lap("train")
 
     phase("evaluate", "each held-out clip's answer, for the figures per motion")
-    answers = clip_answers(config, paths, tokens)
+    # max_new_tokens: the longest answer is 3 to 4 ids and [EOT]
+    answers = held_out_answers(config, paths, tokens, config.vision(), config.val_clips, 8)
     report = json.loads(paths.eval_json.read_text(encoding="utf-8"))
     block = video_block(report, answers, val_clips, clip_tokens)
-    write_video(paths, block)
+    add_eval_block(paths, "video", block)
     shutil.copy2(paths.out / "ATTRIBUTION.txt", paths.run / "ATTRIBUTION.txt")
     lap("evaluate")
     return VlmVideoResult(
@@ -433,12 +303,10 @@ __all__ = [
     "VideoPaths",
     "VlmVideoConfig",
     "VlmVideoResult",
-    "clip_answers",
     "clip_shape",
     "run_vlm_video",
     "time_video_steps",
     "train_config",
     "video_block",
     "video_spec",
-    "write_video",
 ]
