@@ -1,6 +1,8 @@
 """The decoder's attention paths (models/attention.py) compute what the dense-mask reference
 computes: right-padded rows without a mask, packed rows through flex attention's BlockMask,
-grouped-query attention with grouped k/v.
+grouped-query attention with grouped k/v. The packed rows' BlockMask is flex attention's own
+`create_block_mask` result, block for block, built from the documents' boundaries without any
+tensor of B x T x T elements (a dispatch mode records the largest one made), once per forward.
 
 Tolerance: float64 on both sides. The paths run the same attention sums over the same keys
 (masked keys contribute exact zeros), in possibly another order: each rounding ~1e-16
@@ -17,7 +19,9 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import mmtrain
 from mmtrain.models import attention
@@ -26,6 +30,7 @@ from mmtrain.models.attention import (
     attention_inputs,
     build_attention_mask,
     document_block_mask,
+    document_runs,
     flex_attention_trains,
 )
 from mmtrain.models.decoder import Decoder, document_positions
@@ -154,6 +159,110 @@ def test_packed_rows_on_cuda_train_through_flex_like_the_dense_mask():
     torch.testing.assert_close(flex_logits, reference, rtol=1e-4, atol=1e-4)
     for name, grad in grads(model).items():
         torch.testing.assert_close(flex[name], grad, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def long_packed_documents() -> torch.Tensor:
+    """Two rows of 1000 positions (8 blocks, the last partial): documents longer than a block
+    (blocks wholly inside one), shorter ones, boundaries on and off block edges, padding."""
+    first = [0] * 300 + [1] * 128 + [2] * 100 + [3] * 3 + [4] * 400 + [-1] * 69
+    second = [5] * 128 + [6] * 256 + [5] * 600 + [-1] * 16
+    return torch.tensor([first, second])
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements of any tensor an operation returns inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.elements = max(self.elements, t.numel())
+        return out
+
+
+def eager_block_mask(docs: torch.Tensor) -> BlockMask:
+    """The reference: flex attention's own `create_block_mask`, run eagerly on the mask."""
+    runs = document_runs(docs)
+
+    def same_document_causal(b, h, q, k):
+        return (runs[b, q] == runs[b, k]) & (k <= q)
+
+    b, t = runs.shape
+    return create_block_mask(same_document_causal, b, None, t, t, device=docs.device)
+
+
+def block_sets(counts: torch.Tensor, indices: torch.Tensor) -> list:
+    return [[sorted(row[:n].tolist()) for row, n in zip(r[0], c[0], strict=True)]
+            for r, c in zip(indices, counts, strict=True)]  # fmt: skip
+
+
+@pytest.mark.parametrize("docs", [packed_documents(), long_packed_documents()], ids=["200", "1000"])
+def test_block_mask_from_document_boundaries_is_create_block_masks(docs):
+    reference = eager_block_mask(docs)
+    with LargestTensor() as largest:
+        mask = document_block_mask(docs)
+    b, t = docs.shape
+    # nothing quadratic in the tokens: [B, T] runs and [B, blocks, blocks] block tables
+    assert largest.elements <= 2 * b * t < b * t * t
+    with LargestTensor() as eager:
+        eager_block_mask(docs)
+    assert eager.elements >= b * t * t  # what it replaces: the whole mask, evaluated
+    assert mask.seq_lengths == reference.seq_lengths == (t, t)
+    assert mask.BLOCK_SIZE == reference.BLOCK_SIZE
+    assert torch.equal(mask.to_dense(), reference.to_dense())
+    for name in ("kv", "full_kv", "q", "full_q"):
+        counts, indices = getattr(mask, f"{name}_num_blocks"), getattr(mask, f"{name}_indices")
+        ref_counts = getattr(reference, f"{name}_num_blocks")
+        assert torch.equal(counts, ref_counts), name
+        assert block_sets(counts, indices) == block_sets(
+            ref_counts, getattr(reference, f"{name}_indices")
+        ), name
+    if t == 1000:  # the long rows have whole blocks inside one document: skipped masking
+        assert mask.full_kv_num_blocks.sum() > 0
+
+
+def test_the_packed_decoder_builds_one_block_mask_for_all_its_layers(monkeypatch):
+    model = decoder(seed=10, layers=4)
+    docs = packed_documents()
+    monkeypatch.setattr(attention, "flex_attention_trains", lambda device, dtype: True)
+    built, used = [], []
+    real_mask, real_flex = attention.document_block_mask, attention.flex_attention
+
+    def counting_mask(document_ids):
+        built.append(real_mask(document_ids))
+        return built[-1]
+
+    def recording_flex(q, k, v, block_mask, **kwargs):
+        used.append(block_mask)
+        return real_flex(q, k, v, block_mask=block_mask, **kwargs)
+
+    monkeypatch.setattr(attention, "document_block_mask", counting_mask)
+    monkeypatch.setattr(attention, "flex_attention", recording_flex)
+    with torch.no_grad():
+        model(token_ids(2, 200, seed=11), document_ids=docs)
+    assert len(built) == 1 and len(used) == 4
+    assert all(m is built[0] for m in used)
+
+
+@pytest.mark.slow
+def test_compiled_flex_attention_under_the_boundary_block_mask_equals_the_dense_mask():
+    """Compiled flex attention reads the block tables (eager flex attention evaluates the
+    mask_mod everywhere and ignores them): inductor's CPU kernel, fp32, against SDPA with the
+    dense mask. Each output averages at most 1000 O(1) values in fp32 (6e-8 relative per
+    rounding): ~1e-5 apart at worst, while a skipped or extra block moves outputs by ~1e-2."""
+    docs = long_packed_documents()
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(2, 4, 1000, 16, generator=g)
+    k, v = torch.randn(2, 2, 1000, 16, generator=g), torch.randn(2, 2, 1000, 16, generator=g)
+    mask, _ = build_attention_mask(1000, 0, CPU, None, docs)
+    dense = attend(q, k, v, mask, False)
+    compiled = torch.compile(flex_attention)
+    flex = compiled(q, k, v, block_mask=document_block_mask(docs), enable_gqa=True)
+    torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-4)
 
 
 # ----------------------------------------------------------------------------- grouped queries

@@ -24,6 +24,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mmtrain.distributed
 import mmtrain.train.ring_attention as ring_attention_module
@@ -37,6 +39,7 @@ from mmtrain.train.ring_attention import (
     local_indices,
     ring_attention,
 )
+from mmtrain.train.ring_blocks import CPU_FLASH, EFFICIENT, FLASH, MATH, block_kernel
 from mmtrain.train.sequence_comm import (
     RingPass,
     SequenceGroup,
@@ -227,11 +230,14 @@ def _all_cases(rank: int, world: int) -> dict:
     for masked in (False, True):
         results[("cross", masked)] = _ring_cross_case(group, masked)
     # Blocks of 1 or 2 query rows (uneven cuts of 3-row chunks at N = 4): cut diagonal blocks
-    # keep their triangle, and keys past a block's last query are never read.
+    # keep their triangle, and keys past a block's last query are never read (the fused
+    # kernel cuts masked rows by their bias; the math kernel every row by its scores).
     saved, ring_attention_module.SCORE_ELEMENTS = ring_attention_module.SCORE_ELEMENTS, 100
     try:
         for layout, masked in CAUSAL_CASES:
             results[("blocks", layout, masked)] = _ring_causal_case(group, layout, masked)
+            with sdpa_kernel(SDPBackend.MATH):  # the fallback: no fused kernel
+                results[("math", layout, masked)] = _ring_causal_case(group, layout, masked)
         results[("blocks-cross", True)] = _ring_cross_case(group, True)
     finally:
         ring_attention_module.SCORE_ELEMENTS = saved
@@ -299,6 +305,7 @@ def test_ring_attention_causal_equals_unsplit_attention(ranks, layout, masked):
 def test_ring_attention_in_blocks_of_few_queries_is_still_exact(ranks, layout, masked):
     expected = reference_causal(full_inputs(2), masked)
     assert_matches([r[("blocks", layout, masked)] for r in ranks], expected, layout)
+    assert_matches([r[("math", layout, masked)] for r in ranks], expected, layout)
     inputs = cross_inputs(full_inputs(3))
     allowed = cross_key_valid()[:, None, None, :].expand(B, 1, IMAGE, T)
     cross = output_and_grads(lambda q, k, v: dense_reference(q, k, v, allowed), inputs, inputs["w"])
@@ -340,6 +347,133 @@ def test_one_rank_ring_attention_equals_unsplit_attention(layout, masked):
     expected = reference_causal(inputs, masked)
     for name in ("out", "dq", "dk", "dv"):
         assert_close(actual[name], expected[name], name)
+
+
+class AttentionOps(TorchDispatchMode):
+    """Counts the calls of SDPA's CPU flash kernels (forward, backward) and of logsumexp (the
+    math blocks'), with the dtypes of the flash kernel's q, k and v."""
+
+    FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = {"flash": 0, "flash_backward": 0, "logsumexp": 0}
+        self.dtypes: set = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is self.FLASH:
+            self.counts["flash"] += 1
+            self.dtypes.add(tuple(a.dtype for a in args[:3]))
+        elif func is self.FLASH_BACKWARD:
+            self.counts["flash_backward"] += 1
+        elif func is torch.ops.aten.logsumexp.default:
+            self.counts["logsumexp"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("layout", "masked"), CAUSAL_CASES)
+def test_one_rank_ring_attention_runs_its_blocks_in_the_fused_cpu_kernel(layout, masked):
+    """Every block through SDPA's CPU flash kernel (it returns the log-sum-exp): one call per
+    block forward and backward, no block math; float64, equal to unsplit attention."""
+    inputs = full_inputs(4)
+    masks = {}
+    if masked:
+        masks = {"documents": document_runs(DOCUMENT_IDS), "key_valid": key_valid_of(DOCUMENT_IDS)}
+    group = SequenceGroup.single()
+    with AttentionOps() as ops:
+        actual = output_and_grads(
+            lambda q, k, v: ring_attention(q, k, v, group, causal=True, layout=layout, **masks),
+            inputs,
+            inputs["w"],
+        )
+    blocks = len(local_chunks(layout, 0, 1)) * (len(local_chunks(layout, 0, 1)) + 1) // 2
+    assert ops.counts == {"flash": blocks, "flash_backward": blocks, "logsumexp": 0}
+    assert ops.dtypes == {(DT, DT, DT)}
+    expected = reference_causal(inputs, masked)
+    for name in ("out", "dq", "dk", "dv"):
+        assert_close(actual[name], expected[name], name)
+
+
+def test_the_math_blocks_run_where_no_fused_kernel_applies():
+    inputs = full_inputs(4)
+    masks = {"documents": document_runs(DOCUMENT_IDS), "key_valid": key_valid_of(DOCUMENT_IDS)}
+    assert block_kernel(inputs["q"], inputs["k"], inputs["v"], True) == CPU_FLASH
+    with sdpa_kernel(SDPBackend.MATH):
+        assert block_kernel(inputs["q"], inputs["k"], inputs["v"], True) == MATH
+        with AttentionOps() as ops:
+            actual = output_and_grads(
+                lambda q, k, v: ring_attention(
+                    q, k, v, SequenceGroup.single(), causal=True, layout=ZIGZAG, **masks
+                ),
+                inputs,
+                inputs["w"],
+            )
+    assert ops.counts["flash"] == ops.counts["flash_backward"] == 0 < ops.counts["logsumexp"]
+    expected = reference_causal(inputs, True)
+    for name in ("out", "dq", "dk", "dv"):
+        assert_close(actual[name], expected[name], name)
+
+
+def test_fp32_inputs_reach_the_fused_kernel_in_the_autocast_dtype():
+    """Under bf16 autocast the blocks read bf16 (as SDPA would), merged in fp32; gradients come
+    back in the inputs' fp32."""
+    inputs = {n: t.float() for n, t in full_inputs(9).items()}
+    masks = {"documents": document_runs(DOCUMENT_IDS), "key_valid": key_valid_of(DOCUMENT_IDS)}
+    with AttentionOps() as ops, torch.autocast("cpu", dtype=torch.bfloat16):
+        actual = output_and_grads(
+            lambda q, k, v: ring_attention(
+                q, k, v, SequenceGroup.single(), causal=True, layout=ZIGZAG, **masks
+            ),
+            inputs,
+            inputs["w"],
+        )
+    assert ops.dtypes == {(torch.bfloat16,) * 3}
+    assert actual["out"].dtype == torch.bfloat16 and actual["dq"].dtype == torch.float32
+    # Against float64 attention of the bf16-rounded inputs: the kernel rounds its softmax
+    # weights and each block's output to bf16 (2^-8 relative, each at most max|v| in size),
+    # the ring its merged output once more; its fp32 sums of <= T terms add T 2^-24 max|v|.
+    rounded = {n: t.bfloat16().double() for n, t in inputs.items()}
+    expected = reference_causal(rounded, True)
+    bound = (3 * 2**-8 + T * 2**-24) * rounded["v"].abs().max().item()
+    assert (actual["out"].double() - expected["out"]).abs().max().item() <= bound
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's fused kernels")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("masked", [False, True])
+def test_cuda_fused_blocks_are_as_exact_as_the_math_blocks(dtype, masked):
+    """CUDA's flash (bf16, unmasked) and memory-efficient kernels against float64 attention of
+    the same `dtype`-rounded inputs: their error is at most twice the math blocks' (which
+    compute in fp32 and round once) plus one rounding of the largest value, while one wrong
+    key moves an output by ~1e-1."""
+    cuda = torch.device("cuda")
+    inputs = {n: t.to(dtype).double() for n, t in full_inputs(10).items()}
+    masks = {}
+    if masked:
+        masks = {"documents": document_runs(DOCUMENT_IDS), "key_valid": key_valid_of(DOCUMENT_IDS)}
+    exact = reference_causal(inputs, masked)
+    on_cuda = {n: t.to(cuda, dtype) for n, t in inputs.items()}
+    cuda_masks = {n: t.to(cuda) for n, t in masks.items()}
+    kernel = block_kernel(on_cuda["q"], on_cuda["k"], on_cuda["v"], masked)
+    assert kernel == (FLASH if dtype == torch.bfloat16 and not masked else EFFICIENT)
+
+    def ring(q, k, v):
+        return ring_attention(
+            q, k, v, SequenceGroup.single(), causal=True, layout=ZIGZAG, **cuda_masks
+        )
+
+    fused = output_and_grads(ring, on_cuda, on_cuda["w"])
+    with sdpa_kernel(SDPBackend.MATH):
+        math_blocks = output_and_grads(ring, on_cuda, on_cuda["w"])
+    unit = torch.finfo(dtype).eps / 2
+    for name in ("out", "dq", "dk", "dv"):
+        fused_error, math_error = (
+            (result[name].cpu().double() - exact[name]).abs().max().item()
+            for result in (fused, math_blocks)
+        )
+        scale = exact[name].abs().max().item()
+        assert fused_error <= 2 * math_error + unit * scale, name
 
 
 def test_one_rank_ring_attention_gradients_pass_gradcheck():

@@ -11,7 +11,8 @@ the cheapest exact path:
 - every key, no mask: one new token after a cache without padding.
 - flex attention: packed rows (`document_ids`) on CUDA in fp16 / bf16 / fp32. A `BlockMask`
   (same document and k <= q) replaces the L x L mask: blocks outside a document are skipped
-  and nothing quadratic is kept for backward.
+  and nothing quadratic is kept for backward, nor made: its block tables are read from the
+  documents' boundaries (`document_block_mask`).
 - a dense boolean [B, 1, T, S] mask, the explicit fallback: left padding with a KV cache
   (generation), and packed rows where flex attention cannot train: on the CPU (torch 2.13's
   flex attention has no CPU backward, and inductor's CPU flex kernel refuses float64) and in
@@ -20,6 +21,8 @@ the cheapest exact path:
 - an `AttentionKernel`: attention computed by someone else over a sequence this rank holds a
   slice of (train/sequence_parallel.py's all-to-all and ring kernels); it applies the
   forward's masks itself.
+
+Every kernel gets q, k and v in one dtype (`attention_dtype`): autocast's where it is on.
 
 Grouped-query attention hands SDPA the `kv_heads` keys and values with `enable_gqa=True`
 where the chosen kernel takes them grouped (CPU flash kernel; CUDA flash kernel: fp16/bf16,
@@ -35,9 +38,10 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FLEX_BLOCK = 128  # flex attention's default sparse block: tokens per query / key block
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -69,15 +73,54 @@ def flex_attention_trains(device: torch.device, dtype: torch.dtype) -> bool:
 
 def document_block_mask(document_ids: Tensor) -> BlockMask:
     """Block-diagonal causal `BlockMask` of packed rows `document_ids` [B, T]: a query sees the
-    keys of its own document (run) at or before it. Built from the [B, T] runs; evaluating the
-    mask_mod makes a transient [B, T, T] boolean (1 byte per pair, once per forward, not kept)."""
+    keys of its own document (run) at or before it.
+
+    The block structure is read from the runs' boundaries, per (query block, key block) of
+    `FLEX_BLOCK` tokens, never from the mask itself: `create_block_mask` run eagerly evaluates
+    the mask at every pair, a [B, 1, T, T] tensor (64 MiB per row at 8k tokens, 1 GiB at
+    32k). Runs never decrease along a row, so a block's runs are the interval between its
+    first and last token's: a key block can hold a query block's document iff the intervals
+    meet (and it is not after it), and is wholly visible iff both blocks lie in one document
+    and the key block is strictly before. Built once per forward and shared by every layer."""
     runs = document_runs(document_ids)
     b, t = runs.shape
+    blocks = -(-t // FLEX_BLOCK)
+    # pad with each row's last run: no run is added, so the intervals stay the real tokens'
+    padded = torch.cat([runs, runs[:, -1:].expand(b, blocks * FLEX_BLOCK - t)], dim=1)
+    first = padded[:, ::FLEX_BLOCK]  # [B, blocks]
+    last = padded[:, FLEX_BLOCK - 1 :: FLEX_BLOCK]
+    index = torch.arange(blocks, device=runs.device)
+    not_after = index[None, :] <= index[:, None]  # [query block, key block]
+    meets = (first[:, None, :] <= last[:, :, None]) & (last[:, None, :] >= first[:, :, None])
+    one_run = first == last
+    inside = (index + 1) * FLEX_BLOCK <= t  # a last, partial block is never full
+    whole = one_run & inside[None]
+    full = (
+        (index[None, :] < index[:, None])
+        & whole[:, :, None]
+        & whole[:, None, :]
+        & (first[:, :, None] == first[:, None, :])
+    )
+    partial = not_after & meets & ~full
 
     def same_document_causal(batch: Tensor, head: Tensor, q: Tensor, k: Tensor) -> Tensor:
         return (runs[batch, q] == runs[batch, k]) & (k <= q)
 
-    return create_block_mask(same_document_causal, b, None, t, t, device=runs.device)
+    return BlockMask.from_kv_blocks(
+        *_ordered_blocks(partial),
+        *_ordered_blocks(full),
+        BLOCK_SIZE=FLEX_BLOCK,
+        mask_mod=same_document_causal,
+        seq_lengths=(t, t),
+    )
+
+
+def _ordered_blocks(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """(count [B, 1, Q], indices [B, 1, Q, K]) of the key blocks marked in `blocks` [B, Q, K],
+    in ascending order first: `BlockMask`'s layout (int32), as `create_block_mask` makes it."""
+    counts = blocks.sum(dim=-1, dtype=torch.int32)
+    order = torch.argsort(blocks.int(), dim=-1, descending=True, stable=True)
+    return counts[:, None], order.to(torch.int32)[:, None]
 
 
 def build_attention_mask(
@@ -152,11 +195,34 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention)
 
 
+def attention_dtype(q: Tensor, k: Tensor, v: Tensor) -> torch.dtype:
+    """The one dtype attention runs in: autocast's where it is on for q's device (as autocast
+    would cast SDPA's inputs; flex attention is not covered, so its inputs are cast here), else
+    the common dtype of q, k and v. Under autocast, fp32 q and k (rotated in fp32) beside a
+    bf16 v would otherwise reach flex attention mixed, and make SDPA's grouped-query choice
+    on the fp32 dtype (`sdpa_groups_kv`)."""
+    device_type = q.device.type
+    floats = all(t.dtype in FLEX_DTYPES for t in (q, k, v))
+    if floats and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+
+
+def sdpa_groups_kv(device: torch.device, dtype: torch.dtype, mask: Tensor | None) -> bool:
+    """Whether SDPA gets the `kv_heads` keys and values grouped (`enable_gqa`) rather than
+    repeated to every query head (module docstring): on the CPU always; on CUDA where its
+    flash kernel takes them, 16-bit without a mask."""
+    return device.type == "cpu" or (dtype in HALF_DTYPES and mask is None)
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask, is_causal: bool) -> Tensor:
     """Attention of q [B, heads, T, d] over k, v [B, kv_heads, S, d] (each kv head serves
-    `heads / kv_heads` consecutive query heads) under `attention_inputs`'s (mask, is_causal)."""
+    `heads / kv_heads` consecutive query heads) under `attention_inputs`'s (mask, is_causal),
+    in one dtype (`attention_dtype`)."""
     if isinstance(mask, AttentionKernel):
         return mask(q, k, v)
+    dtype = attention_dtype(q, k, v)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     grouped = q.shape[1] != k.shape[1]
     if isinstance(mask, BlockMask):
         # Compiled where it trains; eager elsewhere (forward only, e.g. the CPU checks of
@@ -165,7 +231,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask, is_causal: bool) -> Tens
         compiled = q.is_cuda and not torch.compiler.is_compiling()
         kernel = _compiled_flex_attention() if compiled else flex_attention
         return kernel(q, k, v, block_mask=mask, enable_gqa=grouped)
-    native = q.device.type == "cpu" or (q.dtype in HALF_DTYPES and mask is None)
+    native = sdpa_groups_kv(q.device, dtype, mask)
     if grouped and not native:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)

@@ -11,8 +11,9 @@ formulas know one shape: `attn.qkv` stacks the q, k and v projections (rows q, k
 `kv_heads` heads wide) and `mlp.fc1` stacks the SwiGLU gate and value (gate first).
 
 Numerics follow the checkpoints' own implementations, so converted weights compute what they
-were trained to compute: rotary angles are computed in float32 whatever the model's dtype, and
-RMSNorm normalises in at least float32 before casting back and scaling.
+were trained to compute: rotary angles are computed in float32 whatever the model's dtype (q
+and k are rotated in float32 and rounded once back to their dtype, so attention gets q, k and v
+in one dtype), and RMSNorm normalises in at least float32 before casting back and scaling.
 """
 
 from __future__ import annotations
@@ -59,13 +60,11 @@ def rope_frequencies(spec: DecoderSpec, device: torch.device | None = None) -> T
 
 
 def rotary_cos_sin(
-    inv_freq: Tensor,
-    position_ids: Tensor,
-    dtype: torch.dtype,
-    mrope_section: tuple[int, ...] | None = None,
+    inv_freq: Tensor, position_ids: Tensor, mrope_section: tuple[int, ...] | None = None
 ) -> tuple[Tensor, Tensor]:
-    """cos and sin [B, T, head_dim] of each position's angles, the halves repeated (the q/k
-    channels are rotated as pairs (i, i + head_dim / 2), HF's layout of Llama weights).
+    """cos and sin [B, T, head_dim] in float32 of each position's angles, the halves repeated
+    (the q/k channels are rotated as pairs (i, i + head_dim / 2), HF's layout of Llama weights).
+    Kept in float32 whatever the model's dtype: `apply_rotary` rotates in float32.
 
     `position_ids` [B, T], or [3, B, T] (time, height, width) with `mrope_section`: the first
     `mrope_section[0]` frequencies turn with the time position, the next ones with the height,
@@ -82,14 +81,18 @@ def rotary_cos_sin(
     else:
         angles = positions[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    return angles.cos(), angles.sin()
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate each pair (x_i, x_{i + d/2}) of x [B, heads, T, d] by its position's angle."""
-    first, second = x.chunk(2, dim=-1)
+    """Rotate each pair (x_i, x_{i + d/2}) of x [B, heads, T, d] by its position's angle, in
+    at least the tables' float32, and round once back to x's dtype: a bf16 q (autocast's
+    projection) stays bf16 like v, so attention gets one dtype, without the error of bf16 angle
+    tables; multiplied by the fp32 tables as it is, it would come out fp32 beside a bf16 v."""
+    h = x.to(torch.promote_types(x.dtype, cos.dtype))
+    first, second = h.chunk(2, dim=-1)
     rotated = torch.cat([-second, first], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    return (h * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------- RMSNorm
@@ -338,7 +341,7 @@ class Decoder(nn.Module):
         mrope = self.spec.mrope_section
         position_ids = rotary_positions(position_ids, b, t, mrope is not None)
         inv_freq = rope_frequencies(self.spec, x.device)
-        cos, sin = rotary_cos_sin(inv_freq, position_ids, x.dtype, mrope)
+        cos, sin = rotary_cos_sin(inv_freq, position_ids, mrope)
         if attention is not None:
             mask, is_causal = attention, False
         else:

@@ -15,10 +15,16 @@ Layouts (`local_chunks`). A rank's slice is made of equal chunks of the global s
 Causal blocks are skipped (or cut to their lower triangle) from the chunk indices alone, decided
 on the host without reading the device.
 
+Each block is computed by train/ring_blocks.py: a fused SDPA kernel that returns the block's
+log-sum-exp (flash / memory-efficient on CUDA, flash on the CPU) in the inputs' one dtype, or,
+where none applies, the block math in fp32 matmuls; the merge and the accumulators are at
+least fp32 either way.
+
 Backward (a custom autograd.Function that saves q, k, v, the output and the log-sum-exp, never
-the N blocks' scores): flash attention's backward, block by block, in the same ring. The
-gradients of a key/value block are accumulated by every rank its block visits: the accumulators
-travel with the block, and after N steps one more hop brings each block's dk, dv home.
+the N blocks' scores): flash attention's backward, block by block, in the same ring (the fused
+kernels' own backward, given the whole row's output and log-sum-exp). The gradients of a
+key/value block are accumulated by every rank its block visits: the accumulators travel with
+the block, and after N steps one more hop brings each block's dk, dv home.
 
 Grouped-query attention: k and v travel with their Hkv heads (H / Hkv times less traffic than
 repeated heads); the queries are viewed as [B, Hkv, H / Hkv, T, d] so every block product
@@ -27,6 +33,7 @@ broadcasts over the group, and dk, dv sum over it.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +41,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mmtrain.models.attention import attention_dtype
+from mmtrain.train.ring_blocks import (
+    MATH,
+    block_kernel,
+    finite,
+    fused_backward,
+    fused_forward,
+    math_backward,
+    math_forward,
+)
 from mmtrain.train.sequence_comm import RingPass, SequenceGroup
+
+logger = logging.getLogger(__name__)
 
 CONTIGUOUS = "contiguous"
 ZIGZAG = "zigzag"
@@ -126,13 +145,6 @@ def _row_slices(start: int, stop: int, max_rows: int) -> list[slice]:
     return [slice(a, min(a + max_rows, stop)) for a in range(start, stop, max_rows)]
 
 
-def _max_rows(q5: Tensor, t_k: int) -> int:
-    """Query rows per block so that one block's scores [B, Hkv, G, rows, Tk] hold at most
-    SCORE_ELEMENTS."""
-    per_row = q5.shape[0] * q5.shape[1] * q5.shape[2] * t_k
-    return max(1, SCORE_ELEMENTS // max(per_row, 1))
-
-
 def _allowed(
     pair: _Pair,
     query_documents: Tensor | None,
@@ -164,60 +176,14 @@ def _allowed(
     return mask[:, None, None] if mask.dim() == 3 else mask
 
 
-# ----------------------------------------------------------------------------- block math
-def _scores(q: Tensor, k: Tensor, allowed: Tensor | None, scale: float) -> Tensor:
-    """q [B, Hkv, G, Lq, d], k [B, Hkv, Lk, d] -> scaled scores [B, Hkv, G, Lq, Lk], -inf where
-    not allowed."""
-    scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
-    return scores if allowed is None else scores.masked_fill(~allowed, -math.inf)
-
-
-def _finite(lse: Tensor) -> Tensor:
-    """`lse` with -inf (a row without any allowed key) replaced by 0, so that exp(s - lse) is
-    exp(-inf) = 0 there instead of exp(-inf + inf) = NaN."""
-    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-
-
-def _block_forward(
-    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, scale: float
-) -> tuple[Tensor, Tensor]:
-    """(output, log-sum-exp) of one block, normalised within the block; rows without an
-    allowed key: output 0, lse -inf."""
-    scores = _scores(q, k, allowed, scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    p = torch.exp(scores - _finite(lse).unsqueeze(-1))
-    return torch.matmul(p, v.unsqueeze(2)), lse
-
-
 def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
     """The online-softmax merge of two partial results over disjoint key sets; -inf safe (a side
     without keys weighs 0; both without keys stay output 0, lse -inf)."""
     lse = torch.logaddexp(lse_a, lse_b)
-    base = _finite(lse)
+    base = finite(lse)
     weight_a = torch.exp(lse_a - base).unsqueeze(-1)
     weight_b = torch.exp(lse_b - base).unsqueeze(-1)
     return out_a * weight_a + out_b * weight_b, lse
-
-
-def _block_backward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    dout: Tensor,
-    lse: Tensor,
-    delta: Tensor,
-    allowed: Tensor | None,
-    scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Flash attention's backward for one block: (dq [B, Hkv, G, Lq, d], dk, dv [B, Hkv, Lk, d]),
-    from the saved global log-sum-exp `lse` and `delta` = rowsum(dout * out)."""
-    p = torch.exp(_scores(q, k, allowed, scale) - _finite(lse).unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), dout).sum(dim=2)
-    dp = torch.matmul(dout, v.unsqueeze(2).transpose(-1, -2))
-    ds = p * (dp - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, k.unsqueeze(2)) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q).sum(dim=2) * scale
-    return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------- the ring
@@ -229,7 +195,10 @@ class _Setting:
     causal: bool
     layout: str
     scale: float
-    dtype: torch.dtype  # the block math's: at least float32
+    masked: bool  # packed documents or padding keys: a mask beyond the causal one
+    kernel: str  # ring_blocks' kernel of every block
+    block_dtype: torch.dtype  # what the blocks read: the inputs' dtype (math: `dtype`)
+    dtype: torch.dtype  # the merge's and the accumulators': at least float32
 
 
 def _key_block(
@@ -247,6 +216,58 @@ def _unpack(block: list[Tensor], documents: bool, valid: bool) -> tuple:
     return k, v, key_documents, key_valid
 
 
+def _max_rows(s: _Setting, q5: Tensor, t_k: int) -> int:
+    """Query rows per block: the math's scores [B, Hkv, G, rows, Tk], or a fused kernel's
+    additive mask [B, 1, rows, Tk], hold at most SCORE_ELEMENTS; a fused kernel without a mask
+    holds nothing quadratic and takes every row at once (its diagonal blocks stay square)."""
+    if s.kernel == MATH:
+        per_row = q5.shape[0] * q5.shape[1] * q5.shape[2] * t_k
+    elif s.masked:
+        per_row = q5.shape[0] * t_k
+    else:
+        return q5.shape[-2]
+    return max(1, SCORE_ELEMENTS // max(per_row, 1))
+
+
+def _pairs(s: _Setting, q5: Tensor, source: int, t_k: int) -> list[_Pair]:
+    group, t_q = s.group, q5.shape[-2]
+    max_rows = _max_rows(s, q5, t_k)
+    return _block_pairs(s.causal, s.layout, group.rank, source, group.size, t_q, t_k, max_rows)
+
+
+def _block_allowed(
+    s: _Setting,
+    pair: _Pair,
+    query_documents: Tensor | None,
+    key_documents: Tensor | None,
+    key_valid: Tensor | None,
+    device: torch.device,
+) -> Tensor | None:
+    """`_allowed` where a kernel reads it: not for a fused kernel without documents or padding
+    keys (its diagonal blocks use the kernel's causal flag; an [L, L] triangle is not made)."""
+    if s.kernel != MATH and not s.masked:
+        return None
+    return _allowed(pair, query_documents, key_documents, key_valid, device)
+
+
+def _fused_mask(s: _Setting, pair: _Pair, allowed: Tensor | None) -> tuple[Tensor | None, bool]:
+    """(mask, causal flag) of a fused kernel: without documents or padding keys, a diagonal
+    block is the kernel's own causal case, the others need no mask."""
+    if s.masked:
+        return allowed, False
+    return None, pair.kind == _DIAGONAL
+
+
+def _forward_block(
+    s: _Setting, q: Tensor, k: Tensor, v: Tensor, pair: _Pair, allowed: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    if s.kernel == MATH:
+        return math_forward(q, k, v, allowed, s.scale)
+    mask, causal = _fused_mask(s, pair, allowed)
+    out, lse = fused_forward(s.kernel, q, k, v, mask, causal, s.scale)
+    return out.to(s.dtype), lse.to(s.dtype)
+
+
 def _ring_forward(
     s: _Setting,
     q5: Tensor,
@@ -256,68 +277,64 @@ def _ring_forward(
     docs: Tensor | None,
     valid: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
-    """(output [B, Hkv, G, Tq, dv], lse [B, Hkv, G, Tq]) in the block math's dtype."""
+    """(output [B, Hkv, G, Tq, dv], lse [B, Hkv, G, Tq]) in the merge's dtype."""
     group = s.group
-    out = q5.new_zeros(*q5.shape[:-1], v.shape[-1])
-    lse = q5.new_full(q5.shape[:-1], -math.inf)
+    out = q5.new_zeros(*q5.shape[:-1], v.shape[-1], dtype=s.dtype)
+    lse = q5.new_full(q5.shape[:-1], -math.inf, dtype=s.dtype)
     block = _key_block(k, v, docs, valid)
     for step in range(group.size):
         source = (group.rank - step) % group.size
         hop = RingPass(block, group, _KV_TAG) if step < group.size - 1 else None
         k_b, v_b, k_docs, k_valid = _unpack(block, docs is not None, valid is not None)
-        k_b, v_b = k_b.to(s.dtype), v_b.to(s.dtype)
-        t_q, t_k = q5.shape[-2], k_b.shape[-2]
-        pairs = _block_pairs(
-            s.causal, s.layout, group.rank, source, group.size, t_q, t_k, _max_rows(q5, t_k)
-        )
-        for pair in pairs:
-            allowed = _allowed(pair, q_docs, k_docs, k_valid, q5.device)
-            part = _block_forward(
-                q5[..., pair.queries, :],
-                k_b[:, :, pair.keys],
-                v_b[:, :, pair.keys],
-                allowed,
-                s.scale,
+        k_b, v_b = k_b.to(s.block_dtype), v_b.to(s.block_dtype)
+        for pair in _pairs(s, q5, source, k_b.shape[-2]):
+            allowed = _block_allowed(s, pair, q_docs, k_docs, k_valid, q5.device)
+            rows, keys = pair.queries, pair.keys
+            part = _forward_block(
+                s, q5[..., rows, :], k_b[:, :, keys], v_b[:, :, keys], pair, allowed
             )
-            rows = pair.queries
             out[..., rows, :], lse[..., rows] = _merge(out[..., rows, :], lse[..., rows], *part)
         if hop is not None:
             block = hop.wait()
     return out, lse
 
 
+def _backward_block(
+    s: _Setting, saved: tuple, pair: _Pair, allowed: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of one block in the merge's dtype, from `saved` = (q, k, v, dout, out, lse,
+    delta) of its rows and keys."""
+    q, k, v, dout, out, lse, delta = saved
+    if s.kernel == MATH:
+        return math_backward(q, k, v, dout, lse, delta, allowed, s.scale)
+    mask, causal = _fused_mask(s, pair, allowed)
+    grads = fused_backward(s.kernel, q, k, v, dout, out, lse, mask, causal, s.scale)
+    return tuple(g.to(s.dtype) for g in grads)
+
+
 def _ring_backward(s: _Setting, saved: tuple, dout5: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq5, dk, dv) in the block math's dtype: dq local, dk/dv accumulated around the ring."""
+    """(dq5, dk, dv) in the merge's dtype: dq local, dk/dv accumulated around the ring."""
     q5, k, v, out5, lse, q_docs, docs, valid = saved
     group = s.group
-    delta = (dout5 * out5).sum(dim=-1)
-    dq = torch.zeros_like(q5)
+    delta = (dout5.to(s.dtype) * out5.to(s.dtype)).sum(dim=-1) if s.kernel == MATH else None
+    dq = torch.zeros_like(q5, dtype=s.dtype)
     block = _key_block(k, v, docs, valid)
     grads_hop = None
     for step in range(group.size):
         source = (group.rank - step) % group.size
         hop = RingPass(block, group, _KV_TAG) if step < group.size - 1 else None
         k_b, v_b, k_docs, k_valid = _unpack(block, docs is not None, valid is not None)
-        k_b, v_b = k_b.to(s.dtype), v_b.to(s.dtype)
-        dk = torch.zeros_like(k_b)
-        dv = torch.zeros_like(v_b)
-        t_q, t_k = q5.shape[-2], k_b.shape[-2]
-        pairs = _block_pairs(
-            s.causal, s.layout, group.rank, source, group.size, t_q, t_k, _max_rows(q5, t_k)
-        )
-        for pair in pairs:
+        k_b, v_b = k_b.to(s.block_dtype), v_b.to(s.block_dtype)
+        dk = torch.zeros_like(k_b, dtype=s.dtype)
+        dv = torch.zeros_like(v_b, dtype=s.dtype)
+        for pair in _pairs(s, q5, source, k_b.shape[-2]):
             rows, keys = pair.queries, pair.keys
-            allowed = _allowed(pair, q_docs, k_docs, k_valid, q5.device)
-            dq_b, dk_b, dv_b = _block_backward(
-                q5[..., rows, :],
-                k_b[:, :, keys],
-                v_b[:, :, keys],
-                dout5[..., rows, :],
-                lse[..., rows],
-                delta[..., rows],
-                allowed,
-                s.scale,
-            )
+            allowed = _block_allowed(s, pair, q_docs, k_docs, k_valid, q5.device)
+            block_saved = (
+                q5[..., rows, :], k_b[:, :, keys], v_b[:, :, keys], dout5[..., rows, :],
+                out5[..., rows, :], lse[..., rows], None if delta is None else delta[..., rows],
+            )  # fmt: skip
+            dq_b, dk_b, dv_b = _backward_block(s, block_saved, pair, allowed)
             dq[..., rows, :] += dq_b
             dk[:, :, keys] += dk_b
             dv[:, :, keys] += dv_b
@@ -337,7 +354,7 @@ def _ring_backward(s: _Setting, saved: tuple, dout5: Tensor) -> tuple[Tensor, Te
 
 class _RingAttention(torch.autograd.Function):
     """Forward and backward around the ring; saves q, k, v, the output, the log-sum-exp and the
-    masks (module docstring)."""
+    masks (module docstring). q, k and v arrive in one dtype (`ring_attention`)."""
 
     @staticmethod
     def forward(
@@ -352,10 +369,10 @@ class _RingAttention(torch.autograd.Function):
     ) -> Tensor:
         b, h, t_q, _ = q.shape
         groups = h // k.shape[1]
-        # The block math runs in at least float32 whatever autocast says around it: the
-        # exponentials and the merge lose too much in half precision.
+        # The merge (and the math kernel) run in at least float32 whatever autocast says around
+        # them: the exponentials and the merge lose too much in half precision.
         with torch.autocast(q.device.type, enabled=False):
-            q5 = q.to(setting.dtype).reshape(b, k.shape[1], groups, t_q, q.shape[-1])
+            q5 = q.to(setting.block_dtype).reshape(b, k.shape[1], groups, t_q, q.shape[-1])
             out5, lse = _ring_forward(setting, q5, k, v, query_documents, documents, key_valid)
         out = out5.reshape(b, h, t_q, v.shape[-1]).to(q.dtype)
         ctx.setting = setting
@@ -369,9 +386,9 @@ class _RingAttention(torch.autograd.Function):
         b, h, t_q, _ = q.shape
         shape5 = (b, k.shape[1], h // k.shape[1], t_q)
         with torch.autocast(q.device.type, enabled=False):
-            q5 = q.to(setting.dtype).reshape(*shape5, q.shape[-1])
-            out5 = out.to(setting.dtype).reshape(*shape5, v.shape[-1])
-            dout5 = dout.to(setting.dtype).reshape(*shape5, v.shape[-1])
+            q5 = q.to(setting.block_dtype).reshape(*shape5, q.shape[-1])
+            out5 = out.to(setting.block_dtype).reshape(*shape5, v.shape[-1])
+            dout5 = dout.to(setting.block_dtype).reshape(*shape5, v.shape[-1])
             saved = (q5, k, v, out5, lse, query_documents, documents, key_valid)
             dq, dk, dv = _ring_backward(setting, saved, dout5)
         dq = dq.reshape(q.shape).to(q.dtype)
@@ -441,7 +458,9 @@ def ring_attention(
 ) -> Tensor:
     """Attention of this rank's queries q [B, H, Tq, d] over the keys and values k, v
     [B, Hkv, Tk, d] of every rank of `group` (this rank's are local slices; H % Hkv == 0, query
-    head h reads kv head h // (H / Hkv)) -> [B, H, Tq, d] in q's dtype. Scale 1 / sqrt(d).
+    head h reads kv head h // (H / Hkv)) -> [B, H, Tq, d] in their one dtype
+    (models.attention.attention_dtype: autocast's where it is on, as SDPA's output would be).
+    Scale 1 / sqrt(d).
 
     A (query, key) pair may attend when: (not `causal` or the key's global position is at or
     before the query's) and (`documents` is None or both are in the same document) and
@@ -460,11 +479,20 @@ def ring_attention(
     _check_inputs(q, k, v, causal, layout, chunks, query_documents, documents, key_valid)
     if documents is not None and query_documents is None:
         query_documents = documents
+    dtype = attention_dtype(q, k, v)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)  # autograd casts the gradients back
+    masked = documents is not None or key_valid is not None
+    kernel = block_kernel(q, k, v, masked)
+    merge_dtype = torch.promote_types(dtype, torch.float32)
+    logger.debug("ring attention: %s blocks in %s, merged in %s", kernel, dtype, merge_dtype)
     setting = _Setting(
         group=group,
         causal=causal,
         layout=layout,
         scale=1.0 / math.sqrt(q.shape[-1]),
-        dtype=torch.promote_types(q.dtype, torch.float32),
+        masked=masked,
+        kernel=kernel,
+        block_dtype=merge_dtype if kernel == MATH else dtype,
+        dtype=merge_dtype,
     )
     return _RingAttention.apply(q, k, v, setting, query_documents, documents, key_valid)
