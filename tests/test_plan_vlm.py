@@ -5,12 +5,15 @@ rows from specs, and planning from the data's own token lengths (`plan --data`).
 import io
 import json
 import random
+import shlex
+from pathlib import Path
 
 import pytest
 from PIL import Image
 from tokenizers import Tokenizer as RawTokenizer
 
-from mmtrain.cli import main
+from mmtrain.cli import build_parser, main
+from mmtrain.config import load_config
 from mmtrain.data.ingest.inspect import conversation_counts, inspect_shards, open_shards
 from mmtrain.data.storage.manifest import write_manifest
 from mmtrain.data.storage.shard_writer import ShardWriter
@@ -146,14 +149,18 @@ def _stage2(ac: str, precision: str, gpu: str | None = None):
 
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_bf16_weights_differs_from_autocast_by_the_residual_stream(ac):
-    """The same model states; activations 4 - 2 bytes less per residual element: per decoder
-    layer and position the norm inputs (2h) and the RMSNorm's normalised copies (2h), or with
-    full checkpointing the kept block input (h), and the recomputed block's 4h."""
+    """The same model states but the frozen tower's tables and norms (fp32 under autocast,
+    bf16 in a bf16 model; ZeRO-3 over 8 GPUs); activations 4 - 2 bytes less per residual
+    element: per decoder layer and position the norm inputs (2h) and the RMSNorm's normalised
+    copies (2h), or with full checkpointing the kept block input (h), and the recomputed
+    block's 4h."""
     model, autocast = _stage2(ac, "bf16")
     _, weights = _stage2(ac, "bf16-weights")
     text = model.stack("text")
     rows = 16 * text.tokens  # positions of one micro-batch
-    assert weights.model_state_bytes == autocast.model_state_bytes
+    fp32 = model.stack("image").fp32_params
+    assert fp32 == model.frozen_fp32_params() > 0
+    assert autocast.model_state_bytes - weights.model_state_bytes == fp32 * (4 - 2) / 8
     kept = text.width if ac == "full" else 4 * text.width
     saved = text.layers * rows * kept * (4 - 2)
     assert autocast.saved_activations_bytes - weights.saved_activations_bytes == saved
@@ -165,6 +172,69 @@ def test_llava_stage2_fits_a100_40g_with_deepspeed_bf16_only():
     assert _stage2("full", "bf16-weights", "a100-40g")[1].fits
     assert not _stage2("full", "bf16", "a100-40g")[1].fits  # autocast's fp32 residual stream
     assert _stage2("full", "bf16", "a100")[1].fits
+
+
+STAGE_1 = Path(__file__).resolve().parents[1] / "configs" / "vlm-stage1.yaml"
+
+
+def _header_plan(path: Path) -> list[str]:
+    """The `mmtrain plan` command of a recipe's header comment that needs no data (no
+    `--data`), as the argv after `mmtrain`."""
+    found, pending = [], ""
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        pending += line.lstrip("#").strip()
+        if pending.endswith("\\"):
+            pending = pending[:-1] + " "
+            continue
+        if pending.startswith("mmtrain plan") and "--data" not in pending:
+            found.append(shlex.split(pending, comments=True)[1:])
+        pending = ""
+    assert len(found) == 1, f"{path.name}: one `mmtrain plan` without --data in the header"
+    return found[0]
+
+
+def test_llava_stage_1_recipe_fits_an_h100_with_its_frozen_lm_recomputed(capsys):
+    """configs/vlm-stage1.yaml trains the projector through the frozen LM: the LM's
+    activations count (the plan said 29.5 GiB a GPU with them left out), its blocks recompute,
+    and the header's plan of the recipe's own settings fits an H100."""
+    argv = _header_plan(STAGE_1)
+    args = build_parser(argv).parse_args(argv)
+    t, data = load_config(STAGE_1).train, load_config(STAGE_1).data
+    assert args.model == load_config(STAGE_1).model
+    assert sorted(args.freeze) == sorted(n for n, tower in t.towers.items() if tower.freeze)
+    assert t.towers["text"].activation_checkpointing and args.ac == "full"
+    assert (args.micro_batch, args.global_batch, args.context, args.gpus) == (
+        t.micro_batch, t.batch_size, data.sequence_length, t.batch_size // t.micro_batch,
+    )  # fmt: skip
+    assert args.gpu == "h100" and t.precision == args.precision == "bf16"
+    assert main(argv + ["--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    assert memory["fits"]
+    d = load_spec(args.model).decoder  # each recomputed block keeps its fp32 input
+    kept_inputs = args.micro_batch * args.context * d.layers * d.width * 4
+    assert memory["activations_by_tower"]["text"] >= kept_inputs
+    recomputed_not = [a if a != "full" else "none" for a in argv]
+    assert main(recomputed_not + ["--json"]) == 0
+    assert not json.loads(capsys.readouterr().out)["memory"]["fits"]
+
+
+def test_a_frozen_lm_on_the_gradients_path_is_recomputed_under_checkpointing():
+    """Stage 1's frozen LM passes the gradient (2x forward) and, checkpointed, runs its
+    forward again in backward (hardware FLOPs); the frozen image tower does neither."""
+    from mmtrain.plan.compute import flops_per_sample
+
+    plan = load_model("tiny-vlm", context=160).with_modes({"image": "frozen", "text": "frozen"})
+    image, projector, text = (plan.stack(n).forward_flops for n in ("image", "projector", "text"))
+    assert plan.input_grads() == (False, False, True)
+    model, hardware = flops_per_sample(plan, "full")
+    assert model == image + 3 * projector + 2 * text
+    assert hardware == model + projector + text
+    d = load_spec("tiny-vlm").decoder  # selective: the attention sub-blocks of the LM alone
+    attention = d.layers * (2 * 160 * (2 * d.width**2 + 2 * d.width * d.kv_heads * d.head_dim)
+                            + 4 * 160**2 * d.heads * d.head_dim)  # fmt: skip
+    assert flops_per_sample(plan, "selective")[1] == model + attention
 
 
 # ----------------------------------------------------------------------------- lengths

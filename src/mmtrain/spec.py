@@ -560,7 +560,8 @@ def train_flops(
 
     Recomputation is not model work (MFU excludes it): `recompute` names the parts whose
     blocks run their forward again in backward, and the result then counts hardware FLOPs
-    (HFU), one more forward of each such part's trained blocks (frozen parts keep nothing).
+    (HFU), one more forward of each such part's blocks that keep activations: its trained
+    ones, and its frozen ones when a gradient passes through them (else they keep nothing).
     """
     modes = modes or {}
     total = 0.0
@@ -573,8 +574,10 @@ def train_flops(
         share = part.trained_share if part.mode == "train" else 0.0
         factor = {"train": 3 * share + passes * (1 - share), "lora": 2, "frozen": passes}
         total += factor[part.mode] * flops
-        if name in recompute and part.mode != "frozen":
-            total += flops * (share if part.mode == "train" else 1.0)
+        if name in recompute and (part.mode != "frozen" or upstream):
+            # the blocks that keep activations recompute: a gradient passing through keeps
+            # them in frozen blocks too
+            total += flops * (share if part.mode == "train" and not upstream else 1.0)
         upstream = chained and (upstream or part.mode != "frozen")
     return total
 

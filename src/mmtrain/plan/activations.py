@@ -334,17 +334,43 @@ class StackActivations:
         return self.layers_bytes + self.stem_bytes + self.logits_bytes
 
 
-def _frozen_layer_with_input_grad(stack: Stack, micro_batch: float, o: ActivationOptions) -> float:
-    """A frozen block whose input needs a gradient (a VLM's decoder behind a trained
-    projector) keeps what the input's gradient needs: norm inputs and statistics, attention's
-    q, k, v, output and statistics, the MLP activation's input (and, gated, its output); not
-    the inputs of its frozen linears or the normalised copies its frozen norm weights scale."""
+def _frozen_layer_terms(stack: Stack, micro_batch: float, o: ActivationOptions) -> dict[str, float]:
+    """A frozen block whose input needs a gradient (a VLM's decoder behind a trained projector,
+    frozen or not) keeps what the input's gradient needs: norm inputs and statistics,
+    attention's q, k, v, output and statistics, the MLP activation's input (and, gated, its
+    output); not the inputs of its frozen linears or the normalised copies its frozen norm
+    weights scale (a frozen weight's backward reads only the weight). Itemised, without
+    checkpointing."""
     terms = layer_terms(stack, micro_batch, o)
-    f = micro_batch * local_tokens(stack, o) * stack.mlp_hidden * o.act_bytes / o.tp
+    sb = micro_batch * local_tokens(stack, o)
+    f = sb * stack.mlp_hidden * o.act_bytes / o.tp
     terms["mlp_hidden"] = 3 * f if stack.gated else (2 * f if stack.quick_gelu else f)
     for name in ("qkv_input", "mlp_input", "norm_copies", "lora_intermediate",
                  "attention_gathered"):  # fmt: skip
         terms.pop(name, None)
+    if stack.rotary and split_degree(stack, o) > 1 and not _ring(stack, o):
+        # all-to-all: the kernel keeps the exchanged q, k and v; nothing keeps the rotated
+        # copies before the exchange (rotary's products keep only the tables) or the
+        # projection's output (v's exchange copies it; the frozen projection reads no output).
+        kv = stack.kv_heads * stack.head_dim
+        terms["qkv"] = sb * (stack.heads * stack.head_dim + 2 * kv) * o.act_bytes / o.tp
+    return terms
+
+
+def frozen_layer_bytes(stack: Stack, micro_batch: float, o: ActivationOptions) -> float:
+    """Bytes a frozen block on the gradient's path keeps under the checkpointing mode `o.ac`:
+    "full" its input, as a trained block; "selective" its terms less the attention's, plus
+    the checkpointed attention's input (the first norm's output, which the frozen q/k/v
+    projection alone would not keep)."""
+    sb = local_tokens(stack, o) * micro_batch
+    rep = o.tp if o.sp else 1
+    if o.ac == "full":
+        return sb * stack.width * o.residual_bytes / rep
+    terms = _frozen_layer_terms(stack, micro_batch, o)
+    if o.ac == "selective":
+        kept = {k: v for k, v in terms.items() if k not in _SELECTIVE_DROPS}
+        kept["qkv_input"] = sb * stack.width * o.act_bytes / rep
+        return sum(kept.values())
     return sum(terms.values())
 
 
@@ -376,30 +402,43 @@ def stack_activations(
     pp_microbatches: int = 1,
     input_grad: bool = False,
 ) -> StackActivations:
-    """Activations of one stack on one GPU. A frozen stack runs without autograd: it keeps
-    nothing (its transient working set is in the recompute/working term).
+    """Activations of one stack on one GPU.
 
     `input_grad`: a gradient flows into the stack's input from a trained stack before it (a
-    VLM's decoder behind a trained projector): its frozen front blocks and a LoRA stack's
-    first block then keep what that gradient needs.
+    VLM's decoder behind a trained projector or image tower). Autograd then keeps, in every
+    block the gradient passes through, what that gradient needs, trained or frozen: a frozen
+    stack on the gradient's path keeps `frozen_layer_bytes` per block (LLaVA's stage 1: the
+    frozen LM behind the trained projector), and so do the frozen front blocks of a partially
+    frozen stack; a LoRA stack's first block keeps its full terms. A frozen stack with nothing
+    trained before it runs without autograd and keeps nothing (its transient working set is in
+    the recompute/working term).
 
     Pipeline parallel p: the first 1F1B stage holds p micro-batches of L/p layers, i.e. one
     micro-batch of the whole stack, scaled by min(1, m/p) (Megatron-LM).
     """
     micro_batch = micro_batch * stack.per_sample  # a VLM's image tower sees images, not rows
     working = layer_bytes(stack, micro_batch, ActivationOptions(**{**o.__dict__, "ac": "none"}))
-    if stack.mode == "frozen":
+    frozen = stack.mode == "frozen"
+    if frozen and not input_grad:
         return StackActivations(0, 0, 0, working)
     in_flight = min(1.0, pp_microbatches / pp) if pp > 1 else 1.0
-    trained = stack.layers * stack.trained_layer_share()  # frozen front blocks keep nothing
+    # Blocks that train, and frozen ones the gradient passes through (frozen front blocks
+    # before which nothing trains keep nothing).
+    trained = 0 if frozen else stack.layers * stack.trained_layer_share()
+    passed = 0
+    if input_grad:
+        passed = stack.layers if frozen else stack.frozen_blocks or 0
     layers = trained * layer_bytes(stack, micro_batch, o) * in_flight
     if stack.pre_only_tokens and trained:  # an MMDiT's last block (always a trained one)
         layers -= _pre_only_saving(stack, micro_batch, o) * in_flight
-    if input_grad and stack.frozen_blocks and o.ac == "none":
-        frozen = _frozen_layer_with_input_grad(stack, micro_batch, o)
-        layers += stack.frozen_blocks * frozen * in_flight
+    if passed:
+        layers += passed * frozen_layer_bytes(stack, micro_batch, o) * in_flight
+    if frozen:  # the block live again while it is recomputed is a frozen one
+        working = frozen_layer_bytes(
+            stack, micro_batch, ActivationOptions(**{**o.__dict__, "ac": "none"})
+        )
     floats, ints = stack.stem_elements, stack.stem_int64
-    if stack.mode == "lora" or stack.frozen_blocks is not None:  # a frozen stem
+    if frozen or stack.mode == "lora" or stack.frozen_blocks is not None:  # a frozen stem
         floats, ints = floats - stack.stem_input_elements, ints - stack.stem_input_int64
         if stack.adaln and o.ac == "full":
             floats += stack.width  # the conditioning vector: every checkpointed block's input
@@ -408,8 +447,9 @@ def stack_activations(
     if stack.group_index_int64 and o.ac == "none" and (trained or stack.mode == "lora"):
         ints += stack.group_index_int64  # the gathers' indices, kept once for all blocks
     stem = micro_batch * (floats * o.act_bytes + ints * 8 + stack.stem_fp32 * FP32)
-    if stack.mode == "lora":
+    if frozen or stack.mode == "lora":
         stem -= micro_batch * stack.proj_input_elements * o.act_bytes  # a frozen projection
+    if stack.mode == "lora":
         if o.ac != "full" and not input_grad:
             layers -= _lora_first_layer_unsaved(stack, micro_batch, o) * in_flight
     split = split_degree(stack, o) > 1

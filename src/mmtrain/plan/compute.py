@@ -223,8 +223,10 @@ def flops_per_sample(model: PlanModel, ac: str, sequence_parallel: int = 1) -> t
     if ac == "full":
         hardware = train_flops(forward, modes, chained=chained, recompute=list(forward))
     elif ac == "selective":
-        redone = [
-            _attention_block_forward(s) / n[s.name] for s in model.stacks if s.mode != "frozen"
+        redone = [  # a frozen stack on the gradient's path keeps, so recomputes, too
+            _attention_block_forward(s) / n[s.name]
+            for s in model.stacks
+            if model.keeps_activations(s)
         ]
         hardware = model_flops + sum(redone)
     else:

@@ -29,7 +29,7 @@ from mmtrain.plan.activations import (
 )
 from mmtrain.plan.config import PlanConfig
 from mmtrain.plan.model import PlanModel
-from mmtrain.plan.states import frozen_weight_bytes, shard, state_bytes
+from mmtrain.plan.states import frozen_bytes, shard, state_bytes
 
 MIB = 1024**2
 CUDA_CONTEXT_BYTES = 1000 * MIB
@@ -127,7 +127,7 @@ def _model_states(
 ) -> tuple[float, float, float, str]:
     b = state_bytes(precision, optimizer, bytes_per_param)
     trainable = shard(model.trainable_params() / split, b, zero, dp)
-    frozen = model.frozen_params() / split * frozen_weight_bytes(precision)
+    frozen = frozen_bytes(model.frozen_params(), model.frozen_fp32_params(), precision) / split
     if zero >= 3:
         frozen /= dp
     return trainable.weights + frozen, trainable.gradients, trainable.optimizer, b.convention
@@ -162,10 +162,8 @@ def _activations(
     model: PlanModel, o: ActivationOptions, micro_batch: int, pp: int, accumulation: int
 ) -> _Activations:
     by_stack, saved, recompute = [], 0.0, 0.0
-    upstream = False  # a language model's stacks feed each other in order (image -> text)
-    for stack in model.stacks:
-        a = stack_activations(stack, micro_batch, o, pp, accumulation, upstream)
-        upstream = model.language_model and (upstream or stack.mode != "frozen")
+    for stack, input_grad in zip(model.stacks, model.input_grads(), strict=True):
+        a = stack_activations(stack, micro_batch, o, pp, accumulation, input_grad)
         by_stack.append((stack.name, a.saved))
         saved += a.saved
         recompute = max(recompute, a.recompute_bytes)  # one layer at a time is recomputed

@@ -77,6 +77,11 @@ class Stack:
     stem_input_elements: int = 0  # of stem_elements: what a frozen stem no longer keeps
     stem_input_int64: int = 0
     proj_input_elements: int = 0  # of stem_elements: what a frozen projection does not keep
+    # Of `params`, those the trainer keeps in fp32 when they are frozen under 16-bit autocast
+    # (embedding and position tables, class tokens, norms: not a linear or convolution weight,
+    # held in the compute dtype, train/model_setup.py), and of them the stem's and norm_pre's.
+    fp32_params: int = 0
+    stem_fp32_params: int = 0
     source: str = ""
     # Language models (decoder.py, vlm.py): how the module's own code keeps activations.
     per_sample: float = 1.0  # inputs of this stack per sample (images per row of a VLM)
@@ -153,6 +158,15 @@ class Stack:
             return self.params
         return min(self.params, self.unused_params + self.front_frozen_params())
 
+    def frozen_fp32_params(self) -> int:
+        """Of `frozen_params`, those held in fp32 under 16-bit autocast: all of a frozen or
+        LoRA stack's `fp32_params`, or the stem's of a partially frozen one (the norms of its
+        frozen blocks and of unused parts, a few widths each, are counted in the compute
+        dtype)."""
+        if self.mode != "train":
+            return self.fp32_params
+        return self.stem_fp32_params if self.frozen_blocks is not None else 0
+
     def trained_layer_share(self) -> float:
         """Share of the blocks that train (partial freezing leaves the first ones out)."""
         if self.frozen_blocks is None or not self.layers:
@@ -204,8 +218,28 @@ class PlanModel:
     def frozen_params(self) -> int:
         return sum(s.frozen_params() for s in self.stacks)
 
+    def frozen_fp32_params(self) -> int:
+        """Of `frozen_params`, those the trainer keeps in fp32 under 16-bit autocast."""
+        return sum(s.frozen_fp32_params() for s in self.stacks)
+
     def forward_flops(self) -> int:
         return sum(s.forward_flops for s in self.stacks) + self.head_flops
+
+    def input_grads(self) -> tuple[bool, ...]:
+        """Per stack, whether a gradient flows into its input: in a language model, whose
+        stacks feed each other in order (image tower -> projector -> decoder), once a stack
+        before it trains (or is LoRA-adapted); never in a contrastive or fusion model, whose
+        towers are independent."""
+        flows, upstream = [], False
+        for stack in self.stacks:
+            flows.append(upstream)
+            upstream = self.language_model and (upstream or stack.mode != "frozen")
+        return tuple(flows)
+
+    def keeps_activations(self, stack: Stack) -> bool:
+        """Whether autograd keeps activations of `stack`: it trains, or a gradient passes
+        through it (a frozen decoder behind a trained projector)."""
+        return stack.mode != "frozen" or self.input_grads()[self.stacks.index(stack)]
 
     def tokens_per_sample(self) -> dict[str, int]:
         return {s.name: s.tokens for s in self.stacks}
@@ -318,6 +352,20 @@ def _stem_saved(tower: TowerSpec) -> tuple[int, int]:
     else:  # map: probe attention over the tokens, roughly one block's worth on one query
         floats += t * w + 3 * t * w + 4 * w
     return floats, ints
+
+
+def _tower_fp32_params(tower: TowerSpec) -> tuple[int, int]:
+    """(whole tower, stem and norm_pre) parameters that are not a linear or convolution
+    layer's (models/towers.py, stems.py): token, position and class tables, norms, a MAP
+    probe."""
+    s, w = tower.stem, tower.width
+    stem = tower.stem_params()
+    if not isinstance(s, TextStem):  # the patch projection is a convolution or a linear
+        stem -= s.patch_dim() * w + (w if s.patch_bias else 0)
+    stem += tower.norm_params() if tower.has_pre_norm() else 0
+    pool = w + tower.norm_params() if tower.pooling == "map" else 0
+    norms = (2 * tower.layers + 1) * tower.norm_params()  # two a block and the final one
+    return stem + norms + pool, stem
 
 
 def _unused_params(spec: ModelSpec, name: str) -> int:
@@ -489,6 +537,9 @@ def decoder_stack(spec: ModelSpec, rows: Rows, name: str = "text") -> Stack:
         padded=True,
         stem_params=d.embedding_params(),
         layer_params=d.block_params(),
+        # the embedding table and the RMSNorms (two a block, the final one)
+        fp32_params=d.embedding_params() + (2 * d.layers + 1) * d.width,
+        stem_fp32_params=d.embedding_params(),
         stem_input_int64=text + s,  # a frozen embedding: neither the ids nor the splice index
         proj_input_elements=s * d.width,  # a frozen final norm weight's normalised copy
         norm_copy=True,
@@ -574,6 +625,7 @@ def native_vision_stack(spec: ModelSpec, rows: Rows) -> Stack:
         group_index_int64=outside.index_int64,
         stem_params=v.patch_params(),
         layer_params=v.block_params(),
+        fp32_params=(2 * v.depth + 1) * v.norm_params(),  # two norms a block, the merger's
         stem_input_elements=outside.input_floats,
         proj_input_elements=outside.merger_inputs,
         gathered_attention=True,
@@ -589,6 +641,7 @@ def from_spec_tower(spec: ModelSpec, name: str) -> Stack:
     floats, ints = _stem_saved(tower)
     input_floats, input_ints = _stem_input_saved(tower)
     text = isinstance(tower.stem, TextStem)
+    fp32, stem_fp32 = _tower_fp32_params(tower)
     return Stack(
         name=name,
         kind="encoder",
@@ -615,6 +668,8 @@ def from_spec_tower(spec: ModelSpec, name: str) -> Stack:
         stem_input_elements=input_floats,
         stem_input_int64=input_ints,
         proj_input_elements=_proj_input(tower),
+        fp32_params=fp32,
+        stem_fp32_params=stem_fp32,
     )
 
 
@@ -666,6 +721,7 @@ def denoiser_model(spec: ModelSpec) -> PlanModel:
     stem_inputs = pixels + TIMESTEP_FREQUENCIES + 3 * w + text  # patch input, time MLP, c
     final = w + (t * w + 2 * t) + t * w + w + t * w
     classes = 1 if d.num_classes else 0
+    table = (d.num_classes + 1) * w if d.num_classes else 0  # the class embedding
     stack = Stack(
         name=DENOISER_PART,
         kind="diffusion",
@@ -682,6 +738,10 @@ def denoiser_model(spec: ModelSpec) -> PlanModel:
         stem_int64=classes,
         stem_params=d.embedding_params(),
         layer_params=d.block_params(),
+        # the class table and the q/k norms (one set per stream and block); its LayerNorms
+        # have no weights and its positions are a buffer
+        fp32_params=table + d.layers * d.qk_norm_params() * (2 if d.is_mmdit() else 1),
+        stem_fp32_params=table,
         stem_input_elements=stem_inputs,
         stem_input_int64=classes,
         # a frozen final layer (LoRA) keeps neither its modulation's input, its normalised

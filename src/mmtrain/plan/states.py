@@ -65,6 +65,21 @@ def frozen_weight_bytes(precision: str) -> float:
     return {"fp32": 4, "fp8": 1}.get(precision, 2)
 
 
+# Autocast precisions under which the trainer holds frozen linear and convolution weights in
+# the compute dtype and the rest of what is frozen (embedding tables, norms) in fp32.
+AUTOCAST_16 = ("bf16", "fp16")
+
+
+def frozen_bytes(params: float, fp32_params: float, precision: str) -> float:
+    """Bytes of `params` frozen parameters of which `fp32_params` are not a linear or
+    convolution layer's: under 16-bit autocast those stay fp32 (their outputs feed the fp32
+    residual stream; train/model_setup.py), the others are held in the compute dtype."""
+    b = frozen_weight_bytes(precision)
+    if precision not in AUTOCAST_16:
+        return params * b
+    return params * b + fp32_params * (4 - b)
+
+
 @dataclass(frozen=True)
 class ShardedStates:
     weights: float

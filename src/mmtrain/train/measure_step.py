@@ -294,10 +294,10 @@ def measure_training_step(
     for name, n in (unlocked_blocks or {}).items():
         towers[name] = TowerTrainConfig(unlocked_blocks=n)
     optimizer = _trainer_set_up(model, spec, towers, seed)
-    # As the trainer does (train.towers.NAME.activation_checkpointing), only trained towers
-    # recompute: a checkpointed frozen block would still keep its input.
-    trained = [n for n, t in model.towers.items() if any(p.requires_grad for p in t.parameters())]
-    apply_activation_checkpointing(model, plan.config.ac, trained)
+    # As a run sets train.towers.NAME.activation_checkpointing: the towers whose blocks keep
+    # activations recompute, those that train and those a gradient passes through (a frozen
+    # block with nothing trained before it keeps nothing; checkpointed, it would keep its input).
+    apply_activation_checkpointing(model, plan.config.ac, _towers_keeping_activations(model, spec))
     if split > 1:
         apply_sequence_parallel(model, spec, split, plan.config.sequence_parallel_attention)
     generator = torch.Generator().manual_seed(seed)
@@ -365,6 +365,25 @@ def measure_training_step(
         optimizer_state_params=sum(p.numel() for p in optimizer.state if optimizer.state[p]),
         predicted_trainable_params=plan.model.trainable_params(),
     )
+
+
+def _towers_keeping_activations(model: torch.nn.Module, spec: ModelSpec) -> list[str]:
+    """The towers of `model` whose blocks autograd keeps activations of: those with a trained
+    parameter and, in a language model, whose towers feed each other in order (an image tower,
+    its projector, the decoder), every tower behind a trained part, frozen or not (a LLaVA's
+    frozen decoder behind its trained projector). Towers of a contrastive or fusion model are
+    independent: only trained ones keep activations."""
+
+    def trains(module: torch.nn.Module | None) -> bool:
+        return module is not None and any(p.requires_grad for p in module.parameters())
+
+    keeping, upstream = [], False
+    for name, tower in model.towers.items():
+        if trains(tower) or upstream:
+            keeping.append(name)
+        if spec.is_language_model():
+            upstream = upstream or trains(tower) or trains(getattr(model, "projector", None))
+    return keeping
 
 
 def _measure_on_rank(model_name: str | ModelSpec, plan: Plan, options: dict) -> Measured:

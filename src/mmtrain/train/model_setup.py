@@ -1,7 +1,7 @@
 """The trained model from its spec, in the order the wrappers need: weights (a baseline's
-`init` or a full checkpoint), LoRA adapters, freezing, device, fp8, any-resolution position
-embeddings, then per block activation checkpointing -> compile (DDP / FSDP2 follow in the
-loop's set-up, torchtitan's order)."""
+`init` or a full checkpoint), LoRA adapters, freezing (frozen matmul weights then held in the
+compute dtype), device, fp8, any-resolution position embeddings, then per block activation
+checkpointing -> compile (DDP / FSDP2 follow in the loop's set-up, torchtitan's order)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,13 @@ from mmtrain.train.precision import Precision, convert_to_fp8
 from mmtrain.train.resolution import allow_any_resolution
 
 log = logging.getLogger(__name__)
+
+# Layers whose weight and bias autocast casts to its dtype at every call (torch's lists of
+# ops that run in the low dtype: linear, convolutions). Frozen, they are held in that dtype.
+CAST_BY_AUTOCAST = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+# Precisions whose autocast dtype frozen weights are held in (fp8's linears are torchao's,
+# which cast their weights themselves; fp32 and fp64 have no lower compute dtype).
+FROZEN_IN_COMPUTE_DTYPE = ("bf16", "fp16")
 
 
 @dataclass
@@ -86,8 +93,45 @@ def _build_whole(
     if ckpt is not None and ckpt.format == "full":
         model.load_state_dict(ckpt.model)
     freeze_parameters(model, t)
+    hold_frozen_in_compute_dtype(model, precision)
     model.to(device)
     return model, config, lora_scales(model)
+
+
+def hold_frozen_in_compute_dtype(model: nn.Module, precision: Precision) -> int:
+    """Hold the frozen weights and biases of `model`'s linear and convolution layers in the
+    autocast dtype of `precision` (bf16 or fp16); returns how many parameters were cast.
+
+    Autocast casts such a weight at every call: held in fp32, a frozen 7B LM costs 4 bytes a
+    parameter plus, where a gradient passes through it (LLaVA's stage 1), the 16-bit copy of
+    each weight that autograd keeps for the input's gradient, 2 bytes more. Held in the
+    compute dtype it costs 2 bytes and the forward computes the very same values (the cast
+    rounds once either way). Embeddings, position tables and norms stay fp32: their outputs
+    feed the fp32 residual stream. LoRA bases stay as they are (their adapters merge into
+    them at export, in the base's dtype). A parameter another kind of layer shares (a tied
+    embedding) is left alone. Trainable parameters are never touched: the optimizer and EMA
+    see what they saw before; checkpoints and exports hold the frozen weights in this dtype.
+    """
+    if precision.name not in FROZEN_IN_COMPUTE_DTYPE or precision.dtype is None:
+        return 0
+    owners: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(module)
+    cast = 0
+    for module in model.modules():
+        if not isinstance(module, CAST_BY_AUTOCAST):
+            continue
+        for param in module.parameters(recurse=False):
+            shared = any(not isinstance(m, CAST_BY_AUTOCAST) for m in owners[id(param)])
+            if param.requires_grad or shared or param.dtype == precision.dtype:
+                continue
+            param.data = param.data.to(precision.dtype)
+            cast += param.numel()
+    if cast:
+        log.info("frozen linear and convolution weights held in %s: %d parameters",
+                 precision.name, cast)  # fmt: skip
+    return cast
 
 
 def _apply_wrappers(model: nn.Module, config: RunConfig) -> list[str]:
@@ -146,6 +190,7 @@ def _build_sharded(
     apply_lora(model, loras, seed=config.seed)
     lora_scale = lora_scales(model)
     freeze_parameters(model, t)
+    hold_frozen_in_compute_dtype(model, precision)
     recompute = _apply_wrappers(model, config)
     materialize_scalars_(model, env.device)  # before FSDP hooks their gradients
     parallel.apply_fsdp(model, t.precision)
