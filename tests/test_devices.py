@@ -28,6 +28,11 @@ DEVICE_NAMES = [
     ("NVIDIA GeForce RTX 4090", "rtx4090"),
     ("NVIDIA GeForce RTX 5090", "rtx5090"),
     ("NVIDIA RTX A6000", "rtx-a6000"),
+    ("NVIDIA H100 NVL", "h100-nvl"),
+    ("NVIDIA H200 NVL", "h200-nvl"),
+    ("NVIDIA GH200 480GB", "gh200"),
+    ("NVIDIA GH200 144G HBM3e", "gh200-144g"),
+    ("NVIDIA H800", "h800"),
 ]
 
 
@@ -43,8 +48,17 @@ def test_pcie_and_sxm_stay_apart():
     sxm, pcie = catalog.gpu("NVIDIA H100 80GB HBM3"), catalog.gpu("NVIDIA H100 PCIe")
     assert sxm.bf16_tflops > pcie.bf16_tflops
     assert catalog.gpu("NVIDIA A100 80GB PCIe").mem_bw_tbps < catalog.gpu("a100").mem_bw_tbps
-    with pytest.raises(FieldError, match="unknown GPU 'NVIDIA H100 NVL'.*known: .*h100-pcie"):
-        catalog.gpu("NVIDIA H100 NVL")  # a third H100 (94 GB) the catalog does not hold
+    # The NVL cards are PCIe cards with more memory, at lower clocks than the SXM parts.
+    nvl, h200_nvl = catalog.gpu("NVIDIA H100 NVL"), catalog.gpu("NVIDIA H200 NVL")
+    assert sxm.bf16_tflops > nvl.bf16_tflops > pcie.bf16_tflops
+    assert nvl.memory_usable_gib > sxm.memory_usable_gib
+    assert h200_nvl.bf16_tflops < catalog.gpu("NVIDIA H200").bf16_tflops
+    # H800: H100 SXM's compute behind a narrower NVLink
+    h800 = catalog.gpu("NVIDIA H800")
+    assert h800.bf16_tflops == sxm.bf16_tflops
+    assert catalog.link(h800.intra_node).gbps < catalog.link(sxm.intra_node).gbps
+    with pytest.raises(FieldError, match="unknown GPU 'NVIDIA H100 SXM5 96GB'.*known: .*h100"):
+        catalog.gpu("NVIDIA H100 SXM5 96GB")  # a name no row claims is not guessed from 'H100'
 
 
 def test_mig_instance_gets_its_share_of_the_peak():
@@ -69,16 +83,44 @@ def test_detect_peak_flops_uses_the_driver_name(monkeypatch):
     pcie = default_catalog().gpus["h100-pcie"]
     assert metrics.detect_peak_flops(cuda, "bf16") == pcie.bf16_tflops * 1e12
     assert metrics.detect_peak_flops(cuda, "fp32") == pcie.tf32_tflops * 1e12
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Mystery GPU")
-    assert metrics.detect_peak_flops(cuda, "bf16") is None
     assert metrics.detect_peak_flops(torch.device("cpu"), "bf16") is None
+
+
+@pytest.mark.parametrize(
+    ("name", "key"), [("NVIDIA H100 NVL", "h100-nvl"), ("NVIDIA GH200 480GB", "gh200"),
+                      ("NVIDIA H800", "h800"), ("NVIDIA H200 NVL", "h200-nvl")],
+)  # fmt: skip
+def test_mfu_has_a_peak_on_the_cards_torch_names(monkeypatch, name, key):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    gpu = default_catalog().gpus[key]
+    assert metrics.detect_peak_flops(torch.device("cuda"), "bf16") == gpu.bf16_tflops * 1e12
+
+
+def test_an_unknown_card_is_named_in_a_warning_not_dropped_silently(monkeypatch, caplog):
+    """MFU is left out on a card the catalog misses, and the log says which card and which
+    setting gives it back."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Mystery GPU X1")
+    with caplog.at_level("WARNING", logger=metrics.log.name):
+        assert metrics.detect_peak_flops(cuda, "bf16") is None
+    [record] = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "'Mystery GPU X1'" in record.getMessage()
+    assert "metrics.peak_tflops" in record.getMessage()
+    # a known card without a rate for the precision (V100 has no bf16): the same, no crash
+    caplog.clear()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-32GB")
+    with caplog.at_level("WARNING", logger=metrics.log.name):
+        assert metrics.detect_peak_flops(cuda, "bf16") is None
+        assert metrics.detect_peak_flops(cuda, "fp16") == 125e12
+    [record] = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "bf16" in record.getMessage() and "metrics.peak_tflops" in record.getMessage()
 
 
 def test_plan_cli_accepts_a_driver_name(capsys):
     argv = ["plan", "--model", "tiny-clip", "--gpu", "NVIDIA H100 80GB HBM3", "--json"]
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["gpu"]["key"] == "h100"
-    assert main(["plan", "--model", "tiny-clip", "--gpu", "NVIDIA H100 NVL"]) == 2
+    assert main(["plan", "--model", "tiny-clip", "--gpu", "NVIDIA H100 SXM5 96GB"]) == 2
     assert "known: " in capsys.readouterr().err
 
 

@@ -17,7 +17,7 @@ import gc
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import torch
@@ -180,6 +180,31 @@ def end_rank_process(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch reads both
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def default_allocator_settings(
+    shapes_vary: bool, environ: MutableMapping[str, str] = os.environ
+) -> bool:
+    """At a rank's start, before CUDA initialises: let CUDA's caching allocator grow its
+    segments in place (`expandable_segments`) when the run's tensors change shape from step to
+    step (a language model's rows, a native VLM's pages). With fixed-size segments, blocks
+    freed at one shape seldom fit the next, and reserved memory climbs past what tensors use
+    (fragmentation: PyTorch's CUDA memory-management notes; torchtitan launches every run so).
+    An allocator setting the user gave (either variable) is left as it is. True when set here."""
+    if not shapes_vary or any(name in environ for name in ALLOC_CONF_VARIABLES):
+        return False
+    if torch.cuda.is_initialized():  # the allocator has read its settings: too late
+        logging.getLogger(__name__).info(
+            "CUDA is initialised already: %s=%s not set", ALLOC_CONF_VARIABLES[0],
+            EXPANDABLE_SEGMENTS,
+        )  # fmt: skip
+        return False
+    environ[ALLOC_CONF_VARIABLES[0]] = EXPANDABLE_SEGMENTS
+    return True
 
 
 def _check_same_shape(tensor: torch.Tensor, group: Any) -> None:

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mmtrain.models.decoder import ROTARY_DTYPE, RMSNorm
+from mmtrain.models.host_copy import to_device
 from mmtrain.models.layers import Mlp
 from mmtrain.native_vision_spec import NativeVisionSpec
 
@@ -107,8 +108,13 @@ class AttentionGroups:
     indices: list[Tensor]
     inverse: Tensor
 
-    def to(self, device: torch.device) -> AttentionGroups:
-        return AttentionGroups([i.to(device) for i in self.indices], self.inverse.to(device))
+    def tensors(self) -> list[Tensor]:
+        """The index tensors, then the inverse (`from_tensors` takes them back)."""
+        return [*self.indices, self.inverse]
+
+    @staticmethod
+    def from_tensors(tensors: Sequence[Tensor]) -> AttentionGroups:
+        return AttentionGroups(list(tensors[:-1]), tensors[-1])
 
 
 @dataclass
@@ -120,6 +126,21 @@ class VisionLayout:
     positions: Tensor
     frames: AttentionGroups
     windows: AttentionGroups | None
+
+    def to(self, device: torch.device) -> VisionLayout:
+        """The layout on `device` in one asynchronous copy (every index tensor is int64: one
+        host buffer, split back into views on the device), so the host never waits."""
+        windows = self.windows.tensors() if self.windows is not None else []
+        host = [self.positions, *self.frames.tensors(), *windows]
+        flat = to_device(torch.cat([t.flatten() for t in host]), device)
+        pieces = flat.split([t.numel() for t in host])
+        moved = [p.view(t.shape) for p, t in zip(pieces, host, strict=True)]
+        frames = len(self.frames.tensors())
+        return VisionLayout(
+            positions=moved[0],
+            frames=AttentionGroups.from_tensors(moved[1 : 1 + frames]),
+            windows=AttentionGroups.from_tensors(moved[1 + frames :]) if windows else None,
+        )
 
 
 def attention_groups(segment: Tensor) -> AttentionGroups:
@@ -203,6 +224,11 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- attention
+# Eager under torch.compile: the groups' count and lengths follow the batch's page sizes, so a
+# traced loop over them would recompile the block for every new layout (past dynamo's recompile
+# limit, the block then runs uncompiled). Each group is one SDPA kernel either way; the rest
+# of the block (norms, projections, rotary, MLP) compiles once with the patch count dynamic.
+@torch.compiler.disable
 def attend_in_groups(q: Tensor, k: Tensor, v: Tensor, groups: AttentionGroups) -> Tensor:
     """Attention of q, k, v [N, heads, d] within each group's rows, back in patch order."""
     outputs = []
@@ -322,14 +348,15 @@ class NativeVisionTower(nn.Module):
         """patches [N, C * tp * p * p] and grid [inputs, 3] (as `patchify` returns them; keep
         the grid on the CPU, it is read on the host) -> [sum of tokens, out_width]."""
         rows = self.check_inputs(patches, grid)
-        layout = vision_layout(self.spec, rows)
+        layout = vision_layout(self.spec, rows).to(patches.device)  # built on the host
         weight = self.patch_embed.weight
         # The Conv3d's kernel is the whole patch: a matmul with its flattened weight (the
         # checkpoint's [W, C, tp, p, p] kept as it is; a GEMM, faster than a strided Conv3d).
         x = F.linear(patches.to(weight.dtype), weight.flatten(1))
-        cos, sin = rotary_cos_sin(self.spec, layout.positions.to(x.device))
-        frames = layout.frames.to(x.device)
-        windows = layout.windows.to(x.device) if layout.windows is not None else None
+        cos, sin = rotary_cos_sin(self.spec, layout.positions)
+        for varies in (x, cos, sin):  # the patch count: compiled blocks trace it as a size
+            torch._dynamo.maybe_mark_dynamic(varies, 0)
+        frames, windows = layout.frames, layout.windows
         for index, block in enumerate(self.blocks):
             x = block(x, cos, sin, windows if self.spec.is_windowed(index) else frames)
         return self.merger(x)

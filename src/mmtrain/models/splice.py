@@ -71,15 +71,20 @@ def image_placeholders(
     return (text == image_token_id) & valid_ids(text, attention_mask, document_ids)
 
 
-def id_spans(is_image: Tensor, image_tokens: int | Tensor) -> Tensor:
+def id_spans(
+    is_image: Tensor, image_tokens: int | Tensor, placeholders: int | None = None
+) -> Tensor:
     """Positions [R, T] each id takes: 1 for text, an image's tokens for a placeholder.
     `image_tokens`: one count for every image, or int64 [N] per image in reading order
-    (row-major: a native-resolution tower gives each image the tokens of its own size)."""
+    (row-major: a native-resolution tower gives each image the tokens of its own size).
+    `placeholders`: how many ids are images, when the host knows it (else read to check N)."""
     if isinstance(image_tokens, int):
         return torch.where(is_image, image_tokens, 1)
-    if image_tokens.numel() != int(is_image.sum()):
+    if placeholders is None:
+        placeholders = int(is_image.sum())
+    if image_tokens.numel() != placeholders:
         raise ValueError(
-            f"{image_tokens.numel()} image token counts for {int(is_image.sum())} placeholders"
+            f"{image_tokens.numel()} image token counts for {placeholders} placeholders"
         )
     ones = torch.ones(is_image.shape, dtype=torch.long, device=is_image.device)
     return ones.masked_scatter(is_image, image_tokens.to(ones.device, torch.long))
@@ -110,10 +115,10 @@ def make_layout(
     image taking `image_tokens` positions (`id_spans`); `key_mask` [R, T] (False: padding ids)
     only sets `Layout.right_padded`. `sizes`: what `splice_sizes` returns, when the host knows
     it already; else it is read from the device (the expanded length is a shape)."""
-    spans = id_spans(is_image, image_tokens)
+    length, right_padded, images = sizes or splice_sizes(is_image, image_tokens, key_mask)
+    spans = id_spans(is_image, image_tokens, images)
     ends = spans.cumsum(dim=1) - 1
     totals = ends[:, -1] + 1
-    length, right_padded, images = sizes or splice_sizes(is_image, image_tokens, key_mask)
     shift = length - totals if right_align else torch.zeros_like(totals)
     e = torch.arange(length, device=is_image.device)[None, :] - shift[:, None]
     valid = (e >= 0) & (e < totals[:, None])

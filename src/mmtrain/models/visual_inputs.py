@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mmtrain.models.host_copy import to_device
 from mmtrain.models.native_vision import NativeVisionTower
 from mmtrain.models.splice import Layout, make_layout, splice
 from mmtrain.spec import VisionTokens
@@ -62,35 +63,52 @@ def splice_visual_inputs(
     placeholder (`valid_ids`: False for ids in padding)."""
     images, videos = list(batch.get(IMAGES) or []), list(batch.get(VIDEOS) or [])
     text = batch["text"]
+    _check_counts(text, tokens, valid_ids, len(images), len(videos), sizes)
     is_visual, order = visual_order(
-        text, tokens.image_token_id, tokens.video_token_id, valid_ids, len(images)
-    )
-    _check_counts(text, tokens, valid_ids, len(images), len(videos))
+        text, tokens.image_token_id, tokens.video_token_id, valid_ids, len(images),
+        inputs=len(images) + len(videos),
+    )  # fmt: skip
     spec, device = tower.spec, text.device
     grids = [spec.grid(x.shape[-2], x.shape[-1], 1 if x.dim() == 3 else x.shape[0])
              for x in (*images, *videos)]  # fmt: skip
+    # The merged grids are the inputs' shapes, known on the host: one asynchronous copy.
     merged = torch.tensor(
         [(t, h // spec.merge_size, w // spec.merge_size) for t, h, w in grids], dtype=torch.long
     ).reshape(-1, 3)
+    merged = to_device(merged, device)
     counts = merged.prod(dim=1)
-    starts = (counts.cumsum(0) - counts).to(device)[order]
-    layout = make_layout(is_visual, counts.to(device)[order], right_align, key_mask, sizes)
+    starts = (counts.cumsum(0) - counts)[order]
+    layout = make_layout(is_visual, counts[order], right_align, key_mask, sizes)
     features = _features(tower, [*images, *videos])
     embeds = splice(text_embeds, features, is_visual, layout, starts)
     if not grids:  # the tower ran on a stand-in: its zero contribution keeps it in the graph
         embeds = embeds + 0 * features.sum()
     intervals = _intervals(tokens, spec.temporal_patch, len(images), batch.get(VIDEO_FPS), videos)
     positions = multimodal_positions(
-        layout, is_visual, merged.to(device)[order], intervals.to(device)[order], valid_ids,
+        layout, is_visual, merged[order], to_device(intervals, device)[order], valid_ids,
         document_ids, text_after=tokens.text_after,
     )  # fmt: skip
     return VisualSplice(embeds, layout, positions)
 
 
 def _check_counts(
-    text: Tensor, tokens: VisionTokens, valid: Tensor, images: int, videos: int
+    text: Tensor,
+    tokens: VisionTokens,
+    valid: Tensor,
+    images: int,
+    videos: int,
+    sizes: tuple[int, int, int] | None = None,
 ) -> None:
-    """Placeholders of each kind (one read of the device) against the inputs given."""
+    """Placeholders against the inputs given: with the loader's `sizes` (its placeholder count,
+    both kinds) on the host; else each kind's, in one read of the device."""
+    if sizes is not None:
+        if sizes[2] != images + videos:
+            raise ValueError(
+                f"the rows hold {sizes[2]} image and video placeholders (splice_sizes) but the "
+                f"batch has {images} image(s) under {IMAGES!r} and {videos} clip(s) under "
+                f"{VIDEOS!r}: each needs exactly one placeholder, in reading order"
+            )
+        return
     found = torch.stack(
         [
             ((text == tokens.image_token_id) & valid).sum(),
@@ -135,18 +153,30 @@ def _intervals(
 
 
 def visual_order(
-    text: Tensor, image_token_id: int, video_token_id: int, valid: Tensor, images: int
+    text: Tensor,
+    image_token_id: int,
+    video_token_id: int,
+    valid: Tensor,
+    images: int,
+    inputs: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(is_visual [R, T], input [N]): the placeholders that take an input (`valid`: not in
     padding), and for the k-th of them in reading order the index of its input among the
-    tower's (the images 0 .. images - 1, then the clips)."""
+    tower's (the images 0 .. images - 1, then the clips). `inputs`: N when the host knows it
+    (the images and clips given): the inputs are then scattered to their slots, with no
+    boolean mask whose size the device would have to report."""
     is_image = (text == image_token_id) & valid
     is_video = (text == video_token_id) & valid
     image_rank = is_image.flatten().long().cumsum(0) - 1
     video_rank = is_video.flatten().long().cumsum(0) - 1 + images
     is_visual = is_image | is_video
     index = torch.where(is_image.flatten(), image_rank, video_rank)
-    return is_visual, index[is_visual.flatten()]
+    if inputs is None:
+        return is_visual, index[is_visual.flatten()]
+    flat = is_visual.flatten()
+    slot = torch.where(flat, flat.long().cumsum(0) - 1, inputs)  # the rest: a discarded slot
+    order = index.new_zeros(inputs + 1).scatter(0, slot, index)
+    return is_visual, order[:inputs]
 
 
 def multimodal_positions(
