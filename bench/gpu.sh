@@ -8,7 +8,10 @@
 # MFU, peak memory vs the planner), DiT-XL/2's images/s (flow matching, bf16), checkpoint save time, and the
 # data path (pinned uint8 pixels normalised on the GPU, equal to the workers' float32), and
 # sequence parallelism's CUDA path on one GPU (all-to-all and ring kernels vs the unsplit step),
-# and `mmtrain doctor`'s memory finding on a real run beside a fragmented ballast.
+# `mmtrain doctor`'s memory finding on a real run beside a fragmented ballast, and the GPU path's
+# checks (issue 41): attention kernels and q/k/v dtypes, fused ring blocks, an FSDP2 step with 4
+# micro-batches (peak vs plan, foreach clip, event timing, DCP round trip), a frozen LM's
+# stage-1 memory, a native VLM's syncs under sync debug mode and its recompiles over page sizes.
 #
 #   bash bench/gpu.sh                 # results in $OUT (default /tmp/mmtrain-gpu-bench): gpu_results.{md,json}
 #   bash bench/gpu.sh --dry-run       # tiny sizes on the CPU: proves the script runs

@@ -8,7 +8,11 @@ importable, peak CUDA memory beside the planner's prediction at several batch si
 (per block, `train.compile`) against eager, fp8 matmuls through torchao when importable (loss
 after the timed steps beside bf16's), the device->host synchronisations of a step (counted
 under `torch.cuda.set_sync_debug_mode("warn")`), the LM's tokens/s, MFU and peak memory, and
-the time to write a checkpoint, and doctor's memory finding (memory_doctor.py). MFU uses the trainer's definition (`spec.train_flops`: every
+the time to write a checkpoint, doctor's memory finding (memory_doctor.py), and issue 41's
+checks of the GPU path: attention kernels and dtypes, ring blocks (gpu_attention.py), an FSDP2
+step with accumulation, clipping, event timing and a DCP round trip (gpu_step.py), a frozen
+LM's stage-1 memory (gpu_frozen.py), a native VLM's syncs and recompiles (gpu_vlm_syncs.py).
+MFU uses the trainer's definition (`spec.train_flops`: every
 part trained here, 3x the forward; recomputation not counted). Writes OUT/gpu_results.json and
 OUT/gpu_results.md and prints the table.
 
@@ -29,6 +33,10 @@ from pathlib import Path
 
 import torch
 from common import command, machine
+from gpu_attention import attention_note
+from gpu_frozen import frozen_note
+from gpu_step import step_note
+from gpu_vlm_syncs import vlm_syncs_note
 from memory_doctor import memory_doctor_note
 
 import mmtrain
@@ -538,21 +546,21 @@ def main() -> int:
     dit = run("DiT", dit_case, args, device, 4 if args.dry_run else 64)
     if dit is not None:
         notes.append(f"DiT: {dit['samples_s']:,.1f} images/s (fast-DiT: ~107 on one A100)")
-    try:
-        notes.append(data_path_note(device))
-    except Exception as err:  # noqa: BLE001 - report and go on
-        notes.append(f"data path: failed: {type(err).__name__}: {err}")
-    print(notes[-1], flush=True)
-    try:
-        notes.append(sequence_parallel_note(device))
-    except Exception as err:  # noqa: BLE001 - report and go on
-        notes.append(f"sequence parallelism: failed: {type(err).__name__}: {err}")
-    print(notes[-1], flush=True)
-    try:
-        notes.append(memory_doctor_note(device))
-    except Exception as err:  # noqa: BLE001 - report and go on
-        notes.append(f"doctor memory: failed: {type(err).__name__}: {err}")
-    print(notes[-1], flush=True)
+    dry = args.dry_run
+    for label, note in (
+        ("data path", lambda: data_path_note(device)),
+        ("sequence parallelism", lambda: sequence_parallel_note(device)),
+        ("doctor memory", lambda: memory_doctor_note(device)),
+        ("attention", lambda: attention_note(device, dry)),  # issue 41: kernels, dtypes, ring
+        ("FSDP2 step", lambda: step_note(device, dry)),  # accumulation, clip, timing, DCP
+        ("frozen LM", lambda: frozen_note(device, dry)),  # stage 1 memory vs the plan
+        ("VLM syncs", lambda: vlm_syncs_note(device, dry)),  # sync debug mode, recompiles
+    ):
+        try:
+            notes.append(note())
+        except Exception as err:  # noqa: BLE001 - report and go on
+            notes.append(f"{label}: failed: {type(err).__name__}: {err}")
+        print(notes[-1], flush=True)
     import importlib.util
 
     if importlib.util.find_spec("torchao") is None:

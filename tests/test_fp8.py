@@ -87,3 +87,39 @@ def test_checkpoints_load_across_fp8_and_bf16():
     back.load_state_dict(plain.state_dict())
     for name, value in back.state_dict().items():
         assert torch.equal(value, plain.state_dict()[name].to(value.dtype)), name
+
+
+# ----------------------------------------------------------------------------- fp8 compiles
+def _fp8_config(**train):
+    from mmtrain.config import config_from_dict
+
+    config = config_from_dict({
+        "model": "tiny-vlm", "data": {"train": "shards/"},
+        "train": {"steps": 1, "batch_size": 1, "precision": "fp8", **train},
+    })  # fmt: skip
+    config.validate()
+    return config
+
+
+def test_fp8_turns_compile_on_and_says_why(caplog):
+    from mmtrain.train.model_setup import _apply_wrappers
+
+    with caplog.at_level("INFO", logger="mmtrain.config"):
+        config = _fp8_config()
+    assert config.train.compile is True  # recorded so in the run's config.yaml
+    assert any("fp8" in r.message and "train.compile" in r.message for r in caplog.records)
+    # The model the loop builds from it: fp8 linears inside compiled blocks.
+    model = _vlm()
+    _apply_wrappers(model, config)
+    blocks = [block for tower in model.towers.values() for block in tower.blocks]
+    assert blocks and all(block._compiled_call_impl is not None for block in blocks)
+    assert any(isinstance(m, Float8Linear) for m in blocks[0].modules())
+
+
+def test_fp8_with_compile_off_is_refused_naming_the_field():
+    from mmtrain.structured import FieldError
+
+    with pytest.raises(FieldError, match=r"train\.compile: fp8 without torch\.compile"):
+        _fp8_config(compile=False)
+    assert _fp8_config(compile=True).train.compile is True
+    assert _fp8_config(precision="bf16").train.compile is False  # off unless asked for

@@ -4,19 +4,38 @@ checkpoint resumes to the uninterrupted run's weights."""
 
 from __future__ import annotations
 
+import io
+
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import mmtrain
 from dist_helpers import run_distributed
-from micro import make_shards, micro_run
+from micro import COLORS, make_shards, micro_run
 from mmtrain.checkpoint import load_checkpoint
+from mmtrain.data.storage.shard_writer import ShardWriter
 
 pytestmark = pytest.mark.slow
 EXACT = {"rtol": 1e-9, "atol": 1e-12}
 
 
-def _config(folder, shards: str, val: bool = False, **train):
+def _val_shards(folder) -> str:
+    """32 held-out pairs, each with a caption of its own. `make_shards` has 4 captions, so 8
+    texts are one and a query's rank among them is decided by the last bit of rounding, which
+    FSDP's and DDP's sums (in different orders) need not share."""
+    rng = np.random.default_rng(1)
+    with ShardWriter(folder, max_samples=16) as writer:
+        for i in range(32):
+            png = io.BytesIO()
+            Image.fromarray(rng.integers(0, 256, (20, 24, 3), np.uint8)).save(png, format="PNG")
+            text = f"square {i} of {COLORS[i % len(COLORS)]}".encode()
+            writer.write({"__key__": f"v{i:05d}", "png": png.getvalue(), "txt": text})
+    return str(folder)
+
+
+def _config(folder, shards: str, val: str | None = None, **train):
     # 2 ranks x micro-batch 2 x 2 accumulation: FSDP's skipped reduction on the first one.
     # Checkpoints in the gathered single-process format (the default under FSDP is sharded,
     # see tests/test_checkpoint_sharded.py). float64 (fp64): FSDP's reduce-scatter and DDP's
@@ -25,7 +44,7 @@ def _config(folder, shards: str, val: bool = False, **train):
     return micro_run(
         folder,
         shards,
-        data={"val": shards} if val else {},
+        data={"val": val} if val else {},
         eval={"every_steps": 2 if val else None},
         train={"micro_batch": 2, "precision": "fp64", **train},
         checkpoint={"format": "full"},
@@ -55,9 +74,10 @@ def _runs(rank: int, world_size: int, configs: dict) -> dict:
 
 def test_fsdp_follows_ddp_saves_full_weights_and_resumes_exactly(tmp_path):
     shards = make_shards(tmp_path / "shards", 32)
+    val = _val_shards(tmp_path / "val")
     configs = {
-        "ddp": _config(tmp_path / "ddp", shards, val=True, parallel="ddp"),
-        "fsdp": _config(tmp_path / "fsdp", shards, val=True, parallel="fsdp"),
+        "ddp": _config(tmp_path / "ddp", shards, val=val, parallel="ddp"),
+        "fsdp": _config(tmp_path / "fsdp", shards, val=val, parallel="fsdp"),
         "resumed": _config(tmp_path / "resumed", shards, parallel="fsdp"),
     }
     first, second = run_distributed(_runs, world_size=2, args=(configs,), timeout_s=300)

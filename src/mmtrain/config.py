@@ -248,7 +248,8 @@ class TrainConfig:
     fp8_keep_bf16: list[str] = field(default_factory=list)  # module-name fragments kept out of fp8
     fp8_recipe: str = "tensorwise"  # torchao's scaling: "tensorwise" or "rowwise"
     parallel: str = "auto"  # ddp, fsdp (FSDP2 fully_shard), auto: ddp
-    compile: bool = False  # torch.compile the towers (slower on CPU)
+    # torch.compile the towers' blocks (slower on CPU); null: on for fp8, off otherwise
+    compile: bool | None = None
     # Sequence (context) parallelism: groups of N consecutive ranks split every row's sequence
     # (a decoder's positions, images spliced in; a denoiser's patches) and attend over the
     # whole rows (train/sequence_parallel.py); data parallelism runs over ranks / N. 1: off.
@@ -373,6 +374,7 @@ class RunConfig:
             )
         check_choice("train.precision", t.precision, PRECISIONS)
         check_choice("train.fp8_recipe", t.fp8_recipe, ("tensorwise", "rowwise"))
+        _resolve_compile(t)
         check_choice("train.schedule", t.schedule, SCHEDULES)
         check_choice("train.parallel", t.parallel, PARALLELS)
         check_choice("train.device", t.device, DEVICES)
@@ -467,6 +469,28 @@ class RunConfig:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _resolve_compile(t: TrainConfig) -> None:
+    """Fill `train.compile` when left out (null): on for fp8, off otherwise, in place (the
+    resolved config.yaml records it). fp8 with compile explicitly off is refused: torchao's
+    scaling and casts then run as separate kernels around each matmul, and the step is no
+    faster than bf16's while holding more memory, so there is nothing to gain from it."""
+    if t.precision != "fp8":
+        if t.compile is None:
+            t.compile = False
+        return
+    if t.compile is False:
+        raise FieldError(
+            "train.compile",
+            "fp8 without torch.compile is no faster than bf16 (torchao's scaling and casts "
+            "only fuse into the matmuls when compiled); leave train.compile out (fp8 turns it "
+            "on) or set it true, or train in train.precision=bf16",
+        )
+    if t.compile is None:
+        t.compile = True
+        log.info("train.precision=fp8: compiling the towers' blocks (train.compile left out); "
+                 "fp8 matmuls only pay off with torchao's scaling fused in by torch.compile")  # fmt: skip
 
 
 def _check_optimizer_settings(t: TrainConfig) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +50,7 @@ from mmtrain.train.ema import Ema
 from mmtrain.train.export import copy_processor_files, export_model
 from mmtrain.train.lora import lora_towers
 from mmtrain.train.metrics import (
+    compile_counts,
     detect_peak_flops,
     memory_gib,
     padding_fraction,
@@ -81,6 +81,7 @@ from mmtrain.train.sequence_parallel import apply_sequence_parallel, unsplit
 from mmtrain.train.signals import StopOnSignal, StopRequested
 from mmtrain.train.state import TrainState
 from mmtrain.train.step import forward_backward, inject_fault, move_batch, optimizer_step
+from mmtrain.train.step_timer import StepTimer
 from mmtrain.train.validator import Validator
 
 __all__ = ["TrainResult", "Trainer", "forward_backward", "optimizer_step", "train"]
@@ -289,19 +290,20 @@ class Trainer:
         self.data.set_input_spec(step_spec)
         reset_peak_memory(device)
 
-        t0 = time.perf_counter()
+        timer = StepTimer(device)  # CUDA events for forward+backward on a GPU
+        timer.start()
         try:
             micro_batches, keys, counts = self._next_micro_batches(step_spec)
         except FieldError as err:  # no batch can be filled: the run folder says why (doctor)
             self.recorder.record("stopped", state.step, {"field": err.path, "message": err.message})
             raise
-        t1 = time.perf_counter()
+        timer.data_ready()
         self.comm.start_step()
         self.optimizer.zero_grad(set_to_none=True)
         loss, parts = forward_backward(
             self.trained, self.objectives, micro_batches, precision, self.state.step + 1
         )
-        t2 = time.perf_counter()
+        timer.compute_done()
         norm, stepped, loss_finite = optimizer_step(
             self.model, self.optimizer, precision, self.t.grad_clip, loss=loss
         )
@@ -315,7 +317,7 @@ class Trainer:
             self.ema.update(self.model)
         if self.comm.world_size > 1 and device.type == "cuda":
             torch.cuda.synchronize(device)  # the timer reads its CUDA events after the step
-        t3 = time.perf_counter()
+        times = timer.finish()  # after optimizer_step's read: the events are complete
         comm_times = self.comm.finish_step()
 
         # fp16 overflows are the loss scaler's business; a non-finite loss, or a non-finite
@@ -325,7 +327,6 @@ class Trainer:
         if not stepped:
             log.warning("step %d skipped: loss or gradient not finite; samples: %s",
                         state.step, ", ".join(keys[:8]))  # fmt: skip
-        times = {"data": t1 - t0, "compute": t2 - t1, "optimizer": t3 - t2}
         self._record(step_spec, loss, parts, norm, times, comm_times, counts, keys)
 
     def _next_micro_batches(
@@ -382,6 +383,7 @@ class Trainer:
                 comm=comm_times,
             ),  # fmt: skip
             **memory_gib(self.env.device),
+            **compile_counts(),  # still rising after the first steps: recompiles
             **{k: v for k, v in counts.items() if k not in ("flops", "rank_flops")},
         }
         if step_spec is not self.spec:

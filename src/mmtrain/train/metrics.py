@@ -35,6 +35,7 @@ from mmtrain.atomic import atomic_write_text
 from mmtrain.config import RunConfig
 from mmtrain.folders import METRICS_FILE
 from mmtrain.spec import DENOISER_PART, ModelSpec, PartTraining
+from mmtrain.structured import FieldError
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +152,20 @@ def detect_peak_flops(device: torch.device, precision: str) -> float | None:
     convention of torchtitan and of published fp8 runs (not every matmul is fp8)."""
     found = _catalog_gpu(device)
     if found is None:
+        if device.type == "cuda":  # said once per run (the trainer asks once), not a silent gap
+            log.warning(
+                "the GPU catalog does not know CUDA device %r: MFU not reported. Set "
+                "metrics.peak_tflops to the card's dense (no sparsity) TFLOPS for this run's "
+                "precision",
+                torch.cuda.get_device_name(device),
+            )
         return None
     gpu, share = found
-    return gpu.peak_flops("bf16" if precision == "fp8" else precision) * share
+    try:
+        return gpu.peak_flops("bf16" if precision == "fp8" else precision) * share
+    except FieldError as err:  # a precision the card has no published rate for (V100: bf16)
+        log.warning("%s: MFU not reported (set metrics.peak_tflops to report it)", err)
+        return None
 
 
 def _catalog_gpu(device: torch.device) -> tuple[Any, float] | None:
@@ -162,15 +174,11 @@ def _catalog_gpu(device: torch.device) -> tuple[Any, float] | None:
     if device.type != "cuda":
         return None
     from mmtrain.hardware import default_catalog
-    from mmtrain.structured import FieldError
 
     name = torch.cuda.get_device_name(device)
     try:
         return default_catalog().resolve_device(name)
-    except FieldError as err:
-        log.info(
-            "no peak FLOP/s for %r (%s): MFU not reported (set metrics.peak_tflops)", name, err
-        )
+    except FieldError:
         return None
 
 
@@ -178,6 +186,20 @@ def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak-memory window (call at the start of each step; CUDA only)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def compile_counts() -> dict[str, int]:
+    """What torch.compile compiled in this process so far: frames (each recompile is one more)
+    and distinct graphs; empty when nothing was compiled. A count still rising after the first
+    steps is a recompile per batch (shapes the graph specialised on: dynamic dims to mark)."""
+    if "torch._dynamo" not in sys.modules:  # nothing compiled: do not pay for the import
+        return {}
+    from torch._dynamo.utils import counters
+
+    frames = counters["frames"].get("ok", 0)
+    if not frames:
+        return {}
+    return {"compiled_frames": frames, "compiled_graphs": counters["stats"].get("unique_graphs", 0)}
 
 
 def memory_gib(device: torch.device) -> dict[str, float]:
@@ -469,8 +491,10 @@ def throughput(
 ) -> dict[str, float]:
     """samples/s, step time and its split, data-wait fraction and MFU for one optimizer step.
 
-    `times` holds seconds for "data", "compute" (forward+backward) and "optimizer"; `samples`
-    is the global batch. MFU = achieved model FLOP/s per device / the device's peak.
+    `times` holds seconds for "data", "compute" (forward+backward) and "optimizer"
+    (`StepTimer.finish`: on a GPU "compute" is the device's time between CUDA events around the
+    forward+backward, and "optimizer" the rest of the host's step); `samples` is the global
+    batch. MFU = achieved model FLOP/s per device / the device's peak.
 
     `comm` (`CommTimer.finish_step()`: `comm_s`, `comm_exposed_s` and its breakdown by
     collective; empty on one rank) adds the communication and its exposed share of the step. Communication is not a fourth slice of

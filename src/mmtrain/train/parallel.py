@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -318,22 +318,19 @@ def is_fsdp(module: nn.Module) -> bool:
 
 
 def no_sync(module: nn.Module) -> contextlib.AbstractContextManager:
-    """Skip the gradient reduction of a non-final micro-batch: DDP's `no_sync()`, FSDP2's
-    `set_requires_gradient_sync(False)`; a no-op on one rank."""
+    """Skip the gradient reduction of a non-final micro-batch under DDP (`no_sync()`: the
+    replicas' gradients add up locally and are all-reduced once, with the last backward).
+
+    Under FSDP2 nothing is skipped: each micro-batch's backward reduce-scatters its gradients
+    into the shards, where they add up (torchtitan's choice). Skipping it
+    (`set_requires_gradient_sync(False)`) would keep an unsharded gradient of every trainable
+    parameter until the last micro-batch, in the reduce dtype (fp32: 4 B/param, the whole
+    model's gradient on every rank), which is what sharding is for avoiding; the price is one
+    reduce-scatter per micro-batch instead of one per step, which the planner counts
+    (plan/compute.py, ZeRO-3). A no-op on one rank too."""
     if isinstance(module, nn.parallel.DistributedDataParallel):
         return module.no_sync()
-    if is_fsdp(module):
-        return _fsdp_no_sync(module)
     return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _fsdp_no_sync(module: nn.Module) -> Iterator[None]:
-    module.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        module.set_requires_gradient_sync(True)
 
 
 # ----------------------------------------------------------------------------- state

@@ -41,7 +41,8 @@ def forward_backward(
     (each objective normalises its share so; train/objectives.py says how).
 
     `trained` is what runs the forward (the DDP/compiled wrapper). Gradients accumulate in
-    `.grad`; DDP synchronises them on the last micro-batch only. Returns this rank's share of
+    `.grad`; DDP synchronises them on the last micro-batch only, FSDP2 reduce-scatters each
+    micro-batch's into the shards (`parallel.no_sync` says why). Returns this rank's share of
     the step's total loss and the named parts of the objectives (loss per pair, "fusion"),
     detached, on the device: reading them is the caller's choice.
     """
@@ -105,10 +106,7 @@ def optimizer_step(
     scaler = precision.scaler
     if scaler is not None:
         scaler.unscale_(optimizer)
-    max_norm = grad_clip if grad_clip is not None else math.inf
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    if hasattr(norm, "full_tensor"):  # FSDP2's gradients are DTensors: so is their norm
-        norm = norm.full_tensor()
+    norm = clip_gradients(params, grad_clip)
     bad_loss = torch.zeros((), device=norm.device) if loss is None else ~torch.isfinite(loss)
     flags = torch.stack([bad_loss.to(norm.device, torch.float32), (~torch.isfinite(norm)).float()])
     loss_bad, grad_bad = sum_tensor_over_ranks(flags).tolist()  # the step's one read
@@ -120,6 +118,24 @@ def optimizer_step(
     if scaler is not None:
         scaler.update()
     return norm.detach(), stepped, not loss_bad
+
+
+def clip_gradients(params: Sequence[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+    """The global L2 norm of the gradients of `params` (a plain tensor on the device) after
+    scaling them down to `max_norm` when it is exceeded (None: measure only, scale nothing).
+
+    Both passes use the foreach kernels (a few fused launches instead of one norm and one
+    multiply per parameter), asked for explicitly as torchtitan does: `foreach=None` takes
+    them only while every gradient is a plain tensor or a DTensor, and otherwise falls back to
+    the loop silently. FSDP2's gradients are DTensors (their norm is one too, of the shards):
+    the full norm is gathered before the clip coefficient is formed from it."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
 
 
 def move_batch(
