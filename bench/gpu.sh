@@ -11,7 +11,10 @@
 # `mmtrain doctor`'s memory finding on a real run beside a fragmented ballast, and the GPU path's
 # checks (issue 41): attention kernels and q/k/v dtypes, fused ring blocks, an FSDP2 step with 4
 # micro-batches (peak vs plan, foreach clip, event timing, DCP round trip), a frozen LM's
-# stage-1 memory, a native VLM's syncs under sync debug mode and its recompiles over page sizes.
+# stage-1 memory, a native VLM's syncs under sync debug mode and its recompiles over page sizes,
+# eight Qwen2.5-7B decoder layers with the real head (packed / padded, eager / compiled: MFU,
+# graphs, the loss's share) and the VLM loader's pages/s with 14 workers; planned for the card
+# it runs on.
 #
 #   bash bench/gpu.sh                 # results in $OUT (default /tmp/mmtrain-gpu-bench): gpu_results.{md,json}
 #   bash bench/gpu.sh --dry-run       # tiny sizes on the CPU: proves the script runs

@@ -11,7 +11,9 @@ under `torch.cuda.set_sync_debug_mode("warn")`), the LM's tokens/s, MFU and peak
 the time to write a checkpoint, doctor's memory finding (memory_doctor.py), and issue 41's
 checks of the GPU path: attention kernels and dtypes, ring blocks (gpu_attention.py), an FSDP2
 step with accumulation, clipping, event timing and a DCP round trip (gpu_step.py), a frozen
-LM's stage-1 memory (gpu_frozen.py), a native VLM's syncs and recompiles (gpu_vlm_syncs.py).
+LM's stage-1 memory (gpu_frozen.py), a native VLM's syncs and recompiles (gpu_vlm_syncs.py),
+eight Qwen2.5-7B layers' MFU and the loss's share (gpu_lm_layers.py), the VLM loader's pages/s
+(gpu_loader.py).
 MFU uses the trainer's definition (`spec.train_flops`: every
 part trained here, 3x the forward; recomputation not counted). Writes OUT/gpu_results.json and
 OUT/gpu_results.md and prints the table.
@@ -35,6 +37,8 @@ import torch
 from common import command, machine
 from gpu_attention import attention_note
 from gpu_frozen import frozen_note
+from gpu_lm_layers import lm_layers_note
+from gpu_loader import vlm_loader_note
 from gpu_step import step_note
 from gpu_vlm_syncs import vlm_syncs_note
 from memory_doctor import memory_doctor_note
@@ -212,11 +216,14 @@ def openclip_case(args, device, batch: int) -> dict | None:
     }
 
 
-def _next_token_step(spec, batch: dict, device, lr: float = 1e-5):
+def _next_token_step(spec, batch: dict, device, lr: float = 1e-5, prepare=None):
     """One bf16 training step (the trainer's forward_backward + optimizer_step, AC per
-    block) of a fresh model of `spec` on `batch` (its tensors, and lists of them, moved)."""
+    block) of a fresh model of `spec` on `batch` (its tensors, and lists of them, moved);
+    `prepare(model)` after the checkpointing (e.g. `apply_compile`, in the trainer's order)."""
     model = mmtrain.create_model(spec, seed=0).to(device)
     apply_activation_checkpointing(model, "full")
+    if prepare is not None:
+        prepare(model)
     prec = make_precision("bf16", device) if device.type == "cuda" else _cpu("bf16")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=device.type == "cuda")
     data = {k: [x.to(device) for x in v] if isinstance(v, list) else v.to(device)
@@ -481,11 +488,25 @@ def table(rows: list[dict]) -> list[str]:
     return out
 
 
+def _catalog_gpu(device: torch.device) -> tuple[str, str]:
+    """The catalog's key of the card the benchmark runs on, and how it was found; h200 (the
+    lent machines' larger card) for a CPU dry run or a card the catalog does not know."""
+    if device.type != "cuda":
+        return "h200", "a dry run on the CPU"
+    name = torch.cuda.get_device_name(device)
+    try:
+        return default_catalog().resolve_device(name)[0].key, f"the driver's {name!r}"
+    except Exception:  # noqa: BLE001 - an unknown card: plan a known one and say so
+        return "h200", f"{name!r} is not in the catalog"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for gpu_results.json/.md")
     parser.add_argument("--model", default="ViT-B-16")
-    parser.add_argument("--gpu", default="h200", help="catalog name for the planner")
+    parser.add_argument(
+        "--gpu", default=None, help="catalog name for the planner (default: the card it runs on)"
+    )
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--memory-batches", default="64,128,256")
     parser.add_argument("--steps", type=int, default=20)
@@ -505,6 +526,9 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, notes = [], []
+    if args.gpu is None:  # plan the card it runs on, as the trainer names it
+        args.gpu, how = _catalog_gpu(device)
+        notes.append(f"planned for {args.gpu} ({how})")
 
     def run(label: str, fn, *a, **kw):
         try:
@@ -555,6 +579,8 @@ def main() -> int:
         ("FSDP2 step", lambda: step_note(device, dry)),  # accumulation, clip, timing, DCP
         ("frozen LM", lambda: frozen_note(device, dry)),  # stage 1 memory vs the plan
         ("VLM syncs", lambda: vlm_syncs_note(device, dry)),  # sync debug mode, recompiles
+        ("LM layers", lambda: lm_layers_note(device, dry)),  # 7B layers: MFU, compile, loss
+        ("VLM loader", lambda: vlm_loader_note(device, dry)),  # pages/s with 14 workers
     ):
         try:
             notes.append(note())
