@@ -8,8 +8,11 @@ Variants, each a fresh 2-rank run (its own processes):
 - whole: the same run through the set-up every rank used before (the whole model built and
   loaded in each rank, then sharded), which remains the fallback for baselines not read in
   slices.
-Each with and without `MALLOC_MMAP_THRESHOLD_=1000000` (glibc's heap otherwise keeps freed
-all-gather buffers: its dynamic mmap threshold grows past their size).
+Each under three heaps (`--heaps`): `glibc` (glibc's dynamic mmap threshold, which grows past
+the size of freed all-gather buffers, so the heap keeps them: the trainer's rank start is kept
+from fixing it), `rank-start` (what the trainer does: `distributed.fix_malloc_mmap_threshold`
+sets 1 MB through mallopt when a rank starts) and `env` (`MALLOC_MMAP_THRESHOLD_=1000000` set
+by the launcher, which the rank start then leaves alone).
 
 Peak RSS = `VmHWM` of /proc/self/status of each rank at the end of its run (set-up, training,
 checkpoint and export included). Not getrusage's ru_maxrss: Linux carries that over from the
@@ -17,7 +20,8 @@ parent process a rank was forked from, whose RSS at fork time then floors every 
 fp32 bytes + 1 GiB of runtime. Also checks that the exported weights of the run at lr 0 equal
 the source bitwise (merged LoRA adapters at zero change nothing).
 
-    python bench/big_model_memory.py [--layers 20] [--steps 2]
+    python bench/big_model_memory.py [--layers 20] [--steps 2] [--variants sharded,whole]
+        [--heaps glibc,rank-start,env]
 """
 
 from __future__ import annotations
@@ -38,6 +42,12 @@ from dist_helpers import run_distributed  # noqa: E402
 
 GIB = 2**30
 THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": "1000000"}
+HEAPS = ("glibc", "rank-start", "env")
+HEAP_LABELS = {
+    "glibc": "glibc's dynamic",
+    "rank-start": "1 MB by mallopt at rank start",
+    "env": "MALLOC_MMAP_THRESHOLD_=1000000",
+}
 
 
 def make_baseline(folder: Path, layers: int) -> int:
@@ -100,13 +110,15 @@ def peak_rss_bytes() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def _rank(rank: int, world: int, config: dict, variant: str) -> dict:
+def _rank(rank: int, world: int, config: dict, variant: str, heap: str) -> dict:
     from mmtrain.config import config_from_dict
-    from mmtrain.train import model_setup
+    from mmtrain.train import model_setup, parallel
     from mmtrain.train.loop import train
 
     if variant == "whole":
         model_setup._sliced_plan = lambda *args: model_setup._WHOLE
+    if heap == "glibc":  # the rank start leaves glibc's dynamic threshold as it is
+        parallel.fix_malloc_mmap_threshold = lambda *args: False
     after_imports = peak_rss_bytes()
     started = time.perf_counter()
     train(config_from_dict(config))
@@ -117,13 +129,15 @@ def _rank(rank: int, world: int, config: dict, variant: str) -> dict:
     }
 
 
-def run(config: dict, out: Path, variant: str, threshold: bool) -> list[dict]:
+def run(config: dict, out: Path, variant: str, heap: str) -> list[dict]:
     saved = dict(os.environ)
-    if threshold:
+    for name in THRESHOLD:
+        os.environ.pop(name, None)
+    if heap == "env":
         os.environ.update(THRESHOLD)
     try:
         config = {**config, "out": str(out)}
-        return run_distributed(_rank, world_size=2, args=(config, variant), timeout_s=1800)
+        return run_distributed(_rank, world_size=2, args=(config, variant, heap), timeout_s=1800)
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -147,22 +161,23 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=20)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--variants", default="sharded,whole")
+    parser.add_argument("--heaps", default=",".join(HEAPS))
     args = parser.parse_args()
     load = load_average()
     root = Path(tempfile.mkdtemp(prefix="mmtrain-bigmem-"))
     fp32_bytes = make_baseline(root / "hf", args.layers)
     config = make_run(root, root / "hf", args.steps)
     bound = 0.6 * fp32_bytes + GIB
-    rows = ["| variant | MALLOC_MMAP_THRESHOLD_ | rank 0 peak GiB | rank 1 peak GiB | after imports GiB | bound GiB | within | run s | export == source |",
+    rows = ["| variant | heap (mmap threshold) | rank 0 peak GiB | rank 1 peak GiB | after imports GiB | bound GiB | within | run s | export == source |",
             "|---|---|---:|---:|---:|---:|---|---:|---|"]  # fmt: skip
     for variant in args.variants.split(","):
-        for threshold in (False, True):
-            out = root / f"run-{variant}-{int(threshold)}"
-            ranks = run(config, out, variant, threshold)
+        for heap in args.heaps.split(","):
+            out = root / f"run-{variant}-{heap}"
+            ranks = run(config, out, variant, heap)
             peaks = [r["peak"] for r in ranks]
             same = exported_equals_source(out, root / "hf")
             rows.append(
-                f"| {variant} | {'1000000' if threshold else 'unset'} | {peaks[0] / GIB:.2f} | "
+                f"| {variant} | {HEAP_LABELS[heap]} | {peaks[0] / GIB:.2f} | "
                 f"{peaks[1] / GIB:.2f} | {ranks[0]['after_imports'] / GIB:.2f} | "
                 f"{bound / GIB:.2f} | {'yes' if max(peaks) <= bound else 'no'} | "
                 f"{max(r['seconds'] for r in ranks):.0f} | {same} |"

@@ -13,8 +13,8 @@
 # micro-batches (peak vs plan, foreach clip, event timing, DCP round trip), a frozen LM's
 # stage-1 memory, a native VLM's syncs under sync debug mode and its recompiles over page sizes,
 # eight Qwen2.5-7B decoder layers with the real head (packed / padded, eager / compiled: MFU,
-# graphs, the loss's share) and the VLM loader's pages/s with 14 workers; planned for the card
-# it runs on.
+# graphs, the loss's share), the VLM loader's pages/s with 14 workers, FSDP2 CPU offload and
+# QLoRA (peak GPU memory, step time, host memory vs the plan); planned for the card it runs on.
 #
 #   bash bench/gpu.sh                 # results in $OUT (default /tmp/mmtrain-gpu-bench): gpu_results.{md,json}
 #   bash bench/gpu.sh --dry-run       # tiny sizes on the CPU: proves the script runs

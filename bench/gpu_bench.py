@@ -13,7 +13,8 @@ checks of the GPU path: attention kernels and dtypes, ring blocks (gpu_attention
 step with accumulation, clipping, event timing and a DCP round trip (gpu_step.py), a frozen
 LM's stage-1 memory (gpu_frozen.py), a native VLM's syncs and recompiles (gpu_vlm_syncs.py),
 eight Qwen2.5-7B layers' MFU and the loss's share (gpu_lm_layers.py), the VLM loader's pages/s
-(gpu_loader.py).
+(gpu_loader.py), CPU offload and QLoRA against full training (gpu_offload.py) and offload's GPU
+and pinned host memory against the plan (gpu_offload_plan.py).
 MFU uses the trainer's definition (`spec.train_flops`: every
 part trained here, 3x the forward; recomputation not counted). Writes OUT/gpu_results.json and
 OUT/gpu_results.md and prints the table.
@@ -39,6 +40,8 @@ from gpu_attention import attention_note
 from gpu_frozen import frozen_note
 from gpu_lm_layers import lm_layers_note
 from gpu_loader import vlm_loader_note
+from gpu_offload import offload_note
+from gpu_offload_plan import offload_plan_note
 from gpu_step import step_note
 from gpu_vlm_syncs import vlm_syncs_note
 from memory_doctor import memory_doctor_note
@@ -581,6 +584,8 @@ def main() -> int:
         ("VLM syncs", lambda: vlm_syncs_note(device, dry)),  # sync debug mode, recompiles
         ("LM layers", lambda: lm_layers_note(device, dry)),  # 7B layers: MFU, compile, loss
         ("VLM loader", lambda: vlm_loader_note(device, dry)),  # pages/s with 14 workers
+        ("offload and QLoRA", lambda: offload_note(device, dry)),  # peak GPU memory, ms/step
+        ("offload plan", lambda: offload_plan_note(device, dry)),  # GPU + pinned host vs plan
     ):
         try:
             notes.append(note())

@@ -18,7 +18,6 @@ from mmtrain.plan.model import PlanModel, Stack
 from mmtrain.plan.recommend import (
     DEFAULT_DEADLINE_H,
     GPU_COUNTS,
-    TP_SIZES,
     _per_sample,
     recommend,
 )
@@ -179,26 +178,28 @@ def test_recommend_ranks_fitting_strategies_and_explains():
 
 
 def _exhaustive(model, base, catalog, gpu, max_gpus):
-    """Every strategy that fits, without the search's pruning (small models only)."""
+    """Every strategy mmtrain train runs that fits, without the search's pruning (small models
+    only): DDP, FSDP2 and FSDP2 with CPU offload (on one GPU too)."""
     plans = []
     for count in (c for c in GPU_COUNTS if c <= max_gpus):
-        for tp in (t for t in TP_SIZES if t <= count and count % t == 0):
-            dp = count // tp
-            if base.global_batch % dp or any(s.heads % tp for s in model.stacks):
-                continue
-            for zero in (0, 1, 2, 3) if dp > 1 else (0,):
-                for ac in ("none", "selective", "full"):
-                    mb = 1
-                    while mb <= base.global_batch // dp:
-                        cfg = PlanConfig(
-                            **{**vars(base), "gpu": gpu, "gpus": count, "tp": tp, "zero": zero}
-                            | {"ac": ac, "micro_batch": mb}
-                        )
-                        if base.global_batch % (mb * dp) == 0:
-                            plan = make_plan(model, cfg, catalog)
-                            if plan.memory.fits:
-                                plans.append(plan)
-                        mb *= 2
+        dp = count
+        if base.global_batch % dp:
+            continue
+        for zero, offload in (
+            ((0, False), (3, False), (3, True)) if dp > 1 else ((0, False), (3, True))
+        ):
+            for ac in ("none", "selective", "full"):
+                mb = 1
+                while mb <= base.global_batch // dp:
+                    cfg = PlanConfig(
+                        **{**vars(base), "gpu": gpu, "gpus": count, "zero": zero}
+                        | {"ac": ac, "micro_batch": mb, "offload": offload}
+                    )
+                    if base.global_batch % (mb * dp) == 0:
+                        plan = make_plan(model, cfg, catalog)
+                        if plan.fits:
+                            plans.append(plan)
+                    mb *= 2
     return plans
 
 

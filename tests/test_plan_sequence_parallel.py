@@ -24,7 +24,7 @@ from mmtrain.plan.config import PlanConfig
 from mmtrain.plan.estimate import make_plan
 from mmtrain.plan.memory import model_states
 from mmtrain.plan.model import PlanModel
-from mmtrain.plan.recommend import GPU_COUNTS, SP_SIZES, TP_SIZES, _per_sample, recommend
+from mmtrain.plan.recommend import GPU_COUNTS, SP_SIZES, _per_sample, layouts, recommend
 from mmtrain.plan.workloads import decoder, load_model
 from mmtrain.spec import load_spec
 from mmtrain.structured import FieldError
@@ -311,24 +311,24 @@ def test_recommend_splits_rows_that_fit_no_gpu_whole(capsys):
 
 
 def _exhaustive(model, base, catalog, gpu, max_gpus):
-    """Every strategy with sequence parallelism that fits, without the search's pruning."""
+    """Every strategy mmtrain train runs, sequence parallelism included, that fits, without
+    the search's pruning."""
     plans = []
     for count in (c for c in GPU_COUNTS if c <= max_gpus):
-        for tp in (t for t in TP_SIZES if t <= count and count % t == 0):
-            for sp in (n for n in SP_SIZES if count % (tp * n) == 0 and tp * n <= 8):
-                dp = count // (tp * sp)
-                if base.global_batch % dp or any(s.heads % tp for s in model.stacks):
-                    continue
-                for zero in (0, 1, 2, 3) if count // tp > 1 else (0,):
-                    for ac in ("none", "selective", "full"):
-                        mb = 1
-                        while mb <= base.global_batch // dp:
-                            cfg = replace(base, gpu=gpu, gpus=count, tp=tp, zero=zero, ac=ac,
-                                          micro_batch=mb, sequence_parallel=sp)  # fmt: skip
-                            plan = make_plan(model, cfg, catalog)
-                            if plan.memory.fits:
-                                plans.append(plan)
-                            mb *= 2
+        for sp in (n for n in SP_SIZES if count % n == 0 and n <= 8):
+            dp = count // sp
+            if base.global_batch % dp:
+                continue
+            for zero, offload in layouts(count):  # what mmtrain train runs
+                for ac in ("none", "selective", "full"):
+                    mb = 1
+                    while mb <= base.global_batch // dp:
+                        cfg = replace(base, gpu=gpu, gpus=count, zero=zero, offload=offload,
+                                      ac=ac, micro_batch=mb, sequence_parallel=sp)  # fmt: skip
+                        plan = make_plan(model, cfg, catalog)
+                        if plan.fits:
+                            plans.append(plan)
+                        mb *= 2
     return plans
 
 

@@ -145,12 +145,17 @@ class LoraConfig:
     B A, with A [rank, in] and B [out, rank] (B starts at zero: step 0 is the base model).
     Targets: "attn" = `attn.qkv` and `attn.out`, "mlp" = `mlp.fc1` and `mlp.fc2` of every block
     (both by default, as `mmtrain plan --lora` assumes).
+    `quantize_base: nf4` is QLoRA (train/qlora.py): the frozen linears of the tower's blocks
+    (the adapted ones and the others) are held as torchao NF4 tensors (4-bit, blocks of 64
+    with double-quantised scales), dequantised per linear in the forward; the adapters train
+    as without it. null: the base is held in the compute dtype (bf16/fp16) or as it is.
     """
 
     rank: int = 16
     alpha: float | None = None  # scale = alpha / rank; default: alpha = rank (scale 1)
     dropout: float = 0.0  # on the adapter's input (torch's RNG, saved in checkpoints)
     targets: list[str] = field(default_factory=lambda: ["attn", "mlp"])
+    quantize_base: str | None = None  # null or "nf4" (QLoRA)
 
     def scale(self) -> float:
         return (self.alpha if self.alpha is not None else self.rank) / self.rank
@@ -247,7 +252,11 @@ class TrainConfig:
     towers: dict[str, TowerTrainConfig] = field(default_factory=dict)
     fp8_keep_bf16: list[str] = field(default_factory=list)  # module-name fragments kept out of fp8
     fp8_recipe: str = "tensorwise"  # torchao's scaling: "tensorwise" or "rowwise"
-    parallel: str = "auto"  # ddp, fsdp (FSDP2 fully_shard), auto: ddp
+    parallel: str = "auto"  # ddp, fsdp (FSDP2 fully_shard), auto: ddp (fsdp with offload)
+    # FSDP2's CPUOffloadPolicy: sharded parameters, gradients and optimizer states live in host
+    # memory (pinned on CUDA) and each unit is copied to the GPU for its all-gather; the
+    # optimizer steps on the CPU. Needs train.parallel fsdp (auto picks it), on any rank count.
+    offload: bool = False
     # torch.compile the towers' blocks (slower on CPU); null: on for fp8, off otherwise
     compile: bool | None = None
     # Sequence (context) parallelism: groups of N consecutive ranks split every row's sequence
@@ -377,6 +386,7 @@ class RunConfig:
         _resolve_compile(t)
         check_choice("train.schedule", t.schedule, SCHEDULES)
         check_choice("train.parallel", t.parallel, PARALLELS)
+        _resolve_offload(t)
         check_choice("train.device", t.device, DEVICES)
         _at_least("train.lr", t.lr, 0.0)
         _at_least("train.min_lr", t.min_lr, 0.0)
@@ -398,6 +408,7 @@ class RunConfig:
             if tower.weight_decay is not None:
                 _at_least(f"train.towers.{name}.weight_decay", tower.weight_decay, 0.0)
             _check_tower_tuning(f"train.towers.{name}", tower, t.ema)
+            _check_quantize_base(f"train.towers.{name}", tower, t.precision)
         if t.micro_batch is not None:
             _at_least("train.micro_batch", t.micro_batch, 1)
         _at_least("train.fusion_weight", t.fusion_weight, 0.0)
@@ -493,6 +504,22 @@ def _resolve_compile(t: TrainConfig) -> None:
                  "fp8 matmuls only pay off with torchao's scaling fused in by torch.compile")  # fmt: skip
 
 
+def _resolve_offload(t: TrainConfig) -> None:
+    """`train.offload` is FSDP2's CPU offload: `parallel: auto` becomes fsdp (in place, the
+    resolved config.yaml records it); ddp is refused, naming the field."""
+    if not t.offload:
+        return
+    if t.parallel == "auto":
+        t.parallel = "fsdp"
+        log.info("train.offload: train.parallel auto -> fsdp (CPU offload is FSDP2's)")
+    elif t.parallel != "fsdp":
+        raise FieldError(
+            "train.offload",
+            f"CPU offload is FSDP2's (CPUOffloadPolicy), not {t.parallel}'s: set "
+            "train.parallel=fsdp (or leave it auto), or train.offload=false",
+        )
+
+
 def _check_optimizer_settings(t: TrainConfig) -> None:
     """AdamW's settings where the config sets them (null: the workload's default, valid)."""
     if t.weight_decay is not None:
@@ -552,6 +579,24 @@ def _check_tower_tuning(path: str, tower: TowerTrainConfig, ema: float | None) -
     if ema is not None:
         # The average would be of the frozen base too, and EMA copies hold no adapters.
         raise FieldError("train.ema", f"is not supported with {path}.lora; set it to null")
+
+
+QUANTIZE_BASES = ("nf4",)
+
+
+def _check_quantize_base(path: str, tower: TowerTrainConfig, precision: str) -> None:
+    """QLoRA's base quantisation: a known kind, and not with fp8 (whose training linears would
+    take the 4-bit base for a weight of their own to scale)."""
+    if tower.lora is None or tower.lora.quantize_base is None:
+        return
+    key = f"{path}.lora.quantize_base"
+    check_choice(key, tower.lora.quantize_base, QUANTIZE_BASES)
+    if precision == "fp8":
+        raise FieldError(
+            key,
+            "a 4-bit base cannot also run fp8 matmuls: use train.precision=bf16 (QLoRA's) "
+            "or set quantize_base to null",
+        )
 
 
 def _check_init(init: str | dict[str, str] | None, sha256: dict[str, str]) -> None:

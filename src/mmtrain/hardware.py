@@ -19,6 +19,11 @@ Prices (`price_per_gpu_hour`) are indicative on-demand list prices in US dollars
 rounded, as set for this catalog in 2026-11 from public cloud list prices (no single provider's
 quote; reserved and spot prices are often half of them or less). They only rank strategies
 and give an order of magnitude: pass `--price-per-gpu-hour` (or a YAML row) with your own.
+
+The host side, for CPU offload (plan/offload.py): `host_link` is the interconnect a GPU copies to
+and from its host's memory over (PCIe, or NVLink-C2C to a Grace CPU), and `server_memory_gib` the
+host memory of a reference server holding `server_gpus` of them (an MLPerf system description,
+cited in `host_source`); empty where no reference server is cited.
 """
 
 from __future__ import annotations
@@ -90,6 +95,10 @@ class GPU:
     device_names: tuple[str, ...] = ()  # as torch.cuda.get_device_name() prints them
     source: str = ""
     notes: str = ""
+    host_link: str = ""  # interconnect key to the host's memory ("": unknown)
+    server_memory_gib: float | None = None  # host memory of a reference server
+    server_gpus: int | None = None  # GPUs sharing that server's host memory
+    host_source: str = ""
 
     @property
     def usable_bytes(self) -> int:
@@ -262,6 +271,10 @@ def _gpu_from_csv(row: dict[str, str]) -> GPU:
         device_names=tuple(a for a in row["device_names"].split(";") if a),
         source=row["source"],
         notes=row["notes"],
+        host_link=row.get("host_link", ""),
+        server_memory_gib=_number(row.get("server_memory_gib", "")),
+        server_gpus=int(row["server_gpus"]) if row.get("server_gpus", "").strip() else None,
+        host_source=row.get("host_source", ""),
     )
 
 

@@ -65,9 +65,28 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="mixed-precision AdamW convention: 16 (16-bit grads), 18 (fp32 grads), 20 (+fp32 accumulation)",
     )
     p.add_argument(
-        "--zero", type=int, default=0, help="ZeRO/FSDP stage 0-3 over the data-parallel ranks"
+        "--zero",
+        type=int,
+        default=0,
+        help="ZeRO/FSDP stage 0-3 over the data-parallel ranks (mmtrain train runs 0, DDP, and "
+        "3, FSDP2; 1 and 2 are what-ifs)",
     )
-    p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="CPU offload, as train.offload: FSDP2's CPUOffloadPolicy keeps the shards of "
+        "weights, gradients and optimizer states in host memory (implies --zero 3; any --gpus)",
+    )
+    p.add_argument(
+        "--host-memory-gib",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="with --offload: a server's host memory (default: the catalog's reference server)",
+    )
+    p.add_argument(
+        "--tp", type=int, default=1, help="tensor parallel size (a what-if for training; serving)"
+    )
     p.add_argument(
         "--sp",
         action="store_true",
@@ -139,6 +158,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="TOWER=N",
         help="freeze all but a tower's last N blocks (LiT), as train.towers.TOWER.unlocked_blocks",
+    )
+    p.add_argument(
+        "--qlora",
+        action="append",
+        default=[],
+        metavar="TOWER",
+        help="QLoRA: LoRA-adapt a tower and hold its blocks' frozen linears in 4-bit NF4, as "
+        "train.towers.TOWER.lora.quantize_base: nf4 (repeatable)",
     )
     p.add_argument("--lora-rank", type=count, default=16)
     p.add_argument(
@@ -234,7 +261,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--inference", action="store_true", help="serving memory: weights, KV cache, max batch, MIG"
     )
     p.add_argument(
-        "--batch", type=count, default=1, help="sequences (or images) served at once (--inference)"
+        "--batch",
+        type=count,
+        default=1,
+        help="sequences (or images) served at once by each replica (--inference)",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=count,
+        default=None,
+        metavar="N",
+        help="--inference: prompt length for the time to first token (default: --context)",
     )
     p.add_argument(
         "--sampling-steps",
@@ -300,7 +337,9 @@ def _config(args: argparse.Namespace) -> PlanConfig:
         precision=args.precision,
         optimizer=args.optimizer,
         bytes_per_param=args.bytes_per_param,
-        zero=args.zero,
+        zero=3 if args.offload and args.zero == 0 else args.zero,
+        offload=args.offload,
+        host_memory_gib=args.host_memory_gib,
         tp=args.tp,
         sp=args.sp,
         pp=args.pp,
@@ -392,12 +431,21 @@ def _visual_summary(args: argparse.Namespace, visual: tuple, model) -> dict:
 
 
 def _adapted(model, args: argparse.Namespace):
-    """`model` trained as --freeze, --lora, --freeze-blocks and --unlocked-blocks say."""
-    modes = {name: "frozen" for name in args.freeze} | {name: "lora" for name in args.lora}
+    """`model` trained as --freeze, --lora, --qlora, --freeze-blocks and --unlocked-blocks say."""
+    adapted = [*args.lora, *args.qlora]
+    modes = {name: "frozen" for name in args.freeze} | {name: "lora" for name in adapted}
     if args.lora_rank < 1:
         raise UsageError(f"--lora-rank must be at least 1, got {args.lora_rank}")
+    if args.qlora and args.precision == "fp8":
+        raise FieldError(
+            "--qlora",
+            "a 4-bit base cannot also run fp8 matmuls (train.towers.NAME.lora.quantize_base "
+            "refuses train.precision fp8): use --precision bf16",
+        )
     if modes:
         model = model.with_modes(modes, args.lora_rank, _lora_targets(args))
+    if args.qlora:
+        model = model.with_quantized_base(args.qlora)
     freeze_blocks, unlocked = _tower_counts(args)
     frozen = {name: n for name, n in freeze_blocks.items() if n > 0}  # 0: nothing, as in train
     for name, n in unlocked.items():
@@ -523,6 +571,42 @@ def _sp_exposed(c: PlanConfig, t) -> str:
     return f", SP comm exposed {t.sp_exposed_s:.3g}" if c.sequence_parallel > 1 else ""
 
 
+def _layout(c: PlanConfig) -> str:
+    """`ZeRO-3 (FSDP2 + CPU offload)`, `ZeRO-0 (DDP)`, `ZeRO-1`: the stage and what runs it."""
+    from mmtrain.plan.recommend import layout_name
+
+    name = layout_name(c)
+    return f"ZeRO-{c.zero}" + (f" ({name})" if not name.startswith("ZeRO") else "")
+
+
+def _print_host(console, plan: Plan) -> None:
+    """CPU offload: the host memory of a rank and of its server, and the host link's traffic."""
+    h = plan.host
+    fits = {True: "[green]fits[/]", False: "[red]does not fit[/]", None: "not checked"}[h.fits]
+    server = (
+        f"of its {_gib(h.server_memory_bytes)} GiB (budget {_gib(h.server_budget_bytes)} GiB "
+        f"after {h.headroom:.0%} headroom): {fits}"
+        if h.server_memory_bytes is not None
+        else f"({h.server_memory_source})"
+    )
+    console.print(
+        f"host memory (CPU offload, GiB a rank): parameters {_gib(h.params_bytes)} + gradients "
+        f"{_gib(h.grads_bytes)} pinned, as the pinned allocator rounds them "
+        f"{_gib(h.pinned_bytes)}; optimizer states {_gib(h.optimizer_bytes)}; "
+        f"{_gib(h.rank_bytes)} in all. A server of {h.ranks_per_server} ranks needs "
+        f"{_gib(h.server_bytes)} GiB {server}"
+    )
+    if h.server_memory_bytes is not None:
+        console.print(f"host memory source: {h.server_memory_source}")
+    console.print(
+        f"host link {h.link}, a GPU per step: {h.h2d_bytes / 1e9:,.1f} GB in "
+        f"({h.h2d_s:.3g} s), {h.d2h_bytes / 1e9:,.1f} GB out ({h.d2h_s:.3g} s), "
+        f"{h.exposed_s:.3g} s not hidden by compute; the optimizer steps on the host "
+        f"({h.optimizer_traffic_bytes / 1e9:,.1f} GB of host memory read and written a rank, "
+        "not in the step time)"
+    )
+
+
 def _input_label(item: dict) -> str:
     size = f"{item['height']}x{item['width']}"
     return f"image {size}" if item["frames"] == 1 else f"clip {item['frames']}x{size}"
@@ -545,8 +629,14 @@ def _print_plan(plan: Plan, measured: dict | None, visual: dict | None = None) -
             f"= {visual['positions_per_row']:,} positions"
         )
     console.print(
-        f"{c.gpus} x {plan.gpu.name} ({plan.gpu.memory_usable_gib} GiB usable of {plan.gpu.memory_nominal_gb:g} GB nominal); {c.precision}, {c.optimizer}, ZeRO-{c.zero}, TP {c.tp}{' + SP' if c.sp else ''}, PP {c.pp}{_sequence_label(c)}, AC {c.ac}, {c.attention} attention; micro-batch {c.micro_batch} x DP {c.dp} x accumulation {c.accumulation} = global {c.effective_global_batch}"
+        f"{c.gpus} x {plan.gpu.name} ({plan.gpu.memory_usable_gib} GiB usable of {plan.gpu.memory_nominal_gb:g} GB nominal); {c.precision}, {c.optimizer}, {_layout(c)}, TP {c.tp}{' + SP' if c.sp else ''}, PP {c.pp}{_sequence_label(c)}, AC {c.ac}, {c.attention} attention; micro-batch {c.micro_batch} x DP {c.dp} x accumulation {c.accumulation} = global {c.effective_global_batch}"
     )
+    if plan.not_run_by_train:
+        console.print(
+            "[yellow]what-if[/]: not run by mmtrain train: "
+            + ", ".join(plan.not_run_by_train)
+            + " (it trains with DDP or FSDP2, CPU offload, sequence parallelism, AC, LoRA/QLoRA)"
+        )
     table = Table(title="memory per GPU (GiB)")
     table.add_column("item")
     table.add_column("predicted", justify="right")
@@ -561,6 +651,8 @@ def _print_plan(plan: Plan, measured: dict | None, visual: dict | None = None) -
         rows.append((f"activations: {name}", value))
     if mem.loss_bytes:  # contrastive logits; a language model's loss is in its text stack
         rows.append(("activations: loss", mem.loss_bytes))
+    if mem.dequantized_bytes:
+        rows.append(("dequantized NF4 weight (QLoRA)", mem.dequantized_bytes))
     rows += [
         ("recompute working set", mem.recompute_bytes),
         ("communication buffers", mem.comm_buffers_bytes),
@@ -589,8 +681,11 @@ def _print_plan(plan: Plan, measured: dict | None, visual: dict | None = None) -
         ("[green]fits[/]" if mem.fits else "[red]does not fit[/]")
         + f": {mem.total_bytes / mem.usable_bytes:.0%} of usable memory"
     )
+    if plan.host is not None:
+        _print_host(console, plan)
+    offload = f", host copies exposed {t.offload_exposed_s:.3g}" if c.offload else ""
     console.print(
-        f"step {t.step_time_s:.4g} s (compute {t.compute_s:.4g}, TP comm {t.tp_comm_s:.3g}, DP comm {t.dp_comm_s:.3g} of which exposed {t.dp_exposed_s:.3g}{_sp_exposed(c, t)}, bubble {t.bubble_s:.3g}); {t.samples_per_s:,.4g} samples/s; MFU {t.mfu:.1%}"
+        f"step {t.step_time_s:.4g} s (compute {t.compute_s:.4g}, TP comm {t.tp_comm_s:.3g}, DP comm {t.dp_comm_s:.3g} of which exposed {t.dp_exposed_s:.3g}{_sp_exposed(c, t)}{offload}, bubble {t.bubble_s:.3g}); {t.samples_per_s:,.4g} samples/s; MFU {t.mfu:.1%}"
     )
     if c.sequence_parallel > 1:
         console.print(
@@ -786,17 +881,13 @@ def _print_data_plan(result: dict, plans) -> None:
 
 
 def _recommend(args, model, cfg, catalog) -> int:
-    from mmtrain.plan.recommend import describe, recommend
+    from mmtrain.plan.recommend import layout_name, recommend
 
     gpus = [g for g in args.gpu.split(",") if g] if args.gpu and args.gpu != "all" else None
     cfg = replace(cfg, global_batch=cfg.global_batch or 256)
     rec = recommend(model, cfg, catalog, gpus, args.max_gpus, args.rank_by, args.deadline)
     if not rec.ranked:
-        near = rec.closest
-        msg = "nothing fits"
-        if near is not None:
-            msg += f"; closest: {describe(near)} needs {_gib(near.memory.total_bytes)} GiB of a {_gib(near.memory.budget_bytes)} GiB budget (over by {near.memory.total_bytes / near.memory.budget_bytes - 1:.0%})"
-        raise UsageError(msg)
+        raise UsageError(_nothing_fits(args, model, cfg, catalog, gpus, rec))
     prices = _prices_line(rec.ranked[0])
     if args.json:
         print(
@@ -824,12 +915,12 @@ def _recommend(args, model, cfg, catalog) -> int:
         "#",
         "GPU",
         "GPUs",
-        "ZeRO",
-        "TP",
+        "layout",
         "SP",
         "AC",
         "micro",
         "mem GiB",
+        "host GiB",
         "samples/s",
         "MFU",
         "time h",
@@ -842,14 +933,14 @@ def _recommend(args, model, cfg, catalog) -> int:
             str(i),
             p.gpu.key,
             str(c.gpus),
-            str(c.zero),
-            str(c.tp),
+            layout_name(c),
             f"{c.sequence_parallel} {c.sequence_parallel_attention}"
             if c.sequence_parallel > 1
             else "1",
             c.ac,
             str(c.micro_batch),
             _gib(p.memory.total_bytes),
+            _gib(p.host.server_bytes) if p.host else "-",
             f"{t.samples_per_s:,.4g}",
             f"{t.mfu:.0%}",
             f"{t.time_to_train_s / 3600:,.1f}" if c.samples else "-",
@@ -860,7 +951,44 @@ def _recommend(args, model, cfg, catalog) -> int:
     console.print(rec.policy)
     console.print(prices)
     console.print(rec.explanation)
+    console.print(
+        "searched: what mmtrain train runs (DDP, FSDP2, FSDP2 + CPU offload, sequence "
+        "parallelism, AC), the towers trained as given; host GiB: a server's host memory for "
+        "its ranks' offloaded states; TP and ZeRO-1/2 are what-ifs for mmtrain plan --tp/--zero"
+    )
     return 0
+
+
+def _nothing_fits(args, model, cfg, catalog, gpus, rec) -> str:
+    """Why nothing fits (the nearest miss) and the cheapest changes that fit (plan/changes.py)."""
+    from mmtrain.plan.changes import cheapest_changes
+    from mmtrain.plan.recommend import describe
+
+    near = rec.closest
+    msg = "nothing fits"
+    if near is not None:
+        msg += f"; closest: {describe(near)} needs {_gib(near.memory.total_bytes)} GiB of a {_gib(near.memory.budget_bytes)} GiB budget (over by {near.memory.total_bytes / near.memory.budget_bytes - 1:.0%})"
+    changes = cheapest_changes(model, cfg, catalog, gpus, args.max_gpus, rec, args.deadline,
+                               args.lora_rank, _lora_targets(args))  # fmt: skip
+    if not changes:
+        return (
+            msg + "; no change fits either (LoRA, QLoRA, CPU offload, more GPUs, more host memory)"
+        )
+    best, *others = changes
+    text = [f"{c.what} ({' '.join(c.flags)}): {_per_thousand(c)}" for c in others]
+    same = "" if best.same_training else ", which trains adapters instead of the whole tower"
+    return (
+        msg + f"; cheapest change that fits: {best.what} ({' '.join(best.flags)}{same}): "
+        f"{describe(best.plan)}, {_per_thousand(best)}"
+        + ("; also: " + "; ".join(text) if text else "")
+    )
+
+
+def _per_thousand(change) -> str:
+    return (
+        f"${change.cost_per_sample * 1000:,.2f} per 1,000 samples at "
+        f"${change.plan.time.price_per_gpu_hour:,.2f} per GPU-hour"
+    )
 
 
 def _prices_line(plan: Plan) -> str:
@@ -872,36 +1000,57 @@ def _prices_line(plan: Plan) -> str:
 
 
 def _inference(args, model, catalog) -> int:
+    """--inference: memory per GPU of each replica (--tp GPUs; --gpus / --tp replicas), decode
+    tokens/s and time to first token (plan/inference.py, plan/serving.py)."""
     from mmtrain.plan.inference import inference_memory
+    from mmtrain.plan.serving import serving_speed
 
     gpu = catalog.gpu(args.gpu)
     precision = "bf16" if args.precision in ("bf16-weights", "bf16-pure") else args.precision
     if any(s.kind == "diffusion" for s in model.stacks):
         return _sampling(args, model, gpu, precision)
-    est = inference_memory(model, gpu, args.context or 4096, args.batch, precision)
+    context = args.context or 4096
+    est = inference_memory(model, gpu, context, args.batch, precision, args.tp, args.gpus)
+    if args.prompt_tokens is not None and not 1 <= args.prompt_tokens <= context:
+        raise FieldError("--prompt-tokens", f"must be between 1 and --context {context}")
+    speed = serving_speed(model, gpu, catalog, est, precision, args.prompt_tokens, args.mfu)
     result = {
         "model": {"name": model.name, "params": model.params()},
         "gpu": gpu.key,
         "inference": est.to_dict(),
+        "serving": speed.to_dict(),
     }
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
+    layout = f"{args.gpus} x {gpu.name}: {est.replicas} replica(s) of TP {est.tp}"
+    print(f"{model.name} on {layout} ({gpu.memory_usable_gib} GiB usable each), {precision}, "
+          f"{est.batch} x {est.context} tokens a replica")  # fmt: skip
     print(
-        f"{model.name} on {gpu.name} ({gpu.memory_usable_gib} GiB usable), {precision}, {est.batch} x {est.context} tokens"
+        f"  a GPU holds: weights {_gib(est.weights_bytes)} GiB ({est.weights_bytes / 1e9:,.1f} GB); KV cache {_gib(est.kv_cache_bytes)} GiB ({est.kv_bytes_per_token:,.0f} B/token); activations {_gib(est.activations_bytes)} GiB; CUDA context {_gib(est.overhead_bytes)} GiB"
     )
     print(
-        f"  weights {_gib(est.weights_bytes)} GiB ({est.weights_bytes / 1e9:,.1f} GB); KV cache {_gib(est.kv_cache_bytes)} GiB ({est.kv_bytes_per_token:,.0f} B/token); activations {_gib(est.activations_bytes)} GiB; CUDA context {_gib(est.overhead_bytes)} GiB"
+        f"  total {_gib(est.total_bytes)} GiB: {'fits' if est.total_bytes <= est.usable_bytes else 'does not fit'}; largest batch a replica holds at this context: {est.max_batch}"
     )
-    print(
-        f"  total {_gib(est.total_bytes)} GiB: {'fits' if est.total_bytes <= est.usable_bytes else 'does not fit'}; largest batch at this context: {est.max_batch}"
-    )
-    if gpu.mig_profiles:
+    if gpu.mig_profiles and est.tp == 1:
         print(
             f"  MIG: {est.mig_profile} holds it, {est.mig_instances} per GPU"
             if est.mig_profile
             else "  MIG: no profile holds it"
         )
+    s = speed
+    print(
+        f"  decode at {est.context:,} tokens: {s.decode_bytes_per_gpu / 1e9:,.2f} GB read a GPU "
+        f"a step at {s.hbm_bytes_per_s / 1e12:g} TB/s: {s.decode_step_s * 1e3:,.1f} ms a step, "
+        f"{s.tokens_per_s_per_sequence:,.1f} tokens/s a sequence, "
+        f"{s.tokens_per_s:,.0f} tokens/s over {est.replicas} replica(s) at batch {est.batch}"
+        + (f", {s.max_batch_tokens_per_s:,.0f} at the largest batch" if est.max_batch else "")
+    )
+    print(
+        f"  time to first token: {s.prompt_tokens:,}-token prompt, {_flops(s.prefill_flops)} "
+        f"on {est.tp} GPU(s) at {s.achievable_fraction:.1%} of peak: {s.ttft_s:,.3g} s"
+    )
+    print("  assumptions: " + "; ".join(s.assumptions))
     return 0
 
 
@@ -947,7 +1096,7 @@ def _sampling(args, model, gpu, precision: str) -> int:
 
 
 def _workloads(args, catalog) -> int:
-    from mmtrain.plan.recommend import recommend
+    from mmtrain.plan.recommend import layout_name, recommend
 
     gpu = catalog.gpu(args.gpu or "b300")
     rows = []
@@ -1020,7 +1169,7 @@ def _workloads(args, catalog) -> int:
             continue
         c, t = p.config, p.time
         sp = f" SP{c.sequence_parallel}" if c.sequence_parallel > 1 else ""
-        conf = f"{c.gpus} GPUs ZeRO-{c.zero} TP{c.tp}{sp} AC {c.ac} mb {c.micro_batch}"
+        conf = f"{c.gpus} GPUs {layout_name(c)}{sp} AC {c.ac} mb {c.micro_batch}"
         table.add_row(
             w.task,
             w.model,

@@ -58,6 +58,11 @@ tensor-parallel all-reduces (4 per layer per micro-batch, 6 with full recompute)
 ZeRO-1/2 parameter all-gather after the optimizer step are exposed. Overlap is capped at 80%
 of the compute they hide behind.
 
+CPU offload (plan/offload.py): each unit's shards are copied in over the host link for its
+all-gathers and the gradient shards copied out; what compute does not hide is on the step's
+critical path (`offload_exposed_s`); the optimizer's step on the host is not timed. A QLoRA
+stack computes as a LoRA one (its weights are dequantized per matmul: memory traffic, not FLOPs).
+
 Sequence parallelism over N ranks: each rank computes 1/N of the split stacks' FLOPs (their
 tokens, attention included: T/N queries against all T keys) and all of the rest (vision
 towers and projector, which every rank of the group runs whole); the data-parallel gradient
@@ -84,7 +89,9 @@ from mmtrain.plan.comm import (
     ulysses_layer,
 )
 from mmtrain.plan.config import PlanConfig
+from mmtrain.plan.fsdp_units import frozen_gathered_bytes
 from mmtrain.plan.model import PlanModel, Stack
+from mmtrain.plan.offload import host_estimate
 from mmtrain.plan.states import state_bytes
 from mmtrain.spec import FUSION_PART, PartTraining, train_flops
 
@@ -269,6 +276,9 @@ class TimeEstimate:
     sp_exposed_s: float  # of which compute hides none (in the step time)
     sp_comm_share: float  # sp_exposed_s / step_time_s (the run's measured comm share beside it)
     bubble_s: float
+    offload_h2d_s: float  # CPU offload: host-to-device copies' link time per step
+    offload_d2h_s: float  # device-to-host
+    offload_exposed_s: float  # of which compute hides none (in the step time)
     step_time_s: float
     samples_per_s: float
     mfu: float
@@ -288,15 +298,20 @@ class TimeEstimate:
         return {**out, "currency": CURRENCY}
 
 
+def micro_compute_s(model: PlanModel, cfg: PlanConfig, gpu: GPU) -> float:
+    """One micro-batch's compute on one GPU: TP splits each layer, PP the layers, SP the tokens."""
+    hw_flops = flops_per_sample(model, cfg.ac, cfg.sequence_parallel)[1]  # one rank's share
+    rate = gpu.peak_flops(cfg.precision) * efficiency(model, gpu, cfg).fraction
+    return hw_flops * cfg.micro_batch / (rate * cfg.tp * cfg.pp)
+
+
 def training_time(model: PlanModel, cfg: PlanConfig, gpu: GPU, catalog: Catalog) -> TimeEstimate:
     model_flops = flops_per_sample(model, cfg.ac)[0]
-    hw_flops = flops_per_sample(model, cfg.ac, cfg.sequence_parallel)[1]  # one rank's share
     eff = efficiency(model, gpu, cfg)
     fraction = eff.fraction
     rate = gpu.peak_flops(cfg.precision) * fraction
     m = cfg.accumulation
-    # One micro-batch on one GPU: TP splits each layer, PP splits the layers, SP the tokens.
-    micro_compute = hw_flops * cfg.micro_batch / (rate * cfg.tp * cfg.pp)
+    micro_compute = micro_compute_s(model, cfg, gpu)
     gpn = cfg.gpus_per_node or gpu.gpus_per_node
     tp_link = group_link(catalog, gpu, cfg.tp, gpn, cfg.network)
     act_bytes = 4 if cfg.precision == "fp32" else 2
@@ -324,7 +339,7 @@ def training_time(model: PlanModel, cfg: PlanConfig, gpu: GPU, catalog: Catalog)
         dp_comm = rs + ag
         exposed = max(0.0, rs - OVERLAP * backward) + ag
     else:  # ZeRO-3: gather weights for forward and backward, reduce-scatter grads, per micro-batch
-        frozen = model.frozen_params() / (cfg.tp * cfg.pp) * b.weights
+        frozen = frozen_gathered_bytes(model, cfg.precision, cfg.shard_ranks) / (cfg.tp * cfg.pp)
         per_micro = 2 * all_gather_s(weights + frozen, ranks, dp_link) + reduce_scatter_s(
             grads, ranks, dp_link
         )
@@ -334,7 +349,9 @@ def training_time(model: PlanModel, cfg: PlanConfig, gpu: GPU, catalog: Catalog)
     sp = sequence_comm(model, cfg, sp_link, rate)
     micro_step = micro_compute + tp_comm + sp.exposed_s
     bubble = (cfg.pp - 1) * micro_step if cfg.pp > 1 else 0.0
-    step = m * micro_step + exposed + bubble
+    host = host_estimate(model, cfg, gpu, catalog, micro_compute) if cfg.offload else None
+    offload_exposed = host.exposed_s if host else 0.0
+    step = m * micro_step + exposed + bubble + offload_exposed
     global_batch = cfg.effective_global_batch
     samples_per_s = global_batch / step
     peak_total = gpu.peak_flops(cfg.precision) * cfg.gpus
@@ -356,6 +373,9 @@ def training_time(model: PlanModel, cfg: PlanConfig, gpu: GPU, catalog: Catalog)
         sp_exposed_s=m * sp.exposed_s,
         sp_comm_share=m * sp.exposed_s / step,
         bubble_s=bubble,
+        offload_h2d_s=host.h2d_s if host else 0.0,
+        offload_d2h_s=host.d2h_s if host else 0.0,
+        offload_exposed_s=offload_exposed,
         step_time_s=step,
         samples_per_s=samples_per_s,
         mfu=mfu,

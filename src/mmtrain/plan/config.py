@@ -42,6 +42,9 @@ class PlanConfig:
     sequence_parallel: context parallelism (train.sequence_parallel): N consecutive ranks split
     each row of a decoder's or denoiser's sequence, T/N positions each, attending through
     all-to-alls (`all_to_all`, DeepSpeed-Ulysses) or a ring of key/value blocks (`ring`).
+    offload: FSDP2's CPUOffloadPolicy (train.offload): ZeRO-3 whose shards of weights,
+    gradients and optimizer states live in host memory, on any number of GPUs (one included:
+    FSDP2 over a group of one); plan/offload.py.
     """
 
     gpu: str = "h100"
@@ -65,6 +68,8 @@ class PlanConfig:
     network: str | None = None  # inter-node interconnect key; default: the GPU's
     sequence_parallel: int = 1  # ranks splitting each row's sequence (context parallelism)
     sequence_parallel_attention: str = "auto"  # auto | all_to_all | ring
+    offload: bool = False  # FSDP2 CPU offload (train.offload): needs zero 3
+    host_memory_gib: float | None = None  # a server's host memory; default: the catalog's
 
     @property
     def dp(self) -> int:
@@ -123,7 +128,15 @@ class PlanConfig:
                 "--tp", f"tp x pp = {self.tp * self.pp} does not divide --gpus {self.gpus}"
             )
         self._validate_sequence_parallel(split_heads)
-        if self.zero and self.shard_ranks == 1:
+        if self.offload and self.zero != 3:
+            raise FieldError(
+                "--offload",
+                f"CPU offload is FSDP2's (ZeRO-3, train.parallel fsdp), not ZeRO-{self.zero}'s: "
+                "use --zero 3 (or leave --zero out)",
+            )
+        if self.host_memory_gib is not None and self.host_memory_gib <= 0:
+            raise FieldError("--host-memory-gib", f"must be positive, got {self.host_memory_gib}")
+        if self.zero and self.shard_ranks == 1 and not self.offload:
             raise FieldError(
                 "--zero",
                 f"ZeRO-{self.zero} shards over data-parallel ranks, but there is only one (gpus {self.gpus} / (tp {self.tp} x pp {self.pp})); use --zero 0 or more GPUs",

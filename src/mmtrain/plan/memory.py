@@ -8,8 +8,16 @@ CUDA context, allocator fragmentation. Overheads, stated:
 - Allocator fragmentation: 10% of the dynamic memory (activations, recompute, buffers): the
   reserved-minus-allocated gap the caching allocator leaves.
 - Communication buffers: DDP's two 25 MiB buckets (gradient_as_bucket_view assumed); ZeRO-1/2
-  reduce-scatter of two blocks' gradients; ZeRO-3 (FSDP) the gathered weights of the current and
-  the prefetched block plus one block's unsharded gradients.
+  reduce-scatter of two blocks' gradients; ZeRO-3 (FSDP2, train/parallel.py's units:
+  fsdp_units.py) the gathered root (kept from its forward to the end of the backward) with its
+  unsharded gradients, and the larger of the current and the prefetched block's gathered
+  weights with one block's unsharded gradients, or an untied embedding's (gathered alone).
+- CPU offload (FSDP2's CPUOffloadPolicy, `--offload`, train.offload; plan/offload.py): the
+  sharded weights, gradients and optimizer states live in host memory, none on the GPU; the
+  GPU keeps the ZeRO-3 buffers and the host-to-device copies of the current and the prefetched
+  unit's shards, and the device copy of one unit's reduce-scattered gradient shard.
+- QLoRA (plan/quantized.py): NF4 weights as torchao lays them out, gathered as they are held,
+  and the largest of them dequantized to the compute dtype for one matmul at a time.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from mmtrain.hardware import GPU
+from mmtrain.plan import quantized as q
 from mmtrain.plan.activations import (
     ActivationOptions,
     activation_options,
@@ -28,8 +37,9 @@ from mmtrain.plan.activations import (
     stack_activations,
 )
 from mmtrain.plan.config import PlanConfig
+from mmtrain.plan.fsdp_units import Unit, fsdp_units, gather_bytes, host_param_bytes, unit_gathered
 from mmtrain.plan.model import PlanModel
-from mmtrain.plan.states import frozen_bytes, shard, state_bytes
+from mmtrain.plan.states import frozen_model_bytes, shard, state_bytes
 
 MIB = 1024**2
 CUDA_CONTEXT_BYTES = 1000 * MIB
@@ -54,6 +64,8 @@ class MemoryEstimate:
     saved_activations_bytes: float = 0.0  # what autograd keeps (comparable with --measure)
     recompute_bytes: float = 0.0
     loss_bytes: float = 0.0
+    dequantized_bytes: float = 0.0  # QLoRA: the largest NF4 weight in the compute dtype
+    offload: bool = False  # model states in host memory (their GPU share is 0)
 
     @property
     def model_state_bytes(self) -> float:
@@ -65,7 +77,12 @@ class MemoryEstimate:
 
     @property
     def total_bytes(self) -> float:
-        return self.model_state_bytes + self.activations_bytes + self.overhead_bytes
+        return (
+            self.model_state_bytes
+            + self.activations_bytes
+            + self.dequantized_bytes
+            + self.overhead_bytes
+        )
 
     @property
     def budget_bytes(self) -> float:
@@ -84,6 +101,8 @@ class MemoryEstimate:
             "saved_activations_bytes": int(self.saved_activations_bytes),
             "recompute_bytes": int(self.recompute_bytes),
             "loss_bytes": int(self.loss_bytes),
+            "dequantized_bytes": int(self.dequantized_bytes),
+            "offload": self.offload,
             "activations_by_tower": {k: int(v) for k, v in self.activations_by_stack.items()},
             "comm_buffers_bytes": int(self.comm_buffers_bytes),
             "cuda_context_bytes": int(self.cuda_context_bytes),
@@ -109,6 +128,7 @@ def model_states(model: PlanModel, cfg: PlanConfig) -> tuple[float, float, float
         cfg.tp * cfg.pp,
         cfg.zero,
         cfg.shard_ranks,
+        cfg.offload,
     )
 
 
@@ -124,30 +144,80 @@ def _model_states(
     split: int,
     zero: int,
     dp: int,
+    offload: bool = False,
 ) -> tuple[float, float, float, str]:
     b = state_bytes(precision, optimizer, bytes_per_param)
+    if offload:  # every shard in host memory (plan/offload.py counts it there)
+        return 0.0, 0.0, 0.0, b.convention + "; all of them in host memory (CPU offload)"
     trainable = shard(model.trainable_params() / split, b, zero, dp)
-    frozen = frozen_bytes(model.frozen_params(), model.frozen_fp32_params(), precision) / split
-    if zero >= 3:
-        frozen /= dp
+    frozen = frozen_model_bytes(model, precision, split * (dp if zero >= 3 else 1))
+    # (torchao splits NF4 weights over FSDP2's ranks: `split x dp` decides which it can)
     return trainable.weights + frozen, trainable.gradients, trainable.optimizer, b.convention
 
 
+def nf4_shards(cfg: PlanConfig) -> int:
+    """Ranks FSDP2 splits each NF4 weight over (1 without it): which weights torchao holds."""
+    return cfg.shard_ranks if cfg.zero >= 3 else 1
+
+
 def comm_buffers(model: PlanModel, cfg: PlanConfig) -> float:
-    if cfg.shard_ranks == 1:
+    if cfg.shard_ranks == 1 and not cfg.offload:
         return 0.0
     if cfg.zero == 0:
         return DDP_BUCKETS_BYTES
     b = state_bytes(cfg.precision, cfg.optimizer, cfg.bytes_per_param)
-    block = _largest_block(model) / cfg.tp
     if cfg.zero in (1, 2):
-        return 2 * block * b.grads
-    return 2 * block * b.weights + block * b.grads
+        return 2 * _largest_block(model) / cfg.tp * b.grads
+    buffers = _fsdp_buffers(model, cfg.precision, b.grads, cfg.shard_ranks) / cfg.tp
+    if cfg.offload:
+        buffers += offload_staging(model, cfg.precision, cfg.shard_ranks) / cfg.tp
+    return buffers
 
 
 @lru_cache(maxsize=64)
 def _largest_block(model: PlanModel) -> int:
     return max(s.block_params() for s in model.stacks)
+
+
+def _held(unit: Unit, precision: str, grad_bytes: float) -> float:
+    """One unit gathered, with its unsharded gradients."""
+    return unit_gathered(unit, precision) + unit.trainable * grad_bytes
+
+
+@lru_cache(maxsize=1024)
+def _fsdp_buffers(model: PlanModel, precision: str, grad_bytes: float, shards: int) -> float:
+    """What ZeRO-3 holds unsharded at its peak (module docstring; fsdp_units.py)."""
+    units = fsdp_units(model, shards)
+    root = sum(_held(u, precision, grad_bytes) for u in units if u.kind == "root")
+    blocks = [
+        2 * unit_gathered(u, precision) + u.trainable * grad_bytes
+        for u in units
+        if u.kind == "block"
+    ]
+    embeddings = [_held(u, precision, grad_bytes) for u in units if u.kind == "embedding"]
+    return root + max(blocks + embeddings, default=0.0)
+
+
+@lru_cache(maxsize=1024)
+def offload_staging(model: PlanModel, precision: str, shards: int) -> float:
+    """GPU bytes of CPU offload's copies: the current and the prefetched unit's shards copied
+    in for their all-gathers, and one unit's reduce-scattered gradient shard (fp32) before it
+    is copied out."""
+    units = [u for u in fsdp_units(model, shards) if u.kind != "root"] or [
+        *fsdp_units(model, shards)
+    ]
+    copied_in = max(host_param_bytes(u, precision) for u in units) / shards
+    copied_out = max(u.trainable for u in units) * 4 / shards
+    return 2 * copied_in + copied_out
+
+
+def dequantized_working_set(
+    model: PlanModel, precision: str, tp: int = 1, shards: int = 1
+) -> float:
+    """QLoRA: the largest NF4 weight dequantized to the compute dtype for its matmul."""
+    dtype_bytes = gather_bytes(precision)
+    largest = max((q.dequantized_bytes(s, dtype_bytes, shards) for s in model.stacks), default=0)
+    return largest / tp
 
 
 @dataclass(frozen=True)
@@ -198,7 +268,8 @@ def training_memory(
     loss += regression_loss_bytes(model, cfg.micro_batch)
     saved += loss
     buffers = comm_buffers(model, cfg)
-    dynamic = saved + recompute + buffers
+    dequantized = dequantized_working_set(model, cfg.precision, cfg.tp, nf4_shards(cfg))
+    dynamic = saved + recompute + buffers + dequantized
     return MemoryEstimate(
         weights_bytes=weights,
         gradients_bytes=grads,
@@ -214,4 +285,6 @@ def training_memory(
         saved_activations_bytes=saved,
         recompute_bytes=recompute,
         loss_bytes=loss,
+        dequantized_bytes=dequantized,
+        offload=cfg.offload,
     )

@@ -34,6 +34,7 @@ MODES = ("train", "frozen", "lora")
 # decoder's positions (images spliced in) and a denoiser's patches (and an MMDiT's text).
 SEQUENCE_SPLIT_KINDS = ("decoder", "diffusion")
 LORA_TARGETS = ("attn", "mlp")  # as train/lora.py's TARGET_LAYERS (plan imports no torch)
+QUANTIZE_BASE = ("nf4",)  # train.towers.NAME.lora.quantize_base (plan/quantized.py)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,9 @@ class Stack:
     mode: str = "train"
     lora_rank: int = 16
     lora_targets: tuple[str, ...] = ("attn", "mlp")  # train/lora.py's TARGET_LAYERS groups
+    # QLoRA: the LoRA targets' frozen weights held quantized ("nf4": torchao's NF4 tensor,
+    # train.towers.NAME.lora.quantize_base; plan/quantized.py); None: in the compute dtype.
+    quantize_base: str | None = None
     stem_elements: int = 0
     stem_int64: int = 0
     padded: bool = False  # sequences carry padding (text): readers of its tokens need a mask
@@ -271,6 +275,24 @@ class PlanModel:
             stacks[name] = replace(
                 stack, mode=mode, lora_rank=lora_rank, lora_targets=tuple(lora_targets)
             )
+        return replace(self, stacks=tuple(stacks[s.name] for s in self.stacks))
+
+    def with_quantized_base(
+        self, names: list[str] | tuple[str, ...], fmt: str = "nf4"
+    ) -> PlanModel:
+        """A copy whose LoRA stacks `names` hold their adapted linears' frozen weights quantized
+        (`fmt` "nf4", QLoRA: train.towers.NAME.lora.quantize_base; plan/quantized.py)."""
+        check_choice("lora.quantize_base", fmt, QUANTIZE_BASE)
+        stacks = {s.name: s for s in self.stacks}
+        for name in names:
+            stack = self.stack(name)
+            if stack.mode != "lora":
+                raise FieldError(
+                    f"towers.{name}.lora.quantize_base",
+                    f"QLoRA quantizes the frozen base of a LoRA tower; {name!r} is trained as "
+                    f"{stack.mode!r} (adapt it with LoRA: --qlora {name} does both)",
+                )
+            stacks[name] = replace(stack, quantize_base=fmt)
         return replace(self, stacks=tuple(stacks[s.name] for s in self.stacks))
 
     def with_frozen_blocks(self, frozen: dict[str, int]) -> PlanModel:

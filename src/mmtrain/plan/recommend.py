@@ -1,5 +1,14 @@
-"""Search strategies (GPU type and count, ZeRO stage, tensor and sequence parallel,
-checkpointing, micro-batch) for a model and global batch; rank those that fit by cost or by time.
+"""Search strategies (GPU type and count, DDP or FSDP2 with or without CPU offload, sequence
+parallel, checkpointing, micro-batch) for a model and global batch; rank those that fit by cost
+or by time.
+
+Only layouts `mmtrain train` runs are searched: ZeRO-0 (DDP), ZeRO-3 (FSDP2), ZeRO-3 with CPU
+offload (FSDP2's CPUOffloadPolicy, on any number of GPUs, one included), sequence parallelism and
+activation checkpointing, with the towers trained as given (frozen, LoRA, QLoRA). Tensor
+parallelism and ZeRO-1/2 stay in `mmtrain plan` for what-if questions, marked there as not run
+by `mmtrain train`. An offloaded layout fits when its GPU memory does and a server's host memory
+holds its ranks' states (plan/offload.py; unknown host memory is not held against it, and said).
+When nothing fits, `changes.py` names the cheapest change that does.
 
 Ranking policy (stated in every answer, see `Recommendation.policy`):
 - by cost (the default when a sample count is given): the cheapest per sample among the
@@ -11,18 +20,18 @@ Scores equal to three significant figures tie, and the tie goes to the faster (b
 cheaper (by time) strategy: 4 GPUs for 2,700 h and 128 GPUs for 85 h at the same cost are not
 equally good.
 
-Search: for each (GPU count, TP, SP, ZeRO, checkpointing) the memory of each power-of-two
+Search: for each (GPU count, SP, layout, checkpointing) the memory of each power-of-two
 micro-batch is computed once and shared by every GPU type (only the budget differs); each GPU
 takes the largest micro-batch that fits (the time model gives the same FLOPs per sample at any
-micro-batch, and fewer, larger micro-batches mean fewer per-micro-batch collectives). Pruned
-without loss: configurations whose model states alone exceed every GPU; a checkpointing mode
-that reaches no larger micro-batch than a lighter one (same work plus recompute); ZeRO-2 where
-it reaches the same micro-batch as ZeRO-1 (the time model gives them the same communication);
-sequence parallel N at a micro-batch b >= 2, or wherever N/2 fits, when N/2 attends the same way
-and there is no pipeline (`_halves_alike`).
-Sequence parallelism (1, 2, 4, 8 ranks, TP x SP within a node) is tried only for models with a
-stack it splits (a decoder, a denoiser), so every other model's search is unchanged: it is
-what lets rows too long for one GPU's activations fit.
+micro-batch, and fewer, larger micro-batches mean fewer per-micro-batch collectives and host
+copies). Pruned without loss: configurations whose model states alone exceed every GPU; a
+checkpointing mode that reaches no larger micro-batch than a lighter one (same work plus
+recompute); CPU offload where FSDP2 without it reaches the same micro-batch (same work and
+collectives, plus host copies and a host optimizer step); sequence parallel N at a micro-batch b >= 2, or wherever N/2 fits, when N/2 attends
+the same way and there is no pipeline (`_halves_alike`).
+Sequence parallelism (1, 2, 4, 8 ranks within a node) is tried only for models with a stack it
+splits (a decoder, a denoiser), so every other model's search is unchanged: it is what lets rows
+too long for one GPU's activations fit.
 """
 
 from __future__ import annotations
@@ -39,8 +48,10 @@ from mmtrain.plan.model import PlanModel
 from mmtrain.structured import FieldError
 
 GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-TP_SIZES = (1, 2, 4, 8)
-SP_SIZES = (1, 2, 4, 8)  # sequence-parallel ranks per row (within a node, with TP)
+TP_SIZES = (1, 2, 4, 8)  # what `mmtrain plan --tp` takes; the search runs TP 1 only
+SP_SIZES = (1, 2, 4, 8)  # sequence-parallel ranks per row (within a node)
+# (ZeRO stage, CPU offload) of the layouts `mmtrain train` runs: DDP, FSDP2, FSDP2 offloaded
+LAYOUTS = ((0, False), (3, False), (3, True))
 AC_ORDER = ("none", "selective", "full")
 DEFAULT_DEADLINE_H = 720.0  # 30 days: about the longest single run teams plan for
 TIE_DIGITS = 3  # scores equal to this many significant figures tie
@@ -57,6 +68,13 @@ class Recommendation:
     deadline_h: float | None = None  # the time-to-train bound applied (None: none)
     fitting: int = 0  # strategies that fit in memory (before the deadline)
     met_deadline: bool = True  # False: nothing met the deadline; `ranked` is the fastest
+    host_short: Plan | None = None  # an offloaded layout whose GPUs fit but host memory not
+
+
+def layouts(count: int) -> tuple[tuple[int, bool], ...]:
+    """(ZeRO, offload) layouts `mmtrain train` runs on `count` GPUs: DDP and FSDP2 shard over
+    several ranks; CPU offload runs on one too (FSDP2 over a group of one)."""
+    return LAYOUTS if count > 1 else ((0, False), (3, True))
 
 
 def _per_sample(plan: Plan, by: str) -> float:
@@ -102,31 +120,29 @@ def _largest_fitting(total: Callable[[int], float], budget: float, n: int) -> in
 
 def _search(
     model: PlanModel, base: PlanConfig, catalog: Catalog, gpus: list[GPU], max_gpus: int
-) -> tuple[list[Plan], tuple[float, PlanConfig] | None, int]:
-    """(fitting plans, (overshoot, config) of the nearest miss, configurations checked)."""
+) -> tuple[list[Plan], tuple[float, PlanConfig] | None, int, Plan | None]:
+    """(fitting plans, (overshoot, config) of the nearest miss, configurations checked, the
+    offloaded plan with the least host memory among those whose GPUs fit but host not)."""
     budgets = {g.key: g.usable_bytes * (1 - base.headroom) for g in gpus}
     biggest = max(budgets.values())
-    heads = [s.heads for s in model.stacks]
     fitting: list[Plan] = []
     closest: tuple[float, PlanConfig] | None = None
+    host_short: Plan | None = None
     searched = 0
     for count in (c for c in GPU_COUNTS if c <= max_gpus):
-        fits: set[tuple[int, int, str, str, int]] = set()  # (tp, zero, ac, gpu, sp) that fit
-        for tp, sp in _parallel_sizes(model, base, count):
-            if any(h % tp for h in heads):
-                continue
-            dp = count // (tp * sp)
+        fits: set[tuple[int, bool, str, str, int]] = set()  # (zero, offload, ac, gpu, sp) that fit
+        for sp in _sequence_sizes(model, base, count):
+            dp = count // sp
             if base.global_batch % dp:
                 continue
-            on_node = [g for g in gpus if tp * sp <= g.gpus_per_node]
+            on_node = [g for g in gpus if sp <= g.gpus_per_node]
             sizes = _micro_batches(base.global_batch // dp)
             alike = _halves_alike(model, base, sp)
             sizes = sizes[:1] if alike else sizes
-            zero1: dict[tuple[str, str], int] = {}  # (gpu, ac) -> ZeRO-1's micro-batch
-            for zero in (0, 1, 2, 3) if count // tp > 1 else (0,):
-                cfg = replace(
-                    base, gpus=count, tp=tp, zero=zero, micro_batch=1, sequence_parallel=sp
-                )
+            resident: dict[tuple[str, str], int] = {}  # (gpu, ac) -> FSDP2's micro-batch
+            for zero, offload in layouts(count):
+                cfg = replace(base, gpus=count, tp=1, zero=zero, offload=offload, micro_batch=1,
+                              sequence_parallel=sp)  # fmt: skip
                 states = sum(model_states(model, cfg)[:3]) + CUDA_CONTEXT_BYTES
                 if states > biggest:
                     continue
@@ -136,10 +152,11 @@ def _search(
                     total = _memory_by_size(model, acfg, sizes, gpus[0])
                     for gpu in on_node:
                         budget = budgets[gpu.key]
-                        if states > budget:
-                            continue
-                        if alike and (tp, zero, ac, gpu.key, sp // 2) in fits:
-                            fits.add((tp, zero, ac, gpu.key, sp))  # uses less memory
+                        if states > budget or (offload and not gpu.host_link):
+                            continue  # (a --hardware GPU without a host link: no offload)
+                        key = (zero, offload, ac, gpu.key)
+                        if alike and (*key, sp // 2) in fits:
+                            fits.add((*key, sp))  # uses less memory
                             continue  # dominated by sequence parallel sp / 2
                         searched += 1
                         i = _largest_fitting(total, budget, len(sizes))
@@ -148,16 +165,32 @@ def _search(
                             if closest is None or over < closest[0]:
                                 closest = (over, _on(acfg, gpu, sizes[0]))
                             continue
-                        fits.add((tp, zero, ac, gpu.key, sp))
                         if sizes[i] <= lighter.get(gpu.key, 0):
+                            fits.add((*key, sp))
                             continue  # a lighter mode already reaches this micro-batch
+                        if offload and sizes[i] <= resident.get((gpu.key, ac), 0):
+                            fits.add((*key, sp))
+                            continue  # FSDP2 without offload runs it, with no host copies
+                        plan = make_plan(model, _on(acfg, gpu, sizes[i]), catalog)
+                        if not plan.fits:  # an offloaded layout short of host memory
+                            if host_short is None or _host(plan) < _host(host_short):
+                                host_short = plan
+                            continue
+                        fits.add((*key, sp))
                         lighter[gpu.key] = sizes[i]
-                        if zero == 1:
-                            zero1[gpu.key, ac] = sizes[i]
-                        elif zero == 2 and zero1.get((gpu.key, ac)) == sizes[i]:
-                            continue  # same micro-batch and communication as ZeRO-1
-                        fitting.append(make_plan(model, _on(acfg, gpu, sizes[i]), catalog))
-    return fitting, closest, searched
+                        if zero == 3 and not offload:
+                            resident[gpu.key, ac] = sizes[i]
+                        fitting.append(plan)
+    return fitting, closest, searched, host_short
+
+
+def _host(plan: Plan) -> float:
+    return plan.host.server_bytes if plan.host else 0.0
+
+
+def _sequence_sizes(model: PlanModel, base: PlanConfig, count: int) -> list[int]:
+    """Sequence-parallel sizes the search tries on `count` GPUs (TP 1)."""
+    return [sp for tp, sp in _parallel_sizes(model, base, count) if tp == 1]
 
 
 def _parallel_sizes(model: PlanModel, base: PlanConfig, count: int) -> list[tuple[int, int]]:
@@ -240,7 +273,7 @@ def recommend(
     usable = [g for g in (catalog.gpus[k] for k in keys) if _runs(g, base.precision)]
     if not usable:
         raise FieldError("--precision", f"none of {', '.join(keys)} runs {base.precision}")
-    fitting, miss, searched = _search(model, base, catalog, usable, max_gpus)
+    fitting, miss, searched, host_short = _search(model, base, catalog, usable, max_gpus)
     closest = None
     if not fitting:
         closest = (
@@ -266,6 +299,7 @@ def recommend(
         deadline_h=deadline_h,
         fitting=len(fitting),
         met_deadline=met,
+        host_short=host_short,
     )
 
 
@@ -285,6 +319,8 @@ def _policy(by: str, deadline_h, samples: int, fitting: int, meeting: int, met: 
         if deadline_h is not None:
             line += f"; {meeting} of {fitting} fitting strategies train {samples:,} samples within {deadline_h:,.0f} h"
         return line
+    if deadline_h is None:  # by cost without --samples: no run to bound
+        return "ranked by cost per sample (cheapest first; ties go to the faster)"
     bound = f"{deadline_h:,.0f} h ({deadline_h / 24:,.1f} days)"
     default = (
         " (the default; change it with --deadline HOURS)"
@@ -333,36 +369,22 @@ def _overshoot(plan: Plan) -> float:
 def _closest_states(
     model: PlanModel, base: PlanConfig, catalog: Catalog, keys: list[str], max_gpus: int
 ) -> Plan | None:
+    """When no configuration's model states fit any GPU: the lightest layout the trainer runs
+    (the most GPUs, CPU offload, the widest sequence split a node holds, full checkpointing,
+    micro-batch 1) on each GPU type, the one that misses by the least."""
     best = None
     for key in keys:
         gpu = catalog.gpus[key]
         count = max(c for c in GPU_COUNTS if c <= max_gpus)
-        tp = max(
-            t
-            for t in TP_SIZES
-            if t <= min(gpu.gpus_per_node, count) and all(s.heads % t == 0 for s in model.stacks)
-        )
-        within = min(gpu.gpus_per_node, count)  # the largest split a node holds beside TP
-        sp = max(n for t, n in _parallel_sizes(model, base, count) if t == 1 and tp * n <= within)
-        dp = count // (tp * sp)
+        within = min(gpu.gpus_per_node, count)
+        sp = max(n for n in _sequence_sizes(model, base, count) if n <= within)
+        dp = count // sp
         gb = base.global_batch if base.global_batch % dp == 0 else dp
+        cfg = replace(base, gpu=key, gpus=count, tp=1, sequence_parallel=sp, zero=3,
+                      offload=True, ac="full", micro_batch=1, global_batch=gb,
+                      gpus_per_node=gpu.gpus_per_node)  # fmt: skip
         try:
-            plan = make_plan(
-                model,
-                replace(
-                    base,
-                    gpu=key,
-                    gpus=count,
-                    tp=tp,
-                    sequence_parallel=sp,
-                    zero=3 if count // tp > 1 else 0,
-                    ac="full",
-                    micro_batch=1,
-                    global_batch=gb,
-                    gpus_per_node=gpu.gpus_per_node,
-                ),
-                catalog,
-            )
+            plan = make_plan(model, cfg, catalog)
         except FieldError:
             continue
         if best is None or _overshoot(plan) < _overshoot(best):
@@ -374,7 +396,18 @@ def describe(plan: Plan) -> str:
     c = plan.config
     sp = c.sequence_parallel
     seq = f", SP {sp} ({c.sequence_parallel_attention})" if sp > 1 else ""
-    return f"{c.gpus} x {plan.gpu.key}, ZeRO-{c.zero}, TP {c.tp}{seq}, AC {c.ac}, micro-batch {c.micro_batch} (accumulation {c.accumulation})"
+    tp = f", TP {c.tp}" if c.tp > 1 else ""
+    return (
+        f"{c.gpus} x {plan.gpu.key}, {layout_name(c)}{tp}{seq}, AC {c.ac}, micro-batch "
+        f"{c.micro_batch} (accumulation {c.accumulation})"
+    )
+
+
+def layout_name(c: PlanConfig) -> str:
+    """`DDP`, `FSDP2`, `FSDP2 + CPU offload`, or `ZeRO-1/2` (a what-if)."""
+    if c.offload:
+        return "FSDP2 + CPU offload"
+    return {0: "DDP", 3: "FSDP2"}.get(c.zero, f"ZeRO-{c.zero}")
 
 
 def explain(ranked: list[Plan], by: str) -> str:

@@ -96,3 +96,18 @@ def shard(params: float, b: StateBytes, zero: int, dp: int) -> ShardedStates:
         gradients=params * b.grads / (dp if zero >= 2 else 1),
         optimizer=params * b.optimizer / (dp if zero >= 1 else 1),
     )
+
+
+def frozen_model_bytes(model, precision: str, shards: int = 1) -> float:
+    """Bytes of `model`'s frozen parameters as the trainer holds them, over `shards` ranks
+    (FSDP2's, which also decide which weights torchao can split in NF4; TP x PP for the rest):
+    linear and convolution weights in the compute dtype, the rest in fp32 under 16-bit
+    autocast (`frozen_bytes`), and a QLoRA stack's NF4 weights as torchao lays them out
+    (plan/quantized.py: their codes, scalers and factors sharded, the table whole per rank)."""
+    from mmtrain.plan import quantized as q
+
+    dtype_bytes = 4 if precision == "fp32" else 2
+    nf4 = sum(q.nf4_params(s, shards) for s in model.stacks)
+    dense = frozen_bytes(model.frozen_params() - nf4, model.frozen_fp32_params(), precision)
+    held = sum(q.nf4_stack_bytes(s, dtype_bytes, shards) for s in model.stacks)
+    return dense / shards + held

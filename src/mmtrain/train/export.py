@@ -9,6 +9,11 @@ and rank 0 writes it before the next is gathered, so no rank ever holds the whol
 LoRA adapters (small) are gathered first, to merge each weight as it passes. Without FSDP rank
 0 copies one tensor at a time to the CPU. Non-finite weights are refused before anything is
 written (all ranks agree), so a diverged run never replaces a good export.
+
+A merged LoRA weight is written in the adapters' dtype (fp32) when its base is held in a
+narrower one (bf16, or QLoRA's NF4, dequantised first): W + scale B A is summed in float64 and
+rounded once (train/lora.py `merged`). QLoRA's other NF4 weights are written dequantised, in
+the dtype the forward used them in; the model folder holds no 4-bit tensor.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from mmtrain.models.safetensors_files import TensorEntry
 from mmtrain.train import parallel
 from mmtrain.train.checkpointer import check_finite_weights
 from mmtrain.train.lora import LORA_FILE, is_adapter, merged, write_lora_file
+from mmtrain.train.qlora import full_dequantised_weight, is_quantised
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +54,13 @@ def export_model(
     sharded = parallel.is_fsdp(model)
     if not sharded and rank != 0:
         return
-    state = model.state_dict()
+    state = model.state_dict()  # QLoRA's NF4 weights are not in it (train/qlora.py)
     check_finite_weights(state, sharded=sharded)
     adapters = {name: full_on_cpu(v) for name, v in state.items() if is_adapter(name)}
-    layout = [TensorEntry.of(name, v) for name, v in state.items() if not is_adapter(name)]
+    sources = _plain_sources(model, state)
+    layout = [_entry(name, v, adapters, lora_scale) for name, v in sources.items()]
     _check_layout(model, layout)
-    tensors = _merged_tensors(state, adapters, lora_scale)
+    tensors = _merged_tensors(sources, adapters, lora_scale)
     if rank != 0:
         for _ in tensors:  # take part in every gather
             pass
@@ -95,18 +102,51 @@ def _existing(value: str, key: str) -> Path:
     return path.resolve()
 
 
+def _plain_sources(model: nn.Module, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The plain model's tensors, by name, in its order: the state dict's (adapters left out)
+    and the NF4 parameters it leaves out."""
+    quantised = {name: p for name, p in model.named_parameters() if is_quantised(p)}
+    sources = {name: v for name, v in state.items() if not is_adapter(name)}
+    if not quantised:
+        return sources
+    sources.update(quantised)
+    order = create_model(model.spec, device="meta").state_dict()
+    return {name: sources[name] for name in order if name in sources}
+
+
+def _merge_prefix(name: str, lora_scale: Mapping[str, float]) -> str | None:
+    """The LoRA linear whose weight `name` is, or None."""
+    prefix = name.removesuffix(".weight")
+    return prefix if name.endswith(".weight") and prefix in lora_scale else None
+
+
+def _entry(
+    name: str,
+    value: torch.Tensor,
+    adapters: Mapping[str, torch.Tensor],
+    lora_scale: Mapping[str, float],
+) -> TensorEntry:
+    """The written tensor's entry: a merged weight in the wider of its base's and its
+    adapters' dtypes (`merged`), any other in its own (NF4: the dtype it dequantises to)."""
+    entry = TensorEntry.of(name, value)
+    prefix = _merge_prefix(name, lora_scale)
+    if prefix is not None:
+        dtype = torch.promote_types(value.dtype, adapters[f"{prefix}.lora_a"].dtype)
+        entry = TensorEntry(name, dtype, entry.shape)
+    return entry
+
+
 def _merged_tensors(
-    state: Mapping[str, torch.Tensor],
+    sources: Mapping[str, torch.Tensor],
     adapters: Mapping[str, torch.Tensor],
     lora_scale: Mapping[str, float],
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor on the CPU) of the plain model, one at a time, adapters merged."""
-    for name, value in state.items():
-        if is_adapter(name):
-            continue
-        full = full_on_cpu(value)
-        prefix = name.removesuffix(".weight")
-        if name.endswith(".weight") and prefix in lora_scale:
+    """(name, full tensor on the CPU) of the plain model, one at a time, NF4 weights
+    dequantised, adapters merged."""
+    for name, value in sources.items():
+        full = full_dequantised_weight(value) if is_quantised(value) else full_on_cpu(value)
+        prefix = _merge_prefix(name, lora_scale)
+        if prefix is not None:
             a, b = adapters[f"{prefix}.lora_a"], adapters[f"{prefix}.lora_b"]
             full = merged(full, a, b, lora_scale[prefix])
         yield name, full

@@ -17,6 +17,8 @@ vocabulary may grow: new rows are the mean of the source's rows, as in init_lm.p
 tensor of the model it leaves out is one a baseline never has (LoRA adapters; a VLM's image
 tower and projector when only `text` is named). Otherwise `plan_sliced_init` returns None and
 the set-up reads the baseline whole (init.py), with its precise errors and its other formats.
+QLoRA's NF4 weights are the exception to reading rows: each rank reads the whole of such a
+tensor (one at a time), quantises it and keeps its rows, so all ranks share its scales.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from mmtrain.models.materialize import copy_rows_, local_rows
 from mmtrain.spec import ModelSpec
 from mmtrain.train.init_lm import DECODER, VOCAB_ROWS, grow_rows
 from mmtrain.train.lora import is_adapter
+from mmtrain.train.qlora import copy_full_nf4_, is_quantised
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +176,10 @@ def load_sliced_init(model: nn.Module, plan: SlicedInit) -> dict[str, str]:
         if param.dim() == 0:  # a logit scale or bias: whole on every rank (never sharded)
             with safe_open(str(parts[0].file), framework="pt") as f:
                 param.copy_(f.get_tensor(parts[0].key))
+            continue
+        if is_quantised(param):  # QLoRA's NF4: the whole tensor quantised, this rank's rows kept
+            full = _read_rows(parts, 0, param.shape[0])
+            copy_full_nf4_(param, full.reshape(param.shape))
             continue
         start, end = local_rows(param)
         if name in plan.grown:

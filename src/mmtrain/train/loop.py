@@ -143,7 +143,9 @@ class Trainer:
     """The components of one run, wired by the set-up, and the parts of the loop."""
 
     def __init__(self, config: RunConfig, on_step: Callable[[dict[str, Any]], None] | None = None):
-        self.env = env = parallel.init_distributed(config.train.device)
+        self.env = env = parallel.init_distributed(
+            config.train.device, group_of_one=config.train.offload
+        )  # FSDP2 offloads on one GPU too
         self.rank, self.world = env.rank, env.world_size
         config.validate(world_size=self.world)
         t = config.train
@@ -187,6 +189,7 @@ class Trainer:
             unused_parameters=bool(self.data.idle_towers()),
         )  # fmt: skip
         self.config = config = built.config  # with `init` recorded
+        self.checkpointer.config = config  # checkpoints record init's sha256 (a resume checks them)
         self.model = model = built.model  # the plain module (FSDP shards it in place)
         self.trained = built.trained  # DDP's wrapper, or the model itself
         self.lora_scale, self.recompute = built.lora_scale, built.recompute

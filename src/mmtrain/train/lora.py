@@ -17,7 +17,11 @@ explicit generator, B at zero, so at step 0 the model is exactly the base model.
 - Dropout on the adapter input uses torch's RNG, whose state every checkpoint saves per rank,
   so a resumed CPU run draws the same masks as an uninterrupted one.
 - `merge_lora` / `merge_lora_state` fold the adapters into plain weights, W + scale B A
-  (computed in float64, then cast to W's dtype), for a model `mmtrain.load_model` reads.
+  (computed in float64, then rounded once to the wider of W's and the adapters' dtypes: a
+  base held in bf16 or NF4 merges into an fp32 weight, so the update keeps the precision it
+  trained in), for a model `mmtrain.load_model` reads.
+- QLoRA (`quantize_base: nf4`, train/qlora.py): the base weight is an NF4 tensor, the forward
+  dequantises it per call (`nf4_linear`), the merge dequantises it first.
 - `save_lora` writes the adapters alone as safetensors, their settings in the metadata;
   `load_lora` reads them back.
 
@@ -41,6 +45,7 @@ from mmtrain.atomic import atomic_write_bytes
 from mmtrain.config import LoraConfig, TrainConfig
 from mmtrain.models.materialize import copy_full_
 from mmtrain.structured import FieldError, closest
+from mmtrain.train.qlora import dequantised, is_quantised, nf4_linear
 
 ADAPTER_NAMES = ("lora_a", "lora_b")
 # Which linears of a block each target adapts (names inside `Block`, models/layers.py).
@@ -92,6 +97,8 @@ class LoraLinear(nn.Module):
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         linear = self.__dict__.get("_base_linear")
         if linear is None:
+            if is_quantised(self.weight):  # QLoRA's 4-bit base
+                return nf4_linear(x, self.weight, self.bias)
             return F.linear(x, self.weight, self.bias)
         # This module's parameters as they are now (FSDP swaps in the gathered ones per call).
         linear.weight, linear.bias = self.weight, self.bias
@@ -115,9 +122,13 @@ class LoraLinear(nn.Module):
 def merged(
     weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """W + scale B A, summed in float64 (one rounding, to W's dtype, at the end)."""
+    """W + scale B A, summed in float64 and rounded once, to the wider of W's dtype and the
+    adapters' (W dequantised first when it is NF4): a base held in the compute dtype (bf16)
+    or in 4 bits merges into a weight of the adapters' precision (fp32)."""
+    base = dequantised(weight.detach())
+    dtype = torch.promote_types(base.dtype, lora_a.dtype)
     update = lora_b.detach().double() @ lora_a.detach().double()
-    return (weight.detach().double() + scale * update).to(weight.dtype)
+    return (base.double() + scale * update).to(dtype)
 
 
 def is_adapter(name: str) -> bool:
@@ -264,8 +275,9 @@ def merge_lora(model: nn.Module) -> nn.Module:
             device="meta",
         )
         plain.weight = nn.Parameter(module.merged_weight(), requires_grad=False)
-        if module.bias is not None:
-            plain.bias = module.bias
+        if module.bias is not None:  # in the merged weight's dtype (a bf16-held base's is not)
+            bias = module.bias.detach().to(plain.weight.dtype)
+            plain.bias = nn.Parameter(bias, requires_grad=module.bias.requires_grad)
         plain.train(module.training)
         setattr(model.get_submodule(parent_name), leaf, plain)
     return model

@@ -242,6 +242,8 @@ def _planned_model(plan_model: Any, spec: ModelSpec, config: RunConfig) -> Any:
         elif tower.lora is not None:
             lora = tower.lora
             plan_model = plan_model.with_modes({name: "lora"}, lora.rank, tuple(lora.targets))
+            if lora.quantize_base is not None:  # QLoRA: its block linears held in NF4
+                plan_model = plan_model.with_quantized_base([name], lora.quantize_base)
         elif tower.freeze_blocks or tower.unlocked_blocks is not None:
             layers = spec.towers[name].layers if name in spec.towers else spec.decoder.layers
             blocks = tower.freeze_blocks or layers - (tower.unlocked_blocks or 0)
@@ -301,20 +303,28 @@ def planned_memory(
     """
     from mmtrain.plan.activations import activation_options, contrastive_bytes, stack_activations
     from mmtrain.plan.config import PlanConfig
-    from mmtrain.plan.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, comm_buffers, model_states
+    from mmtrain.plan.memory import (
+        CUDA_CONTEXT_BYTES,
+        FRAGMENTATION,
+        comm_buffers,
+        dequantized_working_set,
+        model_states,
+    )
     from mmtrain.plan.model import from_spec
 
     plan_model = _planned_model(from_spec(spec, _planned_rows(spec, config)), spec, config)
     sequence = config.train.sequence_parallel
     micro = config.micro_batch_for(config.data_ranks(world_size))
     precision = config.train.precision
-    sharded = config.train.parallel == "fsdp" and world_size > 1
+    offload = config.train.offload  # FSDP2 over a group of one too
+    sharded = config.train.parallel == "fsdp" and (world_size > 1 or offload)
     cfg = PlanConfig(
         gpus=world_size,
         precision=precision,
         micro_batch=micro,
         global_batch=config.train.batch_size,
         zero=3 if sharded else 0,
+        offload=offload,
         sequence_parallel=sequence,
         sequence_parallel_attention=config.train.sequence_parallel_attention,
     )
@@ -338,6 +348,8 @@ def planned_memory(
         recompute_bytes = max(recompute_bytes, a.recompute_bytes)  # one block at a time
     saved += contrastive_bytes(plan_model, micro, world_size)
     buffers = comm_buffers(plan_model, cfg)
+    # QLoRA: the NF4 weight dequantised for its matmul (0 without a quantised base)
+    buffers += dequantized_working_set(plan_model, precision, 1, cfg.shard_ranks)
     activations = saved + recompute_bytes
     model_state = weights + grads + optimizer
     allocated = model_state + activations + buffers

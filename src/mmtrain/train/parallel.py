@@ -6,8 +6,9 @@ block in the order activation checkpointing -> compile -> DDP or FSDP2 (torchtit
 - `apply_compile(model)`: `torch.compile` on each transformer block, in place.
 - `wrap_data_parallel(model, env, "ddp" | "fsdp", precision)`: a DDP replica per rank, or
   FSDP2 through `apply_fsdp`.
-- `apply_fsdp(model, precision)`: FSDP2 (`fully_shard`) on each transformer block, then on the
-  whole model, with a mixed-precision policy derived from `train.precision`.
+- `apply_fsdp(model, precision, offload=...)`: FSDP2 (`fully_shard`) on each transformer block,
+  then on the whole model, with a mixed-precision policy derived from `train.precision` and,
+  with `train.offload`, CPUOffloadPolicy (shards, gradients and optimizer state in host memory).
 - `full_model_state_dict`, `load_full_model_state_dict`, `optimizer_state_dict`,
   `load_optimizer_state_dict`: full (unsharded) state on the CPU whatever the strategy, so a
   checkpoint written under FSDP keeps the single-process format (`model.safetensors`) and
@@ -32,9 +33,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mmtrain.distributed import backend_for
+from mmtrain.distributed import backend_for, fix_malloc_mmap_threshold
 from mmtrain.models.build import unwrap_model
 from mmtrain.structured import FieldError
+from mmtrain.train.qlora import is_quantised
 
 AC_MODES = ("none", "selective", "full")
 # Parameters gathered/computed in this dtype under FSDP; gradients are reduced in fp32 (a sum
@@ -139,9 +141,13 @@ class DistributedEnv:
     ranks_per_node: int | None = None
 
 
-def init_distributed(device: str = "auto") -> DistributedEnv:
+def init_distributed(device: str = "auto", *, group_of_one: bool = False) -> DistributedEnv:
     """Pick the device and, under torchrun (WORLD_SIZE > 1), join the default process group:
-    nccl when training on CUDA, gloo on CPU. Reuses a group that already exists."""
+    nccl when training on CUDA, gloo on CPU. Reuses a group that already exists.
+    `group_of_one`: a single process gets a group of its own too (FSDP2 needs one: CPU offload
+    on one GPU). Also fixes glibc's mmap threshold for this process (see
+    `distributed.fix_malloc_mmap_threshold`) unless the environment sets one."""
+    fix_malloc_mmap_threshold()
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if device == "cuda" and not torch.cuda.is_available():
         raise FieldError(
@@ -155,11 +161,13 @@ def init_distributed(device: str = "auto") -> DistributedEnv:
     if use_cuda:
         torch.cuda.set_device(dev)
     owns = False
-    if world > 1 and not dist.is_initialized():
+    if (world > 1 or group_of_one) and not dist.is_initialized():
+        # One process has no rendezvous to make: an in-memory store stands for torchrun's.
+        alone = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if world == 1 else {}
         if use_cuda:
-            dist.init_process_group(backend_for(cuda=True), device_id=dev)
+            dist.init_process_group(backend_for(cuda=True), device_id=dev, **alone)
         else:
-            dist.init_process_group(backend_for(cuda=False))
+            dist.init_process_group(backend_for(cuda=False), **alone)
         owns = True
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -211,16 +219,21 @@ def wrap_data_parallel(
         check_fsdp_can_train(unused_parameters)
         return apply_fsdp(model, precision)
     device_ids = [env.local_rank] if env.device.type == "cuda" else None
+    # Quantised frozen weights (QLoRA's NF4, train/qlora.py) are not broadcast: every rank
+    # quantised the same baseline alike, and DDP's broadcast has no way to send their parts.
+    quantised = [name for name, p in model.named_parameters() if is_quantised(p)]
     if unused_parameters:
         # DDP's search for unused parameters walks the forward's graph; the logit scale and
         # bias are used by the loss, outside the forward, and would be counted twice. They are
         # left out of DDP and averaged over ranks by a hook, as under FSDP.
         # (DDP matches ignored names both as "name" and as "module.name", "" for the root.)
         scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
-        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            model, scalars + [f".{name}" for name in scalars if "." not in name]
-        )
+        quantised += scalars + [f".{name}" for name in scalars if "." not in name]
         _average_gradients_by_hook(model.get_parameter(name) for name in scalars)
+    if quantised:
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, quantised
+        )
     return nn.parallel.DistributedDataParallel(
         model,
         device_ids=device_ids,
@@ -252,8 +265,23 @@ def fsdp_mixed_precision(precision: str):
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
 
 
+def fsdp_offload_policy(offload: bool):
+    """FSDP2's offload policy for `train.offload`: CPUOffloadPolicy (sharded parameters,
+    their gradients and so the optimizer's states in host memory, pinned where CUDA can pin
+    them: the copies to and from the GPU then run asynchronously), else none."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if not offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+
+
 def apply_fsdp(
-    model: nn.Module, precision: str = "fp32", *, reshard_after_forward: bool = True
+    model: nn.Module,
+    precision: str = "fp32",
+    *,
+    reshard_after_forward: bool = True,
+    offload: bool = False,
 ) -> nn.Module:
     """Shard `model` in place with FSDP2 over the default process group; returns it.
 
@@ -265,28 +293,30 @@ def apply_fsdp(
 
     `fully_shard` cannot shard 0-d parameters (the logit scale and bias): they stay whole on
     every rank, in fp32, and their gradients are averaged over ranks by a hook, as DDP would.
+    `offload` (train.offload): the shards live in host memory (`fsdp_offload_policy`); a model
+    built on the meta device is then given memory on the CPU (train/model_setup.py).
+    QLoRA's NF4 weights shard as they are (torchao's NF4Tensor all-gathers its 4-bit parts).
     """
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     if not dist.is_initialized():
         raise RuntimeError("FSDP needs a process group: launch with torchrun (WORLD_SIZE > 1)")
-    policy = fsdp_mixed_precision(precision)
+    settings = {
+        "mp_policy": fsdp_mixed_precision(precision),
+        "reshard_after_forward": reshard_after_forward,
+        "offload_policy": fsdp_offload_policy(offload),
+    }
     for tower in _towers(model).values():
         for block in tower.blocks:
-            fully_shard(block, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+            fully_shard(block, **settings)
         if getattr(tower, "lm_head", None) is not None:
             # An untied decoder's embedding is its own unit: gathered for the lookup and freed
             # before the blocks run (the root, which keeps the head, stays gathered through
             # the backward). A tied one is the head's weight too, read outside its forward.
-            fully_shard(tower.embed, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+            fully_shard(tower.embed, **settings)
     scalars = {p for p in model.parameters() if p.dim() == 0}
     _average_gradients_by_hook(scalars)
-    fully_shard(
-        model,
-        mp_policy=policy,
-        reshard_after_forward=reshard_after_forward,
-        ignored_params=scalars or None,
-    )
+    fully_shard(model, **settings, ignored_params=scalars or None)
     # Methods other than forward that run the model (a language model's logits and
     # generate) must gather the root's parameters (embedding, final norm, head) too.
     for method in ("logits", "generate"):

@@ -20,7 +20,8 @@ from mmtrain.structured import FieldError, to_dict
 
 # Per-tower settings (train.towers.NAME.*) that change the trained parameters' set or shapes:
 # compared by value, or (PRESENCE) only by whether they are set.
-TOWER_FIXED = ("lora.rank", "lora.targets", "freeze", "freeze_blocks", "unlocked_blocks")
+TOWER_FIXED = ("lora.rank", "lora.targets", "lora.quantize_base", "freeze", "freeze_blocks",
+               "unlocked_blocks")  # fmt: skip
 TOWER_PRESENCE = ("lora", "lr_layer_decay")
 SPEC_IGNORED = ("name",)  # a spec renamed is the same model
 
