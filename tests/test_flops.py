@@ -124,3 +124,21 @@ def test_recomputation_is_not_model_work():
 def test_unknown_mode_names_the_field():
     with pytest.raises(FieldError, match="train.towers.image.mode"):
         train_flops({"image": 1.0}, {"image": "half"})
+
+
+def test_a_packed_rows_attention_is_counted_per_document():
+    """A packed row attends within each document (flex attention's block mask skips the
+    rest): its FLOPs are its documents' (and its padding's, computed by the matmuls), not one
+    row's n^2. One row of 16 ids holding documents of 6 and 8 and 2 ids of padding, each
+    image placeholder of the second document taking 64 positions."""
+    spec = load_spec("tiny-vlm")
+    modes = part_modes(spec, run_config("tiny-vlm", {}))
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    ids[0, 7] = 258  # tiny-vlm's image placeholder, in the second document
+    documents = torch.tensor([[0] * 6 + [1] * 8 + [-1] * 2])
+    batch = {"text": ids, "document_ids": documents, "image": torch.zeros(1, 3, 64, 64)}
+    got = step_model_flops(spec, [batch], modes, batch_size=1, world=1)
+    forward = decoder(6) + decoder(8 + 63) + decoder(2) + VISION + PROJECTOR
+    assert got == 3 * forward
+    unpacked = decoder(16 + 63) + VISION + PROJECTOR  # the row whole: more attention
+    assert got < 3 * unpacked

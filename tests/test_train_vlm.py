@@ -405,6 +405,7 @@ def test_padded_rows_are_named_in_the_mfu_finding(tmp_path, shards):
         (findings[pack],) = [f for f in diagnose(run) if f.kind == "mfu"]
         rows = run.train_rows[1:]
         useful = [r["mfu"] * (1 - r["padding_fraction"]) for r in rows]
+        assert [r["mfu_useful"] for r in rows] == useful  # the row says it beside the mfu
         assert findings[pack].evidence["useful_mfu_median"] == round(statistics.median(useful), 4)
     padded, packed = findings[False].evidence, findings[True].evidence
     assert padded["padding_fraction_mean"] > 0.2 > packed["padding_fraction_mean"]

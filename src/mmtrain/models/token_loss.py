@@ -32,7 +32,17 @@ def default_chunk_rows(vocab: int) -> int:
 
 def chunk_nll_sum(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
     """Sum of -log softmax(hidden @ weight.T)[target] over rows whose target is not -100,
-    the log-softmax in at least fp32 (as `train/objectives.py: token_nll_sum`)."""
+    the log-softmax in at least fp32 (as `train/objectives.py: token_nll_sum`).
+
+    Under autocast the weight is cast here, in each chunk: autocast would cast it once and
+    reuse the copy in every chunk, so the chunks' head-weight gradients would be summed in
+    bf16 (measured against fp64 under CPU bf16 autocast: 0.25% off with 1 chunk, 0.99% with
+    64, 2.1% with 256). Cast per chunk, each chunk's gradient reaches the fp32 weight on its
+    own and they add up in fp32; the price is one cast of the head weight per chunk."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device) and weight.is_floating_point():
+        dtype = torch.get_autocast_dtype(device)
+        weight, hidden = weight.to(dtype), hidden.to(dtype)
     logits = F.linear(hidden, weight)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")

@@ -389,6 +389,8 @@ class Trainer:
             **compile_counts(),  # still rising after the first steps: recompiles
             **{k: v for k, v in counts.items() if k not in ("flops", "rank_flops")},
         }
+        if "mfu" in host and "padding_fraction" in host:  # the part spent on real tokens
+            host["mfu_useful"] = host["mfu"] * (1.0 - host["padding_fraction"])
         if step_spec is not self.spec:
             host.update({f"input_size/{k}": v for k, v in _input_sizes(step_spec).items()})
         self._warn_communication_share(host)

@@ -66,15 +66,30 @@ def language_model_forward_flops(spec: ModelSpec, batch: dict[str, torch.Tensor]
     """Forward FLOPs of one batch of a language model by part: each row at its length once
     its images are spliced in (padding included: it is computed), and the batch's images
     through the vision tower and the projector. Reads the ids on the host (a host copy)."""
-    ids = batch["text"]
+    ids = batch["text"].cpu()
     if spec.vision is not None:
         return _native_forward_flops(spec, batch)
     images = int(batch["image"].shape[0]) if "image" in batch else 0
-    if spec.projector is None or images == 0:
-        return spec.sequence_flops_by_part([ids.shape[1]] * ids.shape[0], 0)
-    per_row = (ids == spec.projector.image_token_id).sum(dim=1).tolist()
-    extra = spec.image_tokens() - 1  # each placeholder becomes image_tokens positions
-    return spec.sequence_flops_by_part([ids.shape[1] + n * extra for n in per_row], images)
+    positions = torch.ones_like(ids)
+    if spec.projector is not None and images:
+        extra = spec.image_tokens() - 1  # each placeholder becomes image_tokens positions
+        positions = positions + (ids == spec.projector.image_token_id).long() * extra
+    lengths = attention_spans(positions, batch.get("document_ids"))
+    return spec.sequence_flops_by_part(lengths, images)
+
+
+def attention_spans(positions: torch.Tensor, document_ids: torch.Tensor | None) -> list[int]:
+    """The lengths attention runs over, from each id's LM positions [R, T]: each row whole; in
+    a packed row each document apart (flex attention computes only the blocks inside one), its
+    padding as one more span (the matmuls compute it; MFU counts what is computed)."""
+    if document_ids is None:
+        return positions.sum(dim=1).tolist()
+    spans: list[int] = []
+    for row, documents in zip(positions, document_ids.cpu(), strict=True):
+        _, which = torch.unique(documents, return_inverse=True)
+        sums = torch.zeros(int(which.max()) + 1, dtype=torch.long).index_add_(0, which, row)
+        spans += [n for n in sums.tolist() if n]
+    return spans
 
 
 def _native_forward_flops(spec: ModelSpec, batch: dict[str, Any]) -> dict[str, int]:
@@ -95,7 +110,8 @@ def _native_forward_flops(spec: ModelSpec, batch: dict[str, Any]) -> dict[str, i
     )
     counts = torch.tensor([spec.vision.tokens(h, w, t) for t, h, w in shapes], dtype=torch.long)
     spans = id_spans(is_visual, counts[order] if shapes else counts)
-    return spec.sequence_flops_by_part(spans.sum(dim=1).tolist(), 0, shapes)
+    lengths = attention_spans(spans, batch.get("document_ids"))
+    return spec.sequence_flops_by_part(lengths, 0, shapes)
 
 
 def padding_fraction(micro_batches: Sequence[dict[str, torch.Tensor]]) -> float | None:
