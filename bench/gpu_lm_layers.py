@@ -69,12 +69,13 @@ def lm_layers_note(device: torch.device, dry_run: bool) -> str:
     parts = []
     for packed in (True, False):
         for compiled in (False, True):
+            before = compile_counts().get("compiled_graphs", 0)  # the process's so far
             step = _next_token_step(spec, _rows(decoder.vocab_size, rows, positions, packed),
                                     device, lr=1e-5, prepare=apply_compile if compiled else None)  # fmt: skip
             seconds = _time_steps(step, 2 if dry_run else 5, 2, device)
             mfu = f"MFU {100 * flops / seconds / peak:.1f}%" if peak else "MFU n/a"
-            counts = compile_counts() if compiled else {}
-            graphs = f", {counts.get('compiled_graphs', 0)} graphs" if compiled else ""
+            graphs = compile_counts().get("compiled_graphs", 0) - before
+            graphs = f", {graphs} graphs" if compiled else ""
             layout = "packed" if packed else "padded"
             parts.append(f"{layout} {'compiled' if compiled else 'eager'} "
                          f"{1e3 * seconds:.0f} ms, {mfu}{graphs}")  # fmt: skip

@@ -219,7 +219,9 @@ def test_each_input_sits_between_the_start_and_end_ids_the_spec_names():
 @pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
 def test_the_step_counts_each_input_at_its_own_size(pack):
     """MFU's FLOPs of a native batch: the tower over each page and clip at its size, the LM
-    over each row at its length once the inputs are spliced in (padding computed too)."""
+    over each row at its length once the inputs are spliced in (padding computed too); a
+    packed row's attention over each document apart (and its padding), as flex attention
+    computes it."""
     from mmtrain.spec import VISION_TOWER
     from mmtrain.train.metrics import language_model_forward_flops
 
@@ -241,13 +243,33 @@ def test_the_step_counts_each_input_at_its_own_size(pack):
     rows = batch["text"].shape[0]
     spans = sum(out["spans"][:, 1].sum().item() - len(out["spans"]) for out in outs)
     positions = batch["text"].numel() + spans  # ids, each input's tokens instead of its id
-    assert flops["text"] == sum(SPEC.decoder.forward_flops(n) for n in _row_lengths(batch))
-    assert sum(_row_lengths(batch)) == positions and max(_row_lengths(batch)) == length
+    spans = _span_lengths(batch)
+    assert flops["text"] == sum(SPEC.decoder.forward_flops(n) for n in spans)
+    assert sum(spans) == positions and max(_row_lengths(batch)) == length
+    assert len(spans) == 3  # three rows, or one row of three documents (no padding left)
     assert rows == (1 if pack else 3)
 
 
 def _row_lengths(batch) -> list[int]:
     """Positions of each row once its placeholders hold their inputs' tokens."""
+    return [sum(row) for row in _id_positions(batch)]
+
+
+def _span_lengths(batch) -> list[int]:
+    """What attention runs over: each row, or in a packed row each document and its padding."""
+    if "document_ids" not in batch:
+        return _row_lengths(batch)
+    spans = []
+    for row, documents in zip(_id_positions(batch), batch["document_ids"].tolist(), strict=True):
+        by_document: dict[int, int] = {}
+        for n, document in zip(row, documents, strict=True):
+            by_document[document] = by_document.get(document, 0) + n
+        spans += list(by_document.values())
+    return spans
+
+
+def _id_positions(batch) -> list[list[int]]:
+    """Each id's positions, row by row: an input's tokens at its placeholder, 1 elsewhere."""
     text = batch["text"]
     counts = iter(
         [SPEC.vision.tokens(x.shape[-2], x.shape[-1], 1 if x.dim() == 3 else x.shape[0])
@@ -258,8 +280,6 @@ def _row_lengths(batch) -> list[int]:
     )
     lengths = []
     for row in text.tolist():
-        n = 0
-        for token in row:
-            n += next(counts) if token == IMAGE_ID else next(videos) if token == VIDEO_ID else 1
-        lengths.append(n)
+        lengths.append([next(counts) if token == IMAGE_ID else next(videos)
+                        if token == VIDEO_ID else 1 for token in row])  # fmt: skip
     return lengths
