@@ -1,12 +1,16 @@
-"""Shared by the benchmark scripts: the machine line and appending a section to RESULTS.md."""
+"""Shared by the benchmark scripts: the machine line, appending a section to RESULTS.md, and
+the GPU checks' timing and sync counting (a CPU run proves they run)."""
 
 from __future__ import annotations
 
 import datetime
 import os
 import platform
+import statistics
 import subprocess
 import sys
+import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -58,3 +62,40 @@ def append_results(
     ]
     with open(path, "a") as f:
         f.write("\n".join(lines))
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (nothing to wait for on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(step, device: torch.device, steps: int = 5, warmup: int = 1) -> float:
+    """Median seconds of `step()` over `steps` calls after `warmup` untimed ones, each timed
+    from an idle device to an idle device."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        sync(device)
+        start = time.perf_counter()
+        step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def count_syncs(step, device: torch.device) -> int | None:
+    """Device->host synchronisations `step()` makes (torch's sync debug mode warns at each);
+    None off CUDA, where there is nothing to count."""
+    if device.type != "cuda":
+        return None
+    sync(device)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in seen)

@@ -22,11 +22,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from common import median_seconds, sync
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
@@ -66,22 +65,9 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _median_ms(step: Callable[[], None], device: torch.device) -> float:
     steps = 5 if device.type == "cuda" else 1  # the CPU's run only proves the script runs
-    step()  # warm-up: compiles flex attention, chooses kernels
-    _sync(device)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return 1e3 * median_seconds(step, device, steps)  # its warm-up compiles, picks kernels
 
 
 def _documents(rows: int, tokens: int, device: torch.device) -> torch.Tensor:
@@ -143,10 +129,10 @@ def _attention_kernels(run: Callable[[], None], device: torch.device) -> str:
     CPU's aten ops on a CPU)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     run()  # compiled kernels built outside the profile
-    _sync(device)
+    sync(device)
     with profile(activities=activities) as prof:
         run()
-        _sync(device)
+        sync(device)
     on_device = device.type == "cuda"
     names = {
         e.name for e in prof.events()
@@ -205,7 +191,7 @@ def kernels_part(s: Sizes, device: torch.device) -> str:
         try:
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 run()
-            _sync(device)
+            sync(device)
             strict.append(f"{name} ok")
         except RuntimeError as error:
             strict.append(f"{name} RAISED {str(error).splitlines()[0][:80]}")

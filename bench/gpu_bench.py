@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from common import command, machine
+from common import command, count_syncs, machine, median_seconds
 from gpu_attention import attention_note
 from gpu_frozen import frozen_note
 from gpu_lm_layers import lm_layers_note
@@ -62,45 +61,14 @@ from mmtrain.train.parallel import apply_activation_checkpointing, apply_compile
 from mmtrain.train.precision import convert_to_fp8, make_precision
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time_steps(step, steps: int, warmup: int, device: torch.device) -> float:
     """Median seconds of `step()` over `steps` calls after `warmup` untimed ones."""
-    for _ in range(warmup):
-        step()
-    _sync(device)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(step, device, steps, warmup)
 
 
 def model_flops(spec) -> float:
     """Model FLOPs per sample of training every part (the trainer's MFU definition)."""
     return spec.train_flops(spec.forward_flops_by_part())
-
-
-def count_syncs(step, device: torch.device) -> int | None:
-    """Device->host synchronisations one step makes (torch's sync debug mode warns at each)."""
-    if device.type != "cuda":
-        return None
-    import warnings
-
-    torch.cuda.synchronize(device)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in seen)
 
 
 def mmtrain_case(

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import sync
 
 from mmtrain.config import config_from_dict
 from mmtrain.decoder_spec import DecoderSpec
@@ -74,11 +75,6 @@ def _config(positions: int, offload: bool, lora: dict | None):
     return config
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _where(tensors: list[torch.Tensor]) -> str:
     """Where `tensors` (shards or plain) live: device type, and `pinned` for pinned host memory."""
     locals_ = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
@@ -110,14 +106,14 @@ def _case(name: str, spec: ModelSpec, device: torch.device, dry_run: bool) -> st
 
     step()  # the optimizer's state exists from here on
     if device.type == "cuda":
-        _sync(device)
+        sync(device)
         torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(2 if dry_run else 4):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         step()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - start)
     peak = f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else "n/a"  # fmt: skip
     params = list(model.parameters())

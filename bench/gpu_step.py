@@ -23,13 +23,13 @@ runs; its figures mean nothing (no allocator, host clocks only).
 
 from __future__ import annotations
 
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import median_seconds, sync
 
 from mmtrain.checkpoint import read_sharded, save_sharded_checkpoint
 from mmtrain.config import config_from_dict
@@ -75,21 +75,8 @@ def _one_rank_group(device: torch.device, folder: Path) -> None:
                             **kwargs)  # fmt: skip
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _median_ms(fn, device: torch.device, repeats: int = 10) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+    return 1000 * median_seconds(fn, device, repeats)
 
 
 class _Run:
@@ -132,7 +119,7 @@ def _peak_vs_plan(run: _Run) -> str:
     run.step([])  # the optimizer's state exists from here on, as in every later step
     if run.device.type != "cuda":
         return "peak n/a on cpu"
-    _sync(run.device)
+    sync(run.device)
     torch.cuda.reset_peak_memory_stats(run.device)
     run.step([])
     peak = torch.cuda.max_memory_allocated(run.device)
@@ -175,7 +162,7 @@ def _syncs(run: _Run) -> str:
 
     counts = []
     for timers in ([], [StepTimer(run.device)]):
-        _sync(run.device)
+        sync(run.device)
         torch.cuda.set_sync_debug_mode("warn")
         try:
             with warnings.catch_warnings(record=True) as caught:

@@ -24,9 +24,9 @@ import dataclasses
 import random
 import statistics
 import time
-import warnings
 
 import torch
+from common import count_syncs, sync
 
 from mmtrain.models import create_model
 from mmtrain.models.native_vision import NativeVisionTower
@@ -38,11 +38,6 @@ from mmtrain.train.step import move_batch
 
 BF16 = torch.bfloat16
 IGNORE = -100
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _pages(rng: random.Random, unit: int, sides: range, count: int) -> list[torch.Tensor]:
@@ -95,19 +90,6 @@ def _pinned(batch: dict) -> dict:
         return value.pin_memory() if isinstance(value, torch.Tensor) else value
 
     return {key: pin(value) for key, value in batch.items()}
-
-
-def count_syncs(step, device: torch.device) -> int:
-    """The synchronising CUDA calls of `step()` (sync debug mode warns at each)."""
-    _sync(device)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in seen)
 
 
 def step_syncs(device: torch.device, pack: bool) -> int | None:
@@ -166,10 +148,10 @@ def tower_recompiles(device: torch.device, dry_run: bool) -> tuple[list[int], fl
         run(tower, layouts[-1])
         times = []
         for _ in range(3):
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             run(tower, layouts[-1])
-            _sync(device)
+            sync(device)
             times.append(time.perf_counter() - start)
         seconds.append(statistics.median(times))
     return frames, seconds[0], seconds[1]
