@@ -18,6 +18,8 @@
 #
 #   bash bench/gpu.sh                 # results in $OUT (default /tmp/mmtrain-gpu-bench): gpu_results.{md,json}
 #   bash bench/gpu.sh --dry-run       # tiny sizes on the CPU: proves the script runs
+#   bash bench/gpu.sh --part gpu-path # or cases: what a run whose 400 s budget ran out skipped
+#                                     # (the results' notes name each skipped case)
 #
 # open_clip and torchao are optional: put their wheels (and open_clip's needs: ftfy, regex,
 # timm, huggingface_hub, ...) in .whl/ and they are installed offline into /tmp/site first.

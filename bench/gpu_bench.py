@@ -61,11 +61,6 @@ from mmtrain.train.parallel import apply_activation_checkpointing, apply_compile
 from mmtrain.train.precision import convert_to_fp8, make_precision
 
 
-def _time_steps(step, steps: int, warmup: int, device: torch.device) -> float:
-    """Median seconds of `step()` over `steps` calls after `warmup` untimed ones."""
-    return median_seconds(step, device, steps, warmup)
-
-
 def model_flops(spec) -> float:
     """Model FLOPs per sample of training every part (the trainer's MFU definition)."""
     return spec.train_flops(spec.forward_flops_by_part())
@@ -99,7 +94,7 @@ def mmtrain_case(
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    step_s = _time_steps(step, args.steps, args.warmup, device)
+    step_s = median_seconds(step, device, args.steps, args.warmup)
     flops = model_flops(spec)
     peak = detect_peak_flops(device, precision)
     row = {
@@ -168,7 +163,7 @@ def openclip_case(args, device, batch: int) -> dict | None:
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    step_s = _time_steps(step, args.steps, args.warmup, device)
+    step_s = median_seconds(step, device, args.steps, args.warmup)
     flops = model_flops(load_spec(name))
     peak = detect_peak_flops(device, "bf16")
     return {
@@ -206,6 +201,7 @@ def _next_token_step(spec, batch: dict, device, lr: float = 1e-5, prepare=None):
         forward_backward(model, objectives, [data], prec)
         optimizer_step(model, optimizer, prec, 1.0)
 
+    step.model = model  # a caller may compile it in place after timing it eager
     return step
 
 
@@ -229,7 +225,7 @@ def language_model_case(args, device, batch: int, positions: int) -> dict:
     step = _next_token_step(spec, {"text": ids, LABELS_KEY: ids}, device, lr=1e-4)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    step_s = _time_steps(step, max(args.steps // 4, 2), 2, device)
+    step_s = median_seconds(step, device, max(args.steps // 4, 2), 2)
     flops = spec.train_flops(spec.sequence_flops_by_part([positions] * batch, 0))
     peak = detect_peak_flops(device, "bf16")
     return {
@@ -279,7 +275,7 @@ def dit_case(args, device, batch: int) -> dict:
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    step_s = _time_steps(step, max(args.steps // 2, 2), 2, device)
+    step_s = median_seconds(step, device, max(args.steps // 2, 2), 2)
     peak = detect_peak_flops(device, "bf16")
     flops = spec.train_flops(spec.forward_flops_by_part()) * batch
     return {
@@ -318,7 +314,7 @@ def native_vlm_case(args, device, pages: int) -> dict:
     step = _next_token_step(spec, {"text": text, LABELS_KEY: text, "image": images}, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    step_s = _time_steps(step, max(args.steps // 4, 2), 2, device)
+    step_s = median_seconds(step, device, max(args.steps // 4, 2), 2)
     visual = [(1, h, w)] * pages
     flops = spec.train_flops(spec.sequence_flops_by_part([positions], 0, visual))
     peak = detect_peak_flops(device, "bf16")
@@ -459,6 +455,48 @@ def table(rows: list[dict]) -> list[str]:
     return out
 
 
+def other_cases(args, device, run, notes, within_budget) -> None:
+    """The step cases beside the main one: OpenCLIP's, memory at several batch sizes with and
+    without checkpointing, compiled, the LM, the native VLM, DiT, fp8."""
+    if within_budget("open_clip") and run("open_clip", openclip_case, args, device,
+                                          args.batch) is None:  # fmt: skip
+        if not any(n.startswith("open_clip") for n in notes):  # none failed: not installed
+            notes.append("open_clip: not installed (carry its wheels in .whl/ to compare)")
+    for batch in [int(b) for b in args.memory_batches.split(",")]:
+        for ac in ("none", "full"):
+            label = f"memory b={batch} ac={ac}"
+            row = within_budget(label) and run(label, mmtrain_case, args, device, "bf16",
+                                               batch, ac)  # fmt: skip
+            if row:
+                row.pop("_model"), row.pop("_optimizer")
+    row = within_budget("mmtrain compiled") and run(
+        "mmtrain compiled", mmtrain_case, args, device, "bf16", args.batch, compiled=True
+    )
+    if row:
+        row.pop("_model"), row.pop("_optimizer")
+    positions = 64 if args.dry_run else 2048
+    lm = within_budget("LM") and run("LM", language_model_case, args, device,
+                                     2 if args.dry_run else 8, positions)  # fmt: skip
+    if lm:
+        notes.append(f"LM: {lm['tokens_s']:,.0f} tokens/s")
+    vlm = within_budget("native VLM") and run("native VLM", native_vlm_case, args, device,
+                                              1 if args.dry_run else 4)  # fmt: skip
+    if vlm:
+        notes.append(f"native VLM: {vlm['samples_s']:,.2f} pages/s ({vlm['model']})")
+    dit = within_budget("DiT") and run("DiT", dit_case, args, device,
+                                       4 if args.dry_run else 64)  # fmt: skip
+    if dit:
+        notes.append(f"DiT: {dit['samples_s']:,.1f} images/s (fast-DiT: ~107 on one A100)")
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        notes.append("fp8: torchao not installed (carry its wheels in .whl/ to measure)")
+    elif within_budget("mmtrain fp8"):
+        row = run("mmtrain fp8", mmtrain_case, args, device, "fp8", args.batch)
+        if row is not None:
+            row.pop("_model"), row.pop("_optimizer")
+
+
 def _catalog_gpu(device: torch.device) -> tuple[str, str]:
     """The catalog's key of the card the benchmark runs on, and how it was found; h200 (the
     lent machines' larger card) for a CPU dry run or a card the catalog does not know."""
@@ -483,6 +521,16 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--dry-run", action="store_true", help="tiny-clip, tiny sizes, CPU")
+    parser.add_argument(
+        "--part", choices=("all", "gpu-path", "cases"), default="all",
+        help="gpu-path: issue 41's checks of the GPU path; cases: the step cases and the "
+        "other notes; all: the main step, then gpu-path, then cases",
+    )  # fmt: skip
+    parser.add_argument(
+        "--budget-s", type=float, default=400.0,
+        help="seconds after which the cases and notes not yet begun are skipped and named "
+        "(gpu.sh's timeout is 450 s; run what was skipped with --part)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.dry_run:
         args.model, args.batch, args.memory_batches = "tiny-clip", 4, "2,4"
@@ -497,6 +545,20 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, notes = [], []
+    where = machine()
+    header = [f"command: `{command()}`", f"machine: {where}", ""]
+
+    def save() -> list[str]:
+        """Write gpu_results.md and .json as they stand (after every case and note, so that a
+        run gpu.sh's timeout stops keeps what it measured); returns the table's lines."""
+        kept = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
+        lines = table(kept)
+        (out / "gpu_results.md").write_text("\n".join([*header, *lines, "", *notes, ""]))
+        (out / "gpu_results.json").write_text(
+            json.dumps({"machine": where, "rows": kept, "notes": notes}, indent=1)
+        )
+        return lines
+
     if args.gpu is None:  # plan the card it runs on, as the trainer names it
         args.gpu, how = _catalog_gpu(device)
         notes.append(f"planned for {args.gpu} ({how})")
@@ -507,75 +569,68 @@ def main() -> int:
         except Exception as err:  # noqa: BLE001 - report the case and go on with the others
             notes.append(f"{label}: failed: {type(err).__name__}: {err}")
             print(notes[-1], file=sys.stderr, flush=True)
+            save()
             return None
         if row is not None:
             rows.append(row)
             print(table([row])[-1], flush=True)
+        save()
         return row
 
-    main_row = run("mmtrain bf16", mmtrain_case, args, device, "bf16", args.batch)
-    if main_row is not None:
-        seconds = checkpoint_seconds(main_row["_model"], main_row["_optimizer"])
-        notes.append(f"checkpoint save (weights + AdamW state + manifest): {seconds:.2f} s")
-        print(notes[-1], flush=True)
-        main_row.pop("_model"), main_row.pop("_optimizer")
-    if run("open_clip", openclip_case, args, device, args.batch) is None and not any(
-        n.startswith("open_clip") for n in notes
-    ):
-        notes.append("open_clip: not installed (carry its wheels in .whl/ to compare)")
-    for batch in [int(b) for b in args.memory_batches.split(",")]:
-        for ac in ("none", "full"):
-            row = run(f"memory b={batch} ac={ac}", mmtrain_case, args, device, "bf16", batch, ac)
-            if row is not None:
-                row.pop("_model"), row.pop("_optimizer")
-    row = run("mmtrain compiled", mmtrain_case, args, device, "bf16", args.batch, compiled=True)
-    if row is not None:
-        row.pop("_model"), row.pop("_optimizer")
-    positions = 64 if args.dry_run else 2048
-    lm = run("LM", language_model_case, args, device, 2 if args.dry_run else 8, positions)
-    if lm is not None:
-        notes.append(f"LM: {lm['tokens_s']:,.0f} tokens/s")
-    vlm = run("native VLM", native_vlm_case, args, device, 1 if args.dry_run else 4)
-    if vlm is not None:
-        notes.append(f"native VLM: {vlm['samples_s']:,.2f} pages/s ({vlm['model']})")
-    dit = run("DiT", dit_case, args, device, 4 if args.dry_run else 64)
-    if dit is not None:
-        notes.append(f"DiT: {dit['samples_s']:,.1f} images/s (fast-DiT: ~107 on one A100)")
     dry = args.dry_run
-    for label, note in (
-        ("data path", lambda: data_path_note(device)),
-        ("sequence parallelism", lambda: sequence_parallel_note(device)),
-        ("doctor memory", lambda: memory_doctor_note(device)),
-        ("attention", lambda: attention_note(device, dry)),  # issue 41: kernels, dtypes, ring
+    gpu_path = (  # issue 41's checks of the GPU path: what this machine is lent for first
+        ("attention", lambda: attention_note(device, dry)),  # kernels, q/k/v dtypes, ring
         ("FSDP2 step", lambda: step_note(device, dry)),  # accumulation, clip, timing, DCP
         ("frozen LM", lambda: frozen_note(device, dry)),  # stage 1 memory vs the plan
         ("VLM syncs", lambda: vlm_syncs_note(device, dry)),  # sync debug mode, recompiles
         ("LM layers", lambda: lm_layers_note(device, dry)),  # 7B layers: MFU, compile, loss
-        ("VLM loader", lambda: vlm_loader_note(device, dry)),  # pages/s with 14 workers
         ("offload and QLoRA", lambda: offload_note(device, dry)),  # peak GPU memory, ms/step
         ("offload plan", lambda: offload_plan_note(device, dry)),  # GPU + pinned host vs plan
-    ):
-        try:
-            notes.append(note())
-        except Exception as err:  # noqa: BLE001 - report and go on
-            notes.append(f"{label}: failed: {type(err).__name__}: {err}")
-        print(notes[-1], flush=True)
-    import importlib.util
+        ("VLM loader", lambda: vlm_loader_note(device, dry)),  # pages/s with 14 workers
+    )
+    others = (
+        ("data path", lambda: data_path_note(device)),
+        ("sequence parallelism", lambda: sequence_parallel_note(device)),
+        ("doctor memory", lambda: memory_doctor_note(device)),
+    )
+    started = time.monotonic()
 
-    if importlib.util.find_spec("torchao") is None:
-        notes.append("fp8: torchao not installed (carry its wheels in .whl/ to measure)")
-    else:
-        row = run("mmtrain fp8", mmtrain_case, args, device, "fp8", args.batch)
-        if row is not None:
-            row.pop("_model"), row.pop("_optimizer")
+    def within_budget(label: str) -> bool:
+        """False, with a note, once the run spent --budget-s: what is left is named, and
+        `--part` runs it in a call of its own."""
+        spent = time.monotonic() - started
+        if spent < args.budget_s:
+            return True
+        notes.append(f"{label}: skipped, {spent:.0f} s of the {args.budget_s:.0f} s budget spent")
+        save()
+        return False
+
+    def take_notes(items) -> None:
+        for label, note in items:
+            if not within_budget(label):
+                continue
+            try:
+                notes.append(note())
+            except Exception as err:  # noqa: BLE001 - report and go on
+                notes.append(f"{label}: failed: {type(err).__name__}: {err}")
+            print(notes[-1], flush=True)
+            save()
+
+    if args.part in ("all", "cases"):
+        main_row = run("mmtrain bf16", mmtrain_case, args, device, "bf16", args.batch)
+        if main_row is not None:
+            seconds = checkpoint_seconds(main_row["_model"], main_row["_optimizer"])
+            notes.append(f"checkpoint save (weights + AdamW state + manifest): {seconds:.2f} s")
+            print(notes[-1], flush=True)
+            main_row.pop("_model"), main_row.pop("_optimizer")
+    if args.part in ("all", "gpu-path"):
+        take_notes(gpu_path)
+    if args.part in ("all", "cases"):
+        other_cases(args, device, run, notes, within_budget)
+        take_notes(others)
     for r in rows:
         r.pop("_model", None), r.pop("_optimizer", None)
-    lines = table(rows)
-    header = [f"command: `{command()}`", f"machine: {machine()}", ""]
-    (out / "gpu_results.md").write_text("\n".join([*header, *lines, "", *notes, ""]))
-    (out / "gpu_results.json").write_text(
-        json.dumps({"machine": machine(), "rows": rows, "notes": notes}, indent=1)
-    )
+    lines = save()
     print("\n".join(["", *lines, "", *notes]))
     return 0
 

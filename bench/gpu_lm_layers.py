@@ -9,7 +9,10 @@ log-softmax, timed alone on the same hidden states).
 
 from __future__ import annotations
 
+import gc
+
 import torch
+from common import median_seconds
 
 from mmtrain.decoder_spec import DecoderSpec
 from mmtrain.models.token_loss import chunked_nll_sum
@@ -42,7 +45,7 @@ def _rows(vocab: int, rows: int, positions: int, packed: bool) -> dict[str, torc
     return batch
 
 
-def _loss_seconds(spec: ModelSpec, rows: int, positions: int, device, time_steps) -> float:
+def _loss_seconds(spec: ModelSpec, rows: int, positions: int, device) -> float:
     """The chunked next-token loss alone (forward and backward through the head) on hidden
     states of the step's shape, bf16 under autocast."""
     d = spec.decoder
@@ -54,11 +57,11 @@ def _loss_seconds(spec: ModelSpec, rows: int, positions: int, device, time_steps
         with torch.autocast(device.type, dtype=torch.bfloat16):
             chunked_nll_sum(hidden, weight, targets).backward()
 
-    return time_steps(step, 3, 1, device)
+    return median_seconds(step, device, 3, 1)
 
 
 def lm_layers_note(device: torch.device, dry_run: bool) -> str:
-    from gpu_bench import _next_token_step, _time_steps  # the shared bf16 step and its timer
+    from gpu_bench import _next_token_step  # the shared bf16 step
 
     positions, rows = (64, 2) if dry_run else (4096, 1)
     decoder = DecoderSpec(max_positions=positions, **(TINY if dry_run else QWEN_7B))
@@ -67,20 +70,26 @@ def lm_layers_note(device: torch.device, dry_run: bool) -> str:
     peak = detect_peak_flops(device, "bf16")
     flops = spec.train_flops(spec.sequence_flops_by_part([positions] * rows, 0))
     parts = []
-    for packed in (True, False):
+    for packed in (True, False):  # one model per layout: timed eager, then compiled in place
+        step = _next_token_step(spec, _rows(decoder.vocab_size, rows, positions, packed),
+                                device, lr=1e-5)  # fmt: skip
+        layout = "packed" if packed else "padded"
         for compiled in (False, True):
             before = compile_counts().get("compiled_graphs", 0)  # the process's so far
-            step = _next_token_step(spec, _rows(decoder.vocab_size, rows, positions, packed),
-                                    device, lr=1e-5, prepare=apply_compile if compiled else None)  # fmt: skip
-            seconds = _time_steps(step, 2 if dry_run else 5, 2, device)
+            if compiled:
+                apply_compile(step.model)
+            seconds = median_seconds(step, device, 2 if dry_run else 5, 2)
             mfu = f"MFU {100 * flops / seconds / peak:.1f}%" if peak else "MFU n/a"
             graphs = compile_counts().get("compiled_graphs", 0) - before
             graphs = f", {graphs} graphs" if compiled else ""
-            layout = "packed" if packed else "padded"
             parts.append(f"{layout} {'compiled' if compiled else 'eager'} "
                          f"{1e3 * seconds:.0f} ms, {mfu}{graphs}")  # fmt: skip
             if not compiled:
-                loss_s = _loss_seconds(spec, rows, positions, device, _time_steps)
+                loss_s = _loss_seconds(spec, rows, positions, device)
                 parts[-1] += f", loss {100 * loss_s / seconds:.0f}% of the step"
+        del step  # its model and AdamW state before the next layout's are built
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return (f"{spec.name} on {device.type} ({rows} x {positions} positions, bf16, AC per block): "
             + "; ".join(parts))  # fmt: skip

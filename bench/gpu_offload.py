@@ -22,14 +22,12 @@ runs; its figures mean nothing (no GPU memory, no PCIe).
 
 from __future__ import annotations
 
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import sync
+from common import median_seconds, sync
 
 from mmtrain.config import config_from_dict
 from mmtrain.decoder_spec import DecoderSpec
@@ -108,18 +106,12 @@ def _case(name: str, spec: ModelSpec, device: torch.device, dry_run: bool) -> st
     if device.type == "cuda":
         sync(device)
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(2 if dry_run else 4):
-        sync(device)
-        start = time.perf_counter()
-        step()
-        sync(device)
-        times.append(time.perf_counter() - start)
+    seconds = median_seconds(step, device, 2 if dry_run else 4, warmup=0)
     peak = f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else "n/a"  # fmt: skip
     params = list(model.parameters())
     moments = [s["exp_avg"] for s in optimizer.state.values() if "exp_avg" in s]
     nf4 = [p for p in params if is_quantised(p)]
-    parts = [f"peak {peak}", f"{1000 * statistics.median(times):.0f} ms/step",
+    parts = [f"peak {peak}", f"{1000 * seconds:.0f} ms/step",
              f"params {_where(params)}", f"moments {_where(moments)}"]  # fmt: skip
     if nf4:
         held = sum(_nf4_bytes(p) for p in nf4)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import median_seconds, sync
+from common import count_syncs, median_seconds, sync
 
 from mmtrain.checkpoint import read_sharded, save_sharded_checkpoint
 from mmtrain.config import config_from_dict
@@ -158,22 +158,15 @@ def _syncs(run: _Run) -> str:
     """Device->host synchronisations of one step, without and with the event timer."""
     if run.device.type != "cuda":
         return "syncs n/a on cpu"
-    import warnings
 
-    counts = []
-    for timers in ([], [StepTimer(run.device)]):
-        sync(run.device)
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                run.step(timers)
-                for timer in timers:
-                    timer.finish()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        counts.append(sum("synchroniz" in str(w.message) for w in caught))
-    return f"syncs per step {counts[0]} plain, {counts[1]} with event timing"
+    def step(timers: list[StepTimer]) -> None:
+        run.step(timers)
+        for timer in timers:
+            timer.finish()
+
+    plain = count_syncs(lambda: step([]), run.device)
+    timed = count_syncs(lambda: step([StepTimer(run.device)]), run.device)
+    return f"syncs per step {plain} plain, {timed} with event timing"
 
 
 def _checkpoint_round_trip(run: _Run, folder: Path) -> str:

@@ -22,11 +22,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
-import statistics
-import time
 
 import torch
-from common import count_syncs, sync
+from common import count_syncs, median_seconds
 
 from mmtrain.models import create_model
 from mmtrain.models.native_vision import NativeVisionTower
@@ -143,17 +141,8 @@ def tower_recompiles(device: torch.device, dry_run: bool) -> tuple[list[int], fl
     for pages in layouts:
         run(compiled, pages)
         frames.append(counters["frames"]["ok"])
-    seconds = []
-    for tower in (compiled, eager):
-        run(tower, layouts[-1])
-        times = []
-        for _ in range(3):
-            sync(device)
-            start = time.perf_counter()
-            run(tower, layouts[-1])
-            sync(device)
-            times.append(time.perf_counter() - start)
-        seconds.append(statistics.median(times))
+    seconds = [median_seconds(lambda t=tower: run(t, layouts[-1]), device, 3)
+               for tower in (compiled, eager)]  # fmt: skip
     return frames, seconds[0], seconds[1]
 
 

@@ -40,8 +40,11 @@ def _train_cli(config, tmp_path) -> int:
 
 @pytest.fixture
 def no_allocator_setting(monkeypatch):
+    """Neither variable, and the environment restored afterwards: the CLI sets the variable
+    in os.environ itself, and delenv of an absent name records nothing to undo."""
     for name in VARIABLES:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 def test_the_cli_sets_it_for_a_vlm_and_keeps_the_users(

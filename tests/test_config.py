@@ -183,6 +183,7 @@ def test_paths_in_a_config_are_relative_to_it_and_overrides_to_the_current_direc
     path.write_text(
         "model: spec.yaml\n"
         "init: {image: ../baselines/clip, text: ~/text.safetensors}\n"
+        f"init_sha256: {{../baselines/clip/model.safetensors: {'ab' * 32}}}\n"
         "data:\n"
         "  train: [{path: ../shards/a, weight: 2}, '../shards/b-{000..003}.tar', s3://bucket/c]\n"
         "  val: ../shards/val\n"
@@ -205,6 +206,8 @@ def test_paths_in_a_config_are_relative_to_it_and_overrides_to_the_current_direc
         str(project / "shards/a"), str(project / "shards/b-{000..003}.tar"), "s3://bucket/c"
     ]  # fmt: skip
     assert config.data.train[0].weight == 2
+    # a pinned file is the one `init` reads, by the same absolute path
+    assert config.init_sha256 == {str(project / "baselines/clip/model.safetensors"): "ab" * 32}
     assert config.data.val[0].path == str(project / "shards/val")
     assert config.data.tokenizer == str(project / "tok/tokenizer.json")
     assert config.data.chat_template == "chatml"
@@ -218,6 +221,9 @@ def test_paths_in_a_config_are_relative_to_it_and_overrides_to_the_current_direc
     assert again.data.train[0].path == str(elsewhere / "shards")
     assert again.out == str(elsewhere / "runs/two")
     assert (again.data.tokenizer, again.model) == ("byte", "tiny-clip")
+    # names in any case, and a mistyped preset (its error then suggests the closest one)
+    names = load_config(path, ["data.tokenizer=Byte", "model=tiny-clipp"])
+    assert (names.data.tokenizer, names.model) == ("Byte", "tiny-clipp")
     assert again.data.chat_template == str(elsewhere / "my/template.jinja")
     # the saved config reads the same from anywhere: loading it again changes nothing
     assert config_from_dict(config.to_dict()) == config

@@ -17,6 +17,7 @@ from mmtrain.data.stream.chat_templates import (
     RefusedSample,
     encode_conversation,
     get_template,
+    holds_chat_template,
     load_jinja_template,
     render_text,
 )
@@ -628,6 +629,36 @@ def test_jinja_chat_template_matches_the_named_template(tmp_path, hf, raw, name,
     # A chat_template.jinja beside the config wins, as in newer model folders.
     (tmp_path / name / "chat_template.jinja").write_text(CHATML_JINJA)
     assert render_text(CONV, load_jinja_template(tmp_path / name)) == EXPECTED["chatml"]
+
+
+def test_a_folder_holds_a_chat_template_where_load_jinja_template_finds_one(tmp_path):
+    """The folder test the config's starting-folder default and data.chat_template's default
+    use agrees with the reader: a chat_template.jinja, or a tokenizer_config.json whose
+    `chat_template` is a string or a list with a `default`."""
+    source = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    configs = {
+        "string": ({"chat_template": source}, True),
+        "default": ({"chat_template": [{"name": "default", "template": source}]}, True),
+        "no-default": ({"chat_template": [{"name": "tool_use", "template": source}]}, False),
+        "none": ({"eos_token": "</s>"}, False),
+        "empty": ({"chat_template": ""}, False),
+    }
+    for name, (config, holds) in configs.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        assert holds_chat_template(folder) is holds, name
+        if holds:
+            load_jinja_template(folder)
+        else:
+            with pytest.raises(FieldError, match="no 'chat_template' string"):
+                load_jinja_template(folder)
+    (tmp_path / "jinja").mkdir()
+    (tmp_path / "jinja" / "chat_template.jinja").write_text(source)
+    assert holds_chat_template(tmp_path / "jinja")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "tokenizer_config.json").write_text("{not json")
+    assert not holds_chat_template(tmp_path / "broken") and not holds_chat_template(tmp_path)
 
 
 def test_jinja_templates_that_cannot_give_exact_masks_are_refused(tmp_path):

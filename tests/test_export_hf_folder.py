@@ -8,8 +8,11 @@ A real `mmtrain train` of two steps starts from each (`init:` the folder, its to
 template as `data.tokenizer` / `data.chat_template`), then `convert --to hf RUN` exports it, and
 transformers opens the export: `AutoProcessor` (or the tokenizer and image processor) applies
 the chat template to a conversation with an image and processes the image exactly as the
-original folder's processor does, the model class loads with no missing or unexpected key, and
-`generate` answers.
+original folder's processor does, the model class loads with no missing or unexpected key, its
+logits on the processor's ids are the run's own (mmtrain's model read from the run folder, at
+each of mmtrain's ids: one placeholder per image) to the fp32 interop tolerance of
+test_hf_llava.py (the run's two steps move them far past it: an export of other weights
+fails), and `generate` answers.
 
 transformers' Qwen2-VL video processor imports torchvision, which the test environment lacks:
 there the Qwen2-VL folder holds the tokenizer and image processor, and `AutoProcessor` is
@@ -34,12 +37,13 @@ from mmtrain.cli import main
 from mmtrain.config import load_config
 from mmtrain.data.storage.manifest import write_manifest
 from mmtrain.data.storage.shard_writer import ShardWriter
+from mmtrain.models import load_model
 from mmtrain.models.formats.hf import read_hf_model
 from mmtrain.models.formats.hf_processor_files import PROCESSOR_FILES
 from mmtrain.train.export import copy_processor_files
 
 transformers = pytest.importorskip("transformers")
-from test_hf_llava import hf_lm, llava  # noqa: E402
+from test_hf_llava import FP32_ATOL, hf_lm, llava  # noqa: E402
 
 # Qwen's ChatML and vision tokens, and LLaVA's image placeholder.
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -228,6 +232,30 @@ def answer(model, inputs: dict, new_tokens: int = 3) -> torch.Tensor:
     return out[0, prompt:]
 
 
+def collapsed(ids: torch.Tensor, token: int) -> tuple[torch.Tensor, list[int]]:
+    """mmtrain's ids [1, T'] of transformers' one row `ids` [1, T] (each run of `token`, an
+    image's tokens, becomes one placeholder) and the transformers row of each (a run's last)."""
+    ours, rows = [], []
+    for i, t in enumerate(ids[0].tolist()):
+        if t == token and ours and ours[-1] == token:
+            rows[-1] = i
+        else:
+            ours.append(t)
+            rows.append(i)
+    return torch.tensor([ours]), rows
+
+
+def assert_the_runs_logits(run: Path, model, hf_inputs: dict, token: int, images: dict) -> None:
+    """transformers' `model` (the export) on `hf_inputs` computes what mmtrain's model of the
+    run folder computes on the same ids with one placeholder (`token`) per image (`images`:
+    mmtrain's image entries)."""
+    ids, rows = collapsed(hf_inputs["input_ids"], token)
+    with torch.no_grad():
+        want = load_model(run).eval().logits({"text": ids, **images})
+        got = model(**hf_inputs).logits[:, rows]
+    torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=0)
+
+
 def assert_same_inputs(got: dict, want: dict) -> None:
     assert got.keys() == want.keys()
     for key in want:
@@ -251,6 +279,8 @@ def test_a_llava_run_exports_a_folder_that_auto_processor_and_the_model_open(run
     assert_same_inputs(inputs, original(text=[prompt], images=[image], return_tensors="pt"))
     model = loads_strictly(transformers.AutoModelForImageTextToText, folder)
     assert type(model).__name__ == "LlavaForConditionalGeneration"
+    image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
+    assert_the_runs_logits(run, model, dict(inputs), image_id, {"image": inputs["pixel_values"]})
     assert isinstance(processor.decode(answer(model, dict(inputs))), str)
 
 
@@ -274,6 +304,19 @@ def test_a_qwen2_vl_run_exports_its_tokenizer_template_and_image_processor(runs,
     text = tok(prompt.replace("<|image_pad|>", "<|image_pad|>" * tokens), return_tensors="pt")
     model = loads_strictly(transformers.AutoModelForImageTextToText, folder)
     assert type(model).__name__ == "Qwen2VLForConditionalGeneration"
+    # one page both ways: mmtrain's tower patchifies it as the image processor lays patches out
+    page = torch.randn(3, 16, 16, generator=torch.Generator().manual_seed(0))
+    patches, grid = load_model(run).towers["vision"].patchify([page])
+    assert torch.equal(grid, pixels["image_grid_thw"])
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    types = (text["input_ids"] == pad).long()  # 1: an image's token (the processor's output)
+    hf_inputs = {
+        **text,
+        "pixel_values": patches,
+        "image_grid_thw": grid,
+        "mm_token_type_ids": types,
+    }
+    assert_the_runs_logits(run, model, hf_inputs, pad, {"image": [page]})
     assert isinstance(tok.decode(answer(model, {**text, **pixels})), str)
 
 
@@ -306,6 +349,7 @@ def test_a_language_model_run_exports_a_folder_auto_tokenizer_and_the_model_open
     )["input_ids"])  # fmt: skip
     model = loads_strictly(transformers.AutoModelForCausalLM, folder)
     assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert_the_runs_logits(run, model, dict(ids), -1, {})
     assert model.generation_config.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
     assert isinstance(tok.decode(answer(model, dict(ids))), str)
 

@@ -257,7 +257,7 @@ def test_convert_from_and_to_hf_carries_the_processor_files(tmp_path, capsys):
     assert (
         main(["convert", "--from", "hf", str(tmp_path / "hf"), "--out", str(tmp_path / "mm")]) == 0
     )
-    assert "copied preprocessor_config.json, chat_template.jinja" in capsys.readouterr().out
+    assert "copied chat_template.jinja, preprocessor_config.json" in capsys.readouterr().out
     model = load_model(tmp_path / "mm")
     assert (model.spec.vision.min_pixels, model.spec.vision.max_pixels) == (64, 4096)
     assert model.spec.vision_tokens.tokens_per_second == 2.0

@@ -266,13 +266,23 @@ def test_all_corrupt_data_fails_clearly(tmp_path):
     with pytest.raises(NoValidSamples, match="20 samples in a row on rank 0 could not be"):
         next(iter(loader))
     # under the bound, a whole epoch refused: no batch can ever be filled, so iterating stops
-    # after 2 x 30 refusals in a row (a run that long holds one whole epoch) instead of
-    # cycling through the epochs for ever
+    # after the 30 entries of the epoch (the rank would read them again for ever) instead of
+    # cycling through them
     loader = StreamingLoader(shards, decode, 2, max_consecutive_corrupt=1000)
     with pytest.raises(NoValidSamples, match="every sample of a whole epoch") as caught:
         next(iter(loader))
-    assert caught.value.in_a_row == {"corrupt": 60}
-    assert loader.corrupt_counts == {"bad member": 60}
+    assert caught.value.in_a_row == {"corrupt": 30}
+    assert loader.corrupt_counts == {"bad member": 30}
+
+
+def test_a_rank_reads_every_sample_it_can_reach_before_it_gives_up(tmp_path):
+    """Rank r of 3 reads entries r, r + 3, ... of an epoch of 10, wrapping around: its own 4
+    entries, then the others' (all 10 positions before it repeats). With only samples 4 and 7
+    valid, every rank finds one instead of stopping after twice its share of 4."""
+    shards = make_dataset(tmp_path, 10, corrupt=set(range(10)) - {4, 7})
+    for rank in range(3):
+        loader = StreamingLoader(shards, decode, 1, rank=rank, world_size=3, shuffle=False)
+        assert next(iter(loader))["idx"].item() in (4, 7)
 
 
 def test_truncated_shard_is_read_up_to_the_damage(tmp_path):

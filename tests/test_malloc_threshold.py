@@ -1,4 +1,4 @@
-"""A rank fixes glibc's mmap threshold at its start (distributed.fix_malloc_mmap_threshold),
+"""An FSDP2 rank fixes glibc's mmap threshold at its start (distributed.fix_malloc_mmap_threshold),
 so that large freed host buffers (FSDP's all-gathers on CPU) return to the system whatever
 launched it; a threshold the user set in the environment is left alone. The effect on a
 sharded 2.2 GiB Llama is bench/big_model_memory.py's (bench/RESULTS.md)."""
@@ -36,7 +36,9 @@ def libc(monkeypatch) -> RecordingLibc:
 
 
 def test_the_rank_start_fixes_the_mmap_threshold(libc):
-    parallel.init_distributed("cpu")
+    parallel.init_distributed("cpu")  # not sharded: glibc's own threshold stays
+    assert libc.calls == []
+    parallel.init_distributed("cpu", sharded=True)
     assert libc.calls == [(distributed.M_MMAP_THRESHOLD, distributed.MMAP_THRESHOLD_BYTES)]
     assert distributed.M_MMAP_THRESHOLD == -3 and distributed.MMAP_THRESHOLD_BYTES == 1_000_000
 
@@ -48,13 +50,13 @@ def test_the_rank_start_fixes_the_mmap_threshold(libc):
 )  # fmt: skip
 def test_a_threshold_the_user_set_is_left_alone(libc, monkeypatch, name, value):
     monkeypatch.setenv(name, value)
-    parallel.init_distributed("cpu")
+    parallel.init_distributed("cpu", sharded=True)
     assert libc.calls == []
 
 
 def test_other_glibc_tunables_do_not_stop_it(libc, monkeypatch):
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
-    parallel.init_distributed("cpu")
+    parallel.init_distributed("cpu", sharded=True)
     assert len(libc.calls) == 1
 
 

@@ -241,8 +241,8 @@ def test_the_step_counts_each_input_at_its_own_size(pack):
     assert flops[VISION_TOWER] == tower
     length = batch["splice_sizes"][0]  # the expanded rows' length: every row is computed to it
     rows = batch["text"].shape[0]
-    spans = sum(out["spans"][:, 1].sum().item() - len(out["spans"]) for out in outs)
-    positions = batch["text"].numel() + spans  # ids, each input's tokens instead of its id
+    extra = sum(out["spans"][:, 1].sum().item() - len(out["spans"]) for out in outs)
+    positions = batch["text"].numel() + extra  # ids, each input's tokens instead of its id
     spans = _span_lengths(batch)
     assert flops["text"] == sum(SPEC.decoder.forward_flops(n) for n in spans)
     assert sum(spans) == positions and max(_row_lengths(batch)) == length

@@ -91,3 +91,25 @@ def test_qlora_flags(capsys):
     assert main([*small, "--qlora", "vision"]) == 0
     notes = json.loads(capsys.readouterr().out)["model"]["notes"]
     assert any("6840x1280, 1280x3420 kept in the compute dtype" in n for n in notes)
+
+
+def test_the_docs_show_what_the_qlora_plan_prints(capsys):
+    """docs/PLANNER.md, "Big models on fewer GPUs": its QLoRA command and figures."""
+    from pathlib import Path
+
+    from mmtrain.hardware import GIB
+
+    docs = " ".join((Path(__file__).parents[1] / "docs" / "PLANNER.md").read_text().split())
+    argv = ["plan", "--model", "Qwen2.5-VL-72B", "--gpus", "8", "--context", "8192", "--ac",
+            "full", "--zero", "3", "--freeze", "vision", "--qlora", "text"]  # fmt: skip
+    assert f"mmtrain {' '.join(argv)}" in docs
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    m, step = out["memory"], out["time"]["step_time_s"]
+    nf4 = 80 * sum(nf4_bytes(n, 2) for n in LINEARS)
+    shown = (
+        f"a GPU holds {m['total_bytes'] / GIB:.1f} GiB ({m['weights_bytes'] / GIB:.1f} GiB of "
+        f"weights: the {80 * sum(LINEARS) / 1e9:.1f}B block weights in NF4 are {nf4 / 1e9:.1f} GB "
+        f"over the 8), no host memory, and steps in {step:.1f} s"
+    )
+    assert out["host"] is None and shown in docs, shown

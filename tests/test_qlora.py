@@ -121,6 +121,19 @@ def test_the_base_is_held_in_nf4_and_step_0_is_the_dequantised_model(llama, tmp_
     assert torch.equal(got, want)  # B = 0 adds exact zeros; the same matmuls otherwise
 
 
+def test_a_qlora_linear_compiles_without_a_graph_break(llama, tmp_path):
+    """`train.compile` wraps each block in torch.compile: its NF4 linears (adapted or not)
+    trace into the block's graph (fullgraph refuses any break) and compute what they do
+    eagerly."""
+    block = _built(_config(llama, tmp_path / "run")).model.towers["text"].blocks[0]
+    generator = torch.Generator().manual_seed(5)
+    for path in BLOCK_LINEARS:
+        linear = block.get_submodule(path)
+        x = torch.randn(2, 3, linear.in_features, dtype=torch.float64, generator=generator)
+        compiled = torch.compile(linear, fullgraph=True, backend="eager")
+        assert torch.equal(compiled(x), linear(x)), path
+
+
 def test_a_qlora_run_learns_leaves_the_base_out_of_checkpoints_and_resumes_exactly(llama, tmp_path):
     from mmtrain.train.loop import train
 

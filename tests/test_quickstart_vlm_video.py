@@ -163,6 +163,40 @@ def test_the_evaluator_hands_over_each_clip_reversed_in_time():
     assert forwards["video_fps"] == backwards["video_fps"]
 
 
+# ----------------------------------------------------------------------------- the figures
+def test_the_video_block_scores_each_motion_in_order_and_reversed():
+    """`video_block` on answers made up for the 8 held-out clips: the overall figures are the
+    validation's, the per-motion ones and "reversed_as_opposite" come from the answers."""
+    from mmtrain.quickstart.vlm_video import video_block
+
+    clips = make_clips(HELD_OUT, "val", len(HELD_OUT), 0)  # one clip per held-out pair
+    wrong, stuck = clips[0], clips[1]  # answered wrong in order / reversed as its own motion
+    answers = [
+        {
+            "id": c.key,
+            "reference": c.motion,
+            "generated": REVERSED[c.motion] if c is wrong else c.motion,
+            "exact_match": float(c is not wrong),
+            "generated_frames_reversed": c.motion if c is stuck else REVERSED[c.motion],
+        }
+        for c in clips
+    ]
+    generation = {"exact_match": 7 / 8, "exact_match_frames_reversed": 1 / 8, "n": 8,
+                  "n_frames_reversed": 8, "exact_match_shuffled_images": 0.25}  # fmt: skip
+    block = video_block({"generation": generation}, answers, clips, 32)
+    assert block["accuracy"] == 7 / 8 and block["accuracy_frames_reversed"] == 1 / 8
+    assert block["accuracy_shuffled_clips"] == 0.25 and block["chance"] == 1 / len(MOTIONS)
+    assert block["reversed_as_opposite"] == 7 / 8
+    assert block["wrong"] == [{"id": wrong.key, "motion": wrong.motion,
+                               "generated": REVERSED[wrong.motion]}]  # fmt: skip
+    for clip in clips:
+        row = block["by_motion"][clip.motion]
+        assert row["n"] == 1
+        assert row["accuracy"] == float(clip is not wrong)
+        assert row["accuracy_frames_reversed"] == float(clip is stuck)
+        assert row["reversed_as_opposite"] == float(clip is not stuck)
+
+
 # ----------------------------------------------------------------------------- the flags
 @pytest.mark.parametrize(
     ("extra", "message"),

@@ -114,3 +114,47 @@ def test_a_changed_learning_rate_and_weight_decay_apply_from_the_resumed_step(tm
                        weights_only=True)  # fmt: skip
     decays = {g["weight_decay"] for g in state["optimizer"]["param_groups"]}
     assert decays == {0.0, 0.05}  # no decay on norms, biases, embeddings; 0.05 on the rest
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [["train.lr", "train.steps"], ["train.steps"]],
+    ids=["lr-and-steps", "steps-only"],
+)
+def test_the_resumed_step_trains_at_the_new_schedules_rate(changed):
+    """A run that ended its cosine (lr 0 at its last step) resumed with more steps (and a new
+    lr): its next step trains at the rate a run started with the new settings has there, not
+    at the old schedule's 0 (apply_changed_settings, as the loop calls it after a resume)."""
+    import torch
+
+    from mmtrain.config import TrainConfig
+    from mmtrain.train.optim import apply_changed_settings, group_settings, make_scheduler
+
+    def set_up(steps: int, lr: float):
+        weight = torch.nn.Parameter(torch.zeros(2))
+        config = TrainConfig(steps=steps, batch_size=8, lr=lr, warmup_steps=1)
+        optimizer = torch.optim.AdamW([{"params": [weight], "name": "text/decay"}], lr=lr)
+        return optimizer, make_scheduler(optimizer, config)
+
+    def run(optimizer, scheduler, steps: int) -> None:
+        for _ in range(steps):
+            optimizer.step()
+            scheduler.step()
+
+    old_optimizer, old_scheduler = set_up(4, 2e-3)
+    run(old_optimizer, old_scheduler, 4)
+    assert old_optimizer.param_groups[0]["lr"] == 0.0  # the end of the old cosine
+    new_lr = 5e-4 if "train.lr" in changed else 2e-3
+    optimizer, scheduler = set_up(6, new_lr)
+    configured = group_settings(optimizer)
+    optimizer.load_state_dict(old_optimizer.state_dict())
+    scheduler.load_state_dict(old_scheduler.state_dict())
+    apply_changed_settings(optimizer, scheduler, configured, changed)
+
+    fresh_optimizer, fresh_scheduler = set_up(6, new_lr)  # started with the new settings
+    run(fresh_optimizer, fresh_scheduler, 4)
+    rate = fresh_optimizer.param_groups[0]["lr"]
+    assert rate > 0 and optimizer.param_groups[0]["lr"] == rate  # step 5's rate, bit for bit
+    run(optimizer, scheduler, 1)
+    run(fresh_optimizer, fresh_scheduler, 1)
+    assert optimizer.param_groups[0]["lr"] == fresh_optimizer.param_groups[0]["lr"]

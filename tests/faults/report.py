@@ -409,9 +409,10 @@ def render(cases: dict[str, Case], seconds: float, kills: str) -> str:
         "part-way with EFBIG exactly where ENOSPC would.",
         "- SIGTERM at an exact place (data loading, forward, checkpoint write) is sent by the "
         "child to itself from a wrapper around that function; the handler runs mid-call.",
-        "- Non-finite numbers are real: `guards.inject_nan_steps` overwrites a batch's inputs, "
-        "and wrappers around the loss and the optimizer step put inf/NaN into the loss and a "
-        "gradient.",
+        "- Non-finite numbers are real: `guards.inject_nan_steps` overwrites a batch's inputs "
+        "(`guards.inject_overflow_steps` multiplies them by 1e5: finite in fp32 and bf16, past "
+        "fp16's 65504), and wrappers around the loss and the optimizer step put inf/NaN into the "
+        "loss and a gradient.",
         "- The bitwise comparisons are against an uninterrupted run of the same config on the "
         "same thread count (1).",
         "",

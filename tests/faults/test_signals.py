@@ -98,3 +98,36 @@ def test_sigterm_to_the_command_from_outside_exits_0(tmp_path, fault_shards, rec
     assert newest is not None and not verify_checkpoint(newest)
     assert f"stopped by a signal at step {int(newest.name.split('_')[1])}" in child.output()
     record_property("figure", f"`python -m mmtrain train` stopped at {newest.name}: exit 0")
+
+
+def test_sigterm_while_a_replay_after_a_rollback_saves_finishes_the_save(
+    tmp_path, fault_shards, monkeypatch
+):
+    """Steps 3 and 4 are non-finite (K = 2): the run rolls back to step 2's checkpoint and
+    trains step 3 again, saving it over the bad streak's step 3. A SIGTERM during that save is
+    a step completed since the checkpoint rolled back to: the save completes, the run finishes
+    its next step, saves it and stops; no half-written checkpoint is left."""
+    import mmtrain.checkpoint
+    from mmtrain.checkpoint import load_checkpoint
+    from mmtrain.config import load_config
+    from mmtrain.train.loop import train
+
+    config = load_config(tiny_run(tmp_path, steps=STEPS, shards=fault_shards))
+    config.guards.max_nonfinite_in_a_row = 2
+    config.guards.inject_nan_steps = [3, 4]
+    commit, calls = mmtrain.checkpoint._commit, [0]
+
+    def commit_with_a_signal(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 4:  # steps 1, 2 and the bad 3 saved; then the replayed step 3
+            os.kill(os.getpid(), signal.SIGTERM)
+        return commit(*args, **kwargs)
+
+    monkeypatch.setattr(mmtrain.checkpoint, "_commit", commit_with_a_signal)
+    result = train(config)
+    assert result.stopped_by_signal and result.rollbacks == 1 and result.step == 4
+    checkpoints = tmp_path / "run" / "checkpoints"
+    newest = latest_checkpoint(checkpoints)
+    assert newest.name == "step_00000004" and not verify_checkpoint(newest)
+    assert not list(checkpoints.glob("*.tmp")) and not list(checkpoints.glob(".*.replaced"))
+    assert load_checkpoint(newest).state["counters"]["rollbacks"] == 1

@@ -10,7 +10,6 @@ import traceback
 from typing import Any
 
 from mmtrain.config import load_config
-from mmtrain.spec import load_spec
 from mmtrain.structured import FieldError
 
 ORDER = 30
@@ -40,11 +39,6 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     from mmtrain import distributed  # torch is imported only when training
     from mmtrain.train.loop import train
-
-    # Before anything touches CUDA: rows and pages of varying sizes (spec: a decoder, or a
-    # native-resolution vision tower) fragment fixed-size allocator segments.
-    spec = load_spec(config.model)
-    distributed.default_allocator_settings(spec.decoder is not None or spec.vision is not None)
 
     progress = _Progress(config.train.steps, config.metrics.log_every)
     hints = _Hints(config.out, tty=progress.tty)

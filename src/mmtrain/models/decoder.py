@@ -85,7 +85,8 @@ def rotary_cos_sin(
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate each pair (x_i, x_{i + d/2}) of x [B, heads, T, d] by its position's angle, in
+    """Rotate each pair (x_i, x_{i + d/2}) of x [B, heads, T, d] (cos, sin [B, T, d]; the
+    native vision tower's x [N, heads, d], cos, sin [N, d]) by its position's angle, in
     at least the tables' float32, and round once back to x's dtype: a bf16 q (autocast's
     projection) stays bf16 like v, so attention gets one dtype, without the error of bf16 angle
     tables; multiplied by the fp32 tables as it is, it would come out fp32 beside a bf16 v."""

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mmtrain.models.decoder import ROTARY_DTYPE, RMSNorm
+from mmtrain.models.decoder import ROTARY_DTYPE, RMSNorm, apply_rotary
 from mmtrain.models.host_copy import to_device
 from mmtrain.models.layers import Mlp
 from mmtrain.native_vision_spec import NativeVisionSpec
@@ -211,16 +211,6 @@ def rotary_cos_sin(spec: NativeVisionSpec, positions: Tensor) -> tuple[Tensor, T
     angles = angles.flatten(1)  # the row's angles, then the column's
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate each pair (x_i, x_{i + d/2}) of x [N, heads, d], in at least float32 (the
-    checkpoints' reference upcasts bf16 q and k to rotate them)."""
-    dtype = torch.promote_types(x.dtype, ROTARY_DTYPE)
-    h, cos, sin = x.to(dtype), cos.to(dtype)[:, None], sin.to(dtype)[:, None]
-    first, second = h.chunk(2, dim=-1)
-    rotated = torch.cat([-second, first], dim=-1)
-    return (h * cos + rotated * sin).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------- attention

@@ -40,7 +40,9 @@ def chunk_nll_sum(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
     64, 2.1% with 256). Cast per chunk, each chunk's gradient reaches the fp32 weight on its
     own and they add up in fp32; the price is one cast of the head weight per chunk."""
     device = hidden.device.type
-    if torch.is_autocast_enabled(device) and weight.is_floating_point():
+    # (the meta device, where models/hub/trace.py runs the loss, has no autocast to ask about)
+    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    if autocast and weight.is_floating_point():
         dtype = torch.get_autocast_dtype(device)
         weight, hidden = weight.to(dtype), hidden.to(dtype)
     logits = F.linear(hidden, weight)

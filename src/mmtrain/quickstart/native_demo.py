@@ -10,6 +10,7 @@ block it builds from the answers. Nothing here imports a demo.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from dataclasses import dataclass
@@ -59,6 +60,10 @@ class NativeDemoConfig:
                 raise FieldError(name, f"must be at least 1, got {getattr(self, name)}")
         if not self.minutes > 0:
             raise FieldError("--minutes", f"must be positive, got {self.minutes}")
+
+    def vision(self) -> VisionDataConfig:
+        """`data.vision`: the budget the demo's pages or clips are read within (each demo's)."""
+        raise NotImplementedError
 
     def budget(self) -> QuickstartConfig:
         """The step budget in the form `budget.plan_steps` reads."""
@@ -115,13 +120,12 @@ def native_train_config(
     paths: ChatPaths,
     tokens: TokenizerFolder,
     steps: int,
-    vision: dict[str, Any],
     adamw: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The `mmtrain train` config (as a dict): packed rows within the `vision` budget
-    (`data.vision`), and validation with generation on the held-out samples at the end
-    (eval.json). `adamw`: betas / eps a demo's figures were measured with (none: the
-    workload's defaults)."""
+    """The `mmtrain train` config (as a dict): packed rows within the demo's budget
+    (`config.vision()`: `data.vision`), and validation with generation on the held-out samples
+    at the end (eval.json). `adamw`: betas / eps a demo's figures were measured with (none:
+    the workload's defaults)."""
     return {
         "model": str(paths.spec),
         "data": {
@@ -131,7 +135,7 @@ def native_train_config(
             "chat_template": str(tokens.folder),
             "sequence_length": config.sequence_length,
             "pack": True,
-            "vision": vision,
+            "vision": dataclasses.asdict(config.vision()),
             "workers": 0,  # a small page or a 4-frame clip decodes in far less than a step
             "shuffle_window": 4096,
         },
@@ -197,7 +201,6 @@ def held_out_answers(
     config: NativeDemoConfig,
     paths: ChatPaths,
     tokens: TokenizerFolder,
-    vision: VisionDataConfig,
     examples: int,
     max_new_tokens: int,
 ) -> list[dict[str, Any]]:
@@ -221,7 +224,7 @@ def held_out_answers(
         seed=config.seed,
         rank=0,
         world_size=1,
-        budget=vision_budget(model.spec, vision),
+        budget=vision_budget(model.spec, config.vision()),
     )
     try:
         return evaluator.report(model)["examples"]

@@ -124,33 +124,27 @@ def _forward_path(kind: int, rng: np.random.Generator, frames: int):
 
 
 def make_clips(
-    combinations: tuple[tuple[str, str], ...],
-    split: str,
-    n: int,
-    seed: int,
-    frames: int = FRAMES,
-    prompts: tuple[str, ...] = PROMPTS,
+    combinations: tuple[tuple[str, str], ...], split: str, n: int, seed: int
 ) -> list[Clip]:
-    """`n` clips of `split` ("train" or "val"): clip i shows combinations[i % len] (shape,
-    motion), its colour, grey, place, size and angles drawn from a generator seeded by (seed,
-    split, i). Training clips are asked one of `prompts` drawn by the same generator (never
-    by i: with 24 pairs and 3 prompts in turn each pair would always get the same question,
-    and the model would read the answer off the question), held-out ones EVAL_PROMPT."""
-    if frames < 2:
-        raise ValueError(f"a clip needs at least 2 frames to show a motion, got {frames}")
+    """`n` clips of `split` ("train" or "val"), FRAMES frames each: clip i shows
+    combinations[i % len] (shape, motion), its colour, grey, place, size and angles drawn from
+    a generator seeded by (seed, split, i). Training clips are asked one of PROMPTS drawn by
+    the same generator (never by i: with 24 pairs and 3 prompts in turn each pair would always
+    get the same question, and the model would read the answer off the question), held-out
+    ones EVAL_PROMPT."""
     tag = {"train": 1, "val": 2}[split]
     clips = []
     for i in range(n):
         rng = np.random.default_rng([seed, tag, i])
         shape, motion = combinations[i % len(combinations)]
         kind = next(k for k, pair in enumerate(PAIRS) if motion in pair)
-        centres, radii, angles = _forward_path(kind, rng, frames)
+        centres, radii, angles = _forward_path(kind, rng, FRAMES)
         if motion == PAIRS[kind][1]:  # the partner: the same kind of path, played backwards
             centres, radii, angles = centres[::-1], radii[::-1], angles[::-1]
         names = sorted(COLOURS)
         colour = names[int(rng.integers(len(names)))]
         background = int(rng.integers(0, 70))
-        prompt = prompts[int(rng.integers(len(prompts)))] if split == "train" else EVAL_PROMPT
+        prompt = PROMPTS[int(rng.integers(len(PROMPTS)))] if split == "train" else EVAL_PROMPT
         clips.append(
             Clip(
                 key=f"{split}-{i:06d}",
@@ -257,35 +251,12 @@ Held-out (shape, motion) pairs, on no training clip:
 """
 
 
-def write_attribution(out: Path, seed: int, frames: int = FRAMES) -> Path:
+def write_attribution(out: Path, seed: int) -> Path:
     path = out / "ATTRIBUTION.txt"
     held = "\n  ".join(f"{shape} {motion}" for shape, motion in HELD_OUT)
-    text = ATTRIBUTION.format(seed=seed, frames=frames, side=SIDE, fps=FPS, held_out=held)
+    text = ATTRIBUTION.format(seed=seed, frames=FRAMES, side=SIDE, fps=FPS, held_out=held)
     atomic_write_text(path, text)
     return path
-
-
-def filmstrip(
-    clips: list[Clip], scale: int = 3, gap: int = 8, captions: list[str] | None = None
-) -> Any:
-    """Each clip's frames left to right, one clip a row, scaled up `scale` times, with a
-    caption beside each row: the README's picture."""
-    from PIL import Image, ImageDraw
-
-    cell = SIDE * scale
-    frames = len(clips[0].radii)
-    text_w = 220 if captions else 0
-    width = gap + frames * (cell + gap) + text_w
-    sheet = Image.new("RGB", (width, gap + len(clips) * (cell + gap)), (255, 255, 255))
-    draw = ImageDraw.Draw(sheet)
-    for r, clip in enumerate(clips):
-        y = gap + r * (cell + gap)
-        for f, frame in enumerate(render(clip)):
-            image = Image.fromarray(frame).resize((cell, cell), Image.Resampling.NEAREST)
-            sheet.paste(image, (gap + f * (cell + gap), y))
-        if captions:
-            draw.text((gap + frames * (cell + gap), y + cell // 2 - 6), captions[r], fill=(0,) * 3)
-    return sheet
 
 
 __all__ = [
@@ -303,7 +274,6 @@ __all__ = [
     "TRAINED",
     "Clip",
     "conversation",
-    "filmstrip",
     "make_clips",
     "mp4_bytes",
     "outline",

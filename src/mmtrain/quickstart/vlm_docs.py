@@ -165,16 +165,9 @@ def train_config(
     config: VlmDocsConfig, paths: DocsPaths, tokens: TokenizerFolder, steps: int
 ) -> dict[str, Any]:
     """The `mmtrain train` config (as a dict): packed rows, the pages' budget, and validation
-    with generation on the held-out pages at the end (eval.json)."""
-    vision = config.vision()
-    budget = {
-        "image_min_tokens": vision.image_min_tokens,
-        "image_max_tokens": vision.image_max_tokens,
-        "sample_max_tokens": vision.sample_max_tokens,
-    }
-    # the AdamW settings its README figures were measured with
-    adamw = {"betas": [0.9, 0.98], "eps": 1e-6}
-    return native_train_config(config, paths, tokens, steps, budget, adamw)
+    with generation on the held-out pages at the end (eval.json), with the AdamW settings its
+    README figures were measured with."""
+    return native_train_config(config, paths, tokens, steps, {"betas": [0.9, 0.98], "eps": 1e-6})
 
 
 def time_docs_steps(spec: ModelSpec, config: VlmDocsConfig, pages: list[Page]) -> float:
@@ -285,7 +278,7 @@ def run_vlm_docs(
 
     phase("evaluate", "each held-out page's answer, for the figures per page shape")
     # max_new_tokens: 4 digits, the space before them and [EOT], with room to spare
-    answers = held_out_answers(config, paths, tokens, config.vision(), config.val_pages, 8)
+    answers = held_out_answers(config, paths, tokens, config.val_pages, 8)
     report = json.loads(paths.eval_json.read_text(encoding="utf-8"))
     block = documents_block(report, answers, train_pages + val_pages, counts, config)
     document = add_eval_block(paths, "documents", block)

@@ -85,9 +85,11 @@ class VlmVideoConfig(NativeDemoConfig):
     row, ...) are `native_demo.NativeDemoConfig`'s."""
 
     out: Path = Path("runs/quickstart-vlm-video")
-    # Held-out accuracy after 1,200 steps: 93.8% in order, 0.0% reversed (README; about 0.12 s
-    # a step on 2 cores). In a run validating every 400 steps: 79.7% after 400 steps, 93.0%
-    # after 800, 91.4% after 1,200, reversed 3.1%, 0.0%, 0.0%: the curve has flattened.
+    # Held-out accuracy after 1,200 steps: 93.8% in order, 0.0% reversed (README, two runs
+    # with identical weights; about 0.12 s a step on 2 cores). In an earlier run validating
+    # every 400 steps (before the clips' MP4 encoding was made deterministic: a few dozen of
+    # the 2,400 clips differed from run to run): 79.7% after 400 steps, 93.0% after 800, 91.4%
+    # after 1,200, reversed 3.1%, 0.0%, 0.0%: the curve has flattened.
     steps: int = 1200
     minutes: float = 6.0  # upper bound on training time: fewer steps on a slower machine
     train_clips: int = 2400
@@ -156,8 +158,8 @@ def video_spec(tokens: TokenizerFolder, config: VlmVideoConfig) -> ModelSpec:
     (`mrope_section` [2, 3, 3]), time first, on the highest frequencies: at 1e6 the time
     section still turns by 1 and 0.18 radians per temporal patch, so the decoder tells the
     clip's two halves apart, and the tower's patches (2 frames each) already show which way
-    the shape went within each half. Measured on these clips in runs validating every few
-    hundred steps: 91.4% held-out accuracy after 1,200 steps at base 1e6 against 93.8% at 3
+    the shape went within each half. Measured in those earlier runs (validating every few
+    hundred steps): 91.4% held-out accuracy after 1,200 steps at base 1e6 against 93.8% at 3
     (117 and 120 of 128 clips; 0.0% reversed both), 79.7% against 84.4% after 400 steps: no
     clear difference, so the preset stays."""
     return native_spec("quickstart-vlm-video", tokens, config)
@@ -179,15 +181,7 @@ def train_config(
     """The `mmtrain train` config (as a dict): packed rows, the clips' budget, and validation
     with generation on the held-out clips at the end (eval.json). AdamW's betas and eps are
     left to the workload's defaults."""
-    vision = config.vision()
-    budget = {
-        "video_fps": vision.video_fps,
-        "video_min_frames": vision.video_min_frames,
-        "video_max_frames": vision.video_max_frames,
-        "frame_min_tokens": vision.frame_min_tokens,
-        "frame_max_tokens": vision.frame_max_tokens,
-    }
-    return native_train_config(config, paths, tokens, steps, budget)
+    return native_train_config(config, paths, tokens, steps)
 
 
 def time_video_steps(spec: ModelSpec, config: VlmVideoConfig) -> float:
@@ -281,7 +275,7 @@ def run_vlm_video(
 
     phase("evaluate", "each held-out clip's answer, for the figures per motion")
     # max_new_tokens: the longest answer is 3 to 4 ids and [EOT]
-    answers = held_out_answers(config, paths, tokens, config.vision(), config.val_clips, 8)
+    answers = held_out_answers(config, paths, tokens, config.val_clips, 8)
     report = json.loads(paths.eval_json.read_text(encoding="utf-8"))
     block = video_block(report, answers, val_clips, clip_tokens)
     add_eval_block(paths, "video", block)

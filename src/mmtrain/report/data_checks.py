@@ -4,6 +4,8 @@ be filled at all."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from mmtrain.report.finding import Finding, config_value
 from mmtrain.report.rundata import RunData
 
@@ -13,16 +15,37 @@ CORRUPT_SHARE = 0.01  # unreadable samples above 1 in 100: the shards, not bad l
 TOO_LONG_SHARE = 0.01
 
 
-def corrupt_samples(run: RunData) -> Finding | None:
-    rows = [r for r in run.train_rows if "corrupt_samples" in r and "samples_seen" in r]
+@dataclass(frozen=True)
+class _Skipped:
+    """A run's skipped samples of one kind (a counter of the metrics rows): the last count,
+    its share of the samples read, and the steps at which it grew."""
+
+    count: int
+    seen: int
+    share: float
+    steps: list[int]
+    cost_s: float  # the share of the run's step time spent reading them
+
+
+def _skipped(run: RunData, key: str, threshold: float) -> _Skipped | None:
+    """The samples counted under `key` when they are above `threshold` of those read."""
+    rows = [r for r in run.train_rows if key in r and "samples_seen" in r]
     if not rows:
         return None
-    corrupt, seen = int(rows[-1]["corrupt_samples"]), int(rows[-1]["samples_seen"])
-    share = corrupt / (corrupt + seen) if corrupt + seen else 0.0
-    if share <= CORRUPT_SHARE:
+    count, seen = int(rows[-1][key]), int(rows[-1]["samples_seen"])
+    share = count / (count + seen) if count + seen else 0.0
+    if share <= threshold:
         return None
-    before = [0, *(int(r["corrupt_samples"]) for r in rows[:-1])]
-    steps = [r["step"] for r, b in zip(rows, before, strict=True) if r["corrupt_samples"] > b]
+    before = [0, *(int(r[key]) for r in rows[:-1])]
+    steps = [r["step"] for r, b in zip(rows, before, strict=True) if r[key] > b]
+    cost_s = share * sum(r.get("step_s", 0.0) for r in rows)
+    return _Skipped(count, seen, share, steps, cost_s)
+
+
+def corrupt_samples(run: RunData) -> Finding | None:
+    skipped = _skipped(run, "corrupt_samples", CORRUPT_SHARE)
+    if skipped is None:
+        return None
     sources = config_value(run, "data", "train", None) or ["SHARDS"]
     sources = [sources] if isinstance(sources, (str, dict)) else sources
     paths = [s["path"] if isinstance(s, dict) else str(s) for s in sources]  # resolved: dicts
@@ -31,36 +54,30 @@ def corrupt_samples(run: RunData) -> Finding | None:
         kind="data_quality",
         severity="warning",
         evidence={
-            "corrupt_samples": corrupt,
-            "samples_seen": seen,
-            "corrupt_fraction": round(share, 4),
+            "corrupt_samples": skipped.count,
+            "samples_seen": skipped.seen,
+            "corrupt_fraction": round(skipped.share, 4),
         },  # fmt: skip
         why=(
-            f"{share:.1%} of the samples read could not be decoded and were skipped (above "
-            f"{CORRUPT_SHARE:.0%}): the run trains on a different mix than the manifest says, "
-            "and pays for reading them"
+            f"{skipped.share:.1%} of the samples read could not be decoded and were skipped "
+            f"(above {CORRUPT_SHARE:.0%}): the run trains on a different mix than the manifest "
+            "says, and pays for reading them"
         ),
         advice=(
             f"find them: {inspect} ; rebuild the shards with mmtrain data build (it refuses "
             "files that do not decode)"
         ),
-        cost_s=share * sum(r.get("step_s", 0.0) for r in rows),
-        steps=steps,
+        cost_s=skipped.cost_s,
+        steps=skipped.steps,
     )
 
 
 def too_long_samples(run: RunData) -> Finding | None:
     """Samples skipped because the row of data.sequence_length positions cannot hold them
     (an image or clip would be cut, or every answer): above TOO_LONG_SHARE of those read."""
-    rows = [r for r in run.train_rows if "too_long_samples" in r and "samples_seen" in r]
-    if not rows:
+    skipped = _skipped(run, "too_long_samples", TOO_LONG_SHARE)
+    if skipped is None:
         return None
-    too_long, seen = int(rows[-1]["too_long_samples"]), int(rows[-1]["samples_seen"])
-    share = too_long / (too_long + seen) if too_long + seen else 0.0
-    if share <= TOO_LONG_SHARE:
-        return None
-    before = [0, *(int(r["too_long_samples"]) for r in rows[:-1])]
-    steps = [r["step"] for r, b in zip(rows, before, strict=True) if r["too_long_samples"] > b]
     length = config_value(run, "data", "sequence_length", None)
     budget = (
         " or a smaller page budget (data.vision.image_max_tokens, sample_max_tokens)"
@@ -71,22 +88,23 @@ def too_long_samples(run: RunData) -> Finding | None:
         kind="data_quality",
         severity="warning",
         evidence={
-            "too_long_samples": too_long,
-            "samples_seen": seen,
-            "too_long_fraction": round(share, 4),
+            "too_long_samples": skipped.count,
+            "samples_seen": skipped.seen,
+            "too_long_fraction": round(skipped.share, 4),
             "data.sequence_length": length,
         },
         why=(
-            f"{share:.1%} of the samples read were longer than a row of {length} positions and "
-            "were skipped (cutting them would cut an image, a clip or every answer): the model "
-            "never trains on them, and the data mix is not the one the shards hold"
+            f"{skipped.share:.1%} of the samples read were longer than a row of {length} "
+            "positions and were skipped (cutting them would cut an image, a clip or every "
+            "answer): the model never trains on them, and the data mix is not the one the "
+            "shards hold"
         ),
         advice=(
             "see how long the samples are: mmtrain plan --data SHARDS --model MODEL (their "
             f"length distribution); then a longer data.sequence_length{budget}"
         ),
-        cost_s=share * sum(r.get("step_s", 0.0) for r in rows),
-        steps=steps,
+        cost_s=skipped.cost_s,
+        steps=skipped.steps,
     )
 
 

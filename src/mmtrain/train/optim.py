@@ -369,9 +369,11 @@ def make_scheduler(
 
 
 # What a resume takes from the run's config instead of the checkpoint, when the config changed
-# it: AdamW's settings per group, and the learning rates (the schedule's base rates).
+# it: AdamW's settings per group, the learning rates (the schedule's base rates), and the
+# schedule's shape (its factor at the resumed step).
 RESUME_SETTINGS = ("weight_decay", "betas", "eps")
 LR_KEYS = ("lr", "lr_layer_decay")
+SCHEDULE_KEYS = ("train.steps", "train.warmup_steps", "train.min_lr", "train.schedule")
 
 
 def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -382,16 +384,19 @@ def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
 
 def apply_changed_settings(
     optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
     configured: list[dict[str, Any]],
     changed: Sequence[str],
     lr_factor: float = 1.0,
 ) -> list[str]:
     """After a resume loaded the checkpoint's optimizer and schedule (which carry the rates and
     AdamW settings the run started with), put back what the config now changes (`changed`:
-    dotted keys of `train`): a weight decay, betas or eps, and the learning rates, rebased on
-    the config's times `lr_factor` (the rollbacks' reductions so far), from this step of the
-    schedule on. Nothing changed: nothing touched, so a resume stays bitwise exact. Returns
+    dotted keys of `train`): a weight decay, betas or eps; the learning rates, rebased on the
+    config's times `lr_factor` (the rollbacks' reductions so far); and, for either of those or
+    a changed schedule (steps, warm-up, min_lr), each group's rate at the resumed step as the
+    config's schedule has it (`scheduler.lr_lambdas`: the config's, a checkpoint keeps none),
+    as `scheduler.step()` computes it. The checkpoint's rate is the old schedule's: at the end
+    of a cosine, 0. Nothing changed: nothing touched, so a resume stays bitwise exact. Returns
     what was applied."""
     applied = []
     for name in RESUME_SETTINGS:
@@ -399,15 +404,20 @@ def apply_changed_settings(
             for group, wanted in zip(optimizer.param_groups, configured, strict=True):
                 group[name] = wanted[name]
             applied.append(name)
-    if any(key == "train.lr" or key.rsplit(".", 1)[-1] in LR_KEYS for key in changed):
-        base = [wanted["lr"] * lr_factor for wanted in configured]
-        factor = scheduler.get_last_lr()[0] / scheduler.base_lrs[0] if scheduler.base_lrs[0] else 0
-        scheduler.base_lrs = base
-        for group, lr in zip(optimizer.param_groups, base, strict=True):
+    rates = any(key == "train.lr" or key.rsplit(".", 1)[-1] in LR_KEYS for key in changed)
+    if rates:
+        scheduler.base_lrs = [wanted["lr"] * lr_factor for wanted in configured]
+        for group, lr in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
             group["initial_lr"] = lr
-            group["lr"] = lr * factor
-        scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]  # what get_last_lr says
         applied.append("lr")
+    reshaped = any(key in SCHEDULE_KEYS for key in changed)
+    if rates or reshaped:
+        step = scheduler.last_epoch
+        groups = zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+        for group, base, factor in groups:
+            group["lr"] = base * factor(step)
+        if reshaped:
+            applied.append("the schedule")
     return applied
 
 

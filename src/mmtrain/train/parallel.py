@@ -141,13 +141,18 @@ class DistributedEnv:
     ranks_per_node: int | None = None
 
 
-def init_distributed(device: str = "auto", *, group_of_one: bool = False) -> DistributedEnv:
+def init_distributed(
+    device: str = "auto", *, group_of_one: bool = False, sharded: bool = False
+) -> DistributedEnv:
     """Pick the device and, under torchrun (WORLD_SIZE > 1), join the default process group:
     nccl when training on CUDA, gloo on CPU. Reuses a group that already exists.
     `group_of_one`: a single process gets a group of its own too (FSDP2 needs one: CPU offload
-    on one GPU). Also fixes glibc's mmap threshold for this process (see
-    `distributed.fix_malloc_mmap_threshold`) unless the environment sets one."""
-    fix_malloc_mmap_threshold()
+    on one GPU). `sharded` (an FSDP2 run): also fixes glibc's mmap threshold for this process
+    (`distributed.fix_malloc_mmap_threshold`, unless the environment sets one), so that the
+    sharded start's freed all-gather buffers go back to the system; other runs keep glibc's
+    own (adaptive) threshold."""
+    if sharded:
+        fix_malloc_mmap_threshold()
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if device == "cuda" and not torch.cuda.is_available():
         raise FieldError(

@@ -35,15 +35,16 @@ import sys
 from collections.abc import Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mmtrain.models.materialize import is_sharded
+from mmtrain.plan.quantized import NF4_BLOCK, NF4_SCALER_BLOCK
+from mmtrain.plan.quantized import quantizable as planned_quantizable
 from mmtrain.structured import FieldError
 
 log = logging.getLogger(__name__)
 
-NF4_BLOCK = 64  # values per absmax scale (torchao's to_nf4 default, QLoRA's)
-NF4_SCALER_BLOCK = 256  # scales per int8 block of the double quantisation
 # torchao's NF4 module: where torchao 0.18 has it, and where older builds had it.
 NF4_MODULES = (
     "torchao.quantization.quantize_.workflows.nf4.nf4_tensor",
@@ -95,23 +96,23 @@ def dequantised(tensor: Tensor) -> Tensor:
 def quantizable(shape: tuple[int, ...] | torch.Size, shards: int = 1) -> bool:
     """True when torchao can hold a weight of `shape` in NF4 split by rows over `shards`
     ranks: a matrix whose rows divide evenly and whose share of values is a whole number of
-    scale blocks (64 x 256 values)."""
-    if len(shape) != 2 or shape[0] % shards:
-        return False
-    return (shape[0] // shards) * shape[1] % (NF4_BLOCK * NF4_SCALER_BLOCK) == 0
+    scale blocks (64 x 256 values), the planner's rule (plan/quantized.py)."""
+    return len(shape) == 2 and planned_quantizable(shape[0], shape[1], shards)
 
 
 # ----------------------------------------------------------------------------- forward
 def nf4_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x W^T + b with W in NF4: x is cast to the autocast dtype where autocast is on (to W's
-    dtype otherwise), so W is dequantised once, straight into the matmul's dtype; torchao's
-    `linear_nf4` keeps only the 4-bit W for the backward."""
+    dtype otherwise), so W is dequantised once, straight into the matmul's dtype. `F.linear`
+    on an NF4 weight is torchao's `linear_nf4` (NF4Tensor's __torch_function__), which keeps
+    only the 4-bit W for the backward; called so, not through `nf4_module()`, because
+    torch.compile cannot trace `importlib.import_module` (a graph break at every linear)."""
     device = x.device.type
     if torch.is_autocast_enabled(device):
         x = x.to(torch.get_autocast_dtype(device))
     else:
         x = x.to(weight.dtype)
-    y = nf4_module().linear_nf4(x, weight)
+    y = F.linear(x, weight)
     return y if bias is None else y + bias.to(y.dtype)
 
 

@@ -25,8 +25,12 @@ class StopOnSignal:
     `nothing_to_save()` True (no step completed since the last checkpoint) makes the first
     signal raise StopRequested wherever the main thread is: a step that cannot complete (data
     that never fills a batch, a stalled read) would otherwise hold the stop back for ever, and
-    the scheduler's pre-emption notice would be lost. Every rank gets the signal and decides
-    alike: ranks complete their steps together, as the step's collectives make them.
+    the scheduler's pre-emption notice would be lost. The trainer asks this of one process
+    only: ranks of a job are a few milliseconds apart at a step's end, so one could stop at
+    once while another, a step further, waits for it in the collective that agrees on the
+    checkpoint. Several ranks agree on the stop at the step's end (`Checkpointer.due`); a step
+    that cannot complete there ends with the scheduler's kill after its grace period, and the
+    newest checkpoint stands.
 
     A copy that arrives within `ECHO_S` of the first is taken for the same request: under plain
     torchrun on Slurm a rank gets Slurm's SIGTERM and torchrun's forwarded one milliseconds

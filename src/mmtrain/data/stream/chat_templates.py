@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from mmtrain.data.stream.conversations import IMAGE_TAG, VIDEO_TAG, Conversation
+from mmtrain.hf_chat_template import stored_chat_template
 from mmtrain.structured import FieldError, closest
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "VICUNA_SYSTEM",
     "get_template",
     "load_jinja_template",
+    "holds_chat_template",
     "render_text",
     "EncodedSample",
     "RefusedSample",
@@ -339,15 +341,27 @@ def _token_text(value: Any) -> str | None:
 
 def _config_template(config: dict[str, Any], path: Path) -> str:
     """`chat_template`: a string, or a list of {name, template} (the one named `default`)."""
-    value = config.get("chat_template")
-    if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        value = named.get("default")
-    if not isinstance(value, str) or not value:
+    value = stored_chat_template(config)
+    if value is None:
         raise FieldError(
             "chat_template", f"{path}: no 'chat_template' string (and no chat_template.jinja)"
         )
     return value
+
+
+def holds_chat_template(folder: str | Path) -> bool:
+    """Whether a model folder holds a chat template `load_jinja_template` reads: a
+    chat_template.jinja, or a tokenizer_config.json with a `chat_template`."""
+    folder = Path(folder)
+    if (folder / "chat_template.jinja").is_file():
+        return True
+    config_path = folder / "tokenizer_config.json"
+    if not config_path.is_file():
+        return False
+    try:
+        return stored_chat_template(_read_json(config_path)) is not None
+    except FieldError:  # unreadable: no template to take from it
+        return False
 
 
 def get_template(name_or_path: str | Path) -> ChatTemplate:
@@ -587,10 +601,10 @@ def _truncate(
         return sample
     ids, labels = sample.input_ids[:keep], sample.labels[:keep]
     needed = sum(sizes)
-    inputs = [size for size, token in zip(sizes, sample.input_ids, strict=True)
-              if token in (marks.image_token_id, marks.video_token_id)]  # fmt: skip
+    input_sizes = [size for size, token in zip(sizes, sample.input_ids, strict=True)
+                   if token in (marks.image_token_id, marks.video_token_id)]  # fmt: skip
     detail = {"needed_positions": needed, "max_length": max_length,
-              "largest_input_positions": max(inputs, default=0)}  # fmt: skip
+              "largest_input_positions": max(input_sizes, default=0)}  # fmt: skip
     for kind, _, token, inputs in _kinds(conv, marks):
         kept = ids.count(token)
         if kept < inputs:

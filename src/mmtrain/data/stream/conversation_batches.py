@@ -62,6 +62,7 @@ from mmtrain.data.stream.chat_templates import (
     TextEncoder,
     encode_conversation,
     get_template,
+    holds_chat_template,
     id_positions,
 )
 from mmtrain.data.stream.conversations import (
@@ -616,10 +617,7 @@ def resolve_chat_template(chat_template: str | None, tokenizer: str) -> ChatTemp
             return get_template(chat_template)
         path = Path(tokenizer)
         folder = path if path.is_dir() else path.parent
-        if tokenizer.lower() == "byte" or not (
-            (folder / "tokenizer_config.json").is_file()
-            or (folder / "chat_template.jinja").is_file()
-        ):
+        if tokenizer.lower() == "byte" or not holds_chat_template(folder):
             raise FieldError(
                 "data.chat_template",
                 f"not set, and data.tokenizer {tokenizer!r} has no chat template beside it "

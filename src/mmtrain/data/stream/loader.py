@@ -62,7 +62,13 @@ from mmtrain.data.stream.order import (
     sample_rng,
     steps_in,
 )
-from mmtrain.data.stream.refusals import NoValidSamples, Refusal, Refusals, epoch_share, refusal_of
+from mmtrain.data.stream.refusals import (
+    NoValidSamples,
+    Refusal,
+    Refusals,
+    refusal_of,
+    refusal_span,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -363,7 +369,7 @@ class StreamingLoader:
       long, for an error whose `skip_kind` says so: refusals.py). `rng` is seeded from (seed,
       epoch, global position): random crops are the same after a resume.
     max_consecutive_corrupt: refusals in a row past which iterating raises NoValidSamples (also
-      earlier, once a whole epoch was refused: no batch can ever be filled).
+      earlier, once the refusals show that no batch can ever be filled: refusals.refusal_span).
     batch_size: samples per batch on this rank.
     drop_tail: the last positions of an epoch that do not fill a batch on every rank are left
       out; by default they are padded with samples from the start of the epoch (wrap-around).
@@ -629,7 +635,7 @@ class StreamingLoader:
             row = lo = 0
             for i in range(result.count):
                 if i in corrupt:
-                    self._report(corrupt[i])
+                    self._report(corrupt[i], whole_tasks=False)
                     continue
                 self.refusals.accepted()
                 row += 1
@@ -654,16 +660,17 @@ class StreamingLoader:
             corrupt = {c.entry: c for c in result.corrupt}
             for i in range(result.count):
                 if i in corrupt:
-                    self._report(corrupt[i])
+                    self._report(corrupt[i], whole_tasks=True)
                 else:
                     self.refusals.accepted()
             entry += result.count
             yield (self._collate([(result, 0, len(result.valid))]) if result.valid else None), entry
 
-    def _report(self, bad: Refusal) -> None:
+    def _report(self, bad: Refusal, whole_tasks: bool) -> None:
         """Count and log a skipped sample; NoValidSamples once no batch can be filled."""
-        share = epoch_share(self.plan.epoch_length(self.epoch), self.world_size)
-        self.refusals.refused(bad, self.epoch, share)
+        length = self._segment.length
+        span = refusal_span(self._segment.size, length, self.world_size, whole_tasks)
+        self.refusals.refused(bad, self.epoch, span)
 
     def _collate(self, pieces: list[tuple[_TaskResult, int, int]]) -> dict[str, Any]:
         if len(pieces) == 1 and pieces[0][1] == 0 and pieces[0][2] == len(pieces[0][0].valid):

@@ -7,12 +7,10 @@ cutting an image, a clip or every answer). Both are skipped the same way, so the
 exact resume do not depend on which; they are counted apart because they call for different
 fixes (the data, or the row length).
 
-Skipping stops when the samples refused in a row cover a whole epoch of the rank's stream, or
-reach `max_in_a_row` first. A run of 2L - 1 entries in a stream of epochs of L entries holds one
-epoch from its start to its end, so `2 x` the rank's share of an epoch proves that no sample of
-the data can be trained on (every epoch is a permutation of the same samples); the bound keeps
-a large data set from being read through first. Without it, a run whose every sample is refused
-would cycle through its epochs for ever (issue 40).
+Skipping stops when the samples refused in a row show that no batch can be filled
+(`refusal_span`), or reach `max_in_a_row` first (the bound keeps a large data set from being
+read through first). Without it, a run whose every sample is refused would cycle through its
+epochs for ever (issue 40).
 """
 
 from __future__ import annotations
@@ -26,8 +24,6 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 KINDS = ("corrupt", "too_long")
-# A run of refusals keeps this many of its last refusals, to name them in the error.
-KEPT = 8
 
 
 @dataclass
@@ -58,18 +54,12 @@ def refusal_of(err: BaseException, entry: int, position: int, key: str, shard: s
 
 class NoValidSamples(RuntimeError):
     """Every sample of a whole epoch (or `max_in_a_row` in a row) was refused: no batch can be
-    filled. `in_a_row` {kind: n} of the refusals in a row, `last` the last of them, `details`
-    the too-long ones' numbers."""
+    filled. `in_a_row` {kind: n} of the refusals in a row, `details` the too-long ones'
+    numbers."""
 
-    def __init__(
-        self,
-        message: str,
-        in_a_row: dict[str, int],
-        last: list[Refusal],
-        details: list[dict[str, Any]],
-    ):
+    def __init__(self, message: str, in_a_row: dict[str, int], details: list[dict[str, Any]]):
         super().__init__(message)
-        self.in_a_row, self.last, self.details = in_a_row, last, details
+        self.in_a_row, self.details = in_a_row, details
 
 
 @dataclass
@@ -81,7 +71,6 @@ class Refusals:
     max_in_a_row: int = 1000
     counts: dict[str, Counter[str]] = field(default_factory=lambda: {k: Counter() for k in KINDS})
     _run: Counter[tuple[str, str]] = field(default_factory=Counter)
-    _last: list[Refusal] = field(default_factory=list)
     _details: list[dict[str, Any]] = field(default_factory=list)
     _too_long_logged: bool = False
 
@@ -89,23 +78,21 @@ class Refusals:
         """A valid sample: the run of refusals ends."""
         if self._run:
             self._run.clear()
-            self._last.clear()
             self._details.clear()
 
-    def refused(self, bad: Refusal, epoch: int, epoch_share: int) -> None:
+    def refused(self, bad: Refusal, epoch: int, span: int) -> None:
         """Count `bad` and log it (a too-long sample once per loader, with the count to come
-        in the metrics); raise NoValidSamples when the run of refusals shows that no batch can
-        be filled. `epoch_share`: the rank's entries in an epoch."""
+        in the metrics); raise NoValidSamples once `span` refusals in a row (`refusal_span`)
+        show that no batch can be filled."""
         self.counts[bad.kind][bad.reason] += 1
         self._run[(bad.kind, bad.reason)] += 1
-        self._last = [*self._last[-(KEPT - 1) :], bad]
         if bad.detail is not None and len(self._details) < self.max_in_a_row:
             self._details.append(bad.detail)
         self._log(bad, epoch)
         in_a_row = sum(self._run.values())
-        limit = min(self.max_in_a_row, 2 * max(1, epoch_share))
+        limit = min(self.max_in_a_row, max(1, span))
         if in_a_row >= limit:
-            raise self._error(in_a_row, limit == self.max_in_a_row)
+            raise self._error(bad, in_a_row, limit == self.max_in_a_row)
 
     def total(self, kind: str) -> int:
         return sum(self.counts[kind].values())
@@ -130,10 +117,9 @@ class Refusals:
                 "too_long_samples (said once)", bad.key, bad.shard, bad.message,
             )  # fmt: skip
 
-    def _error(self, in_a_row: int, bounded: bool) -> NoValidSamples:
+    def _error(self, last: Refusal, in_a_row: int, bounded: bool) -> NoValidSamples:
         reasons = ", ".join(f"{n} {kind} ({reason})" for (kind, reason), n in self._run.items())
         span = f"{in_a_row} samples in a row" if bounded else "every sample of a whole epoch"
-        last = self._last[-1]
         message = (
             f"{span} on rank {self.rank} could not be trained on: {reasons}; last: "
             f"{last.key!r} of {last.shard}: {last.message}"
@@ -141,9 +127,23 @@ class Refusals:
         kinds = Counter[str]()
         for (kind, _), n in self._run.items():
             kinds[kind] += n
-        return NoValidSamples(message, dict(kinds), list(self._last), list(self._details))
+        return NoValidSamples(message, dict(kinds), list(self._details))
 
 
-def epoch_share(epoch_length: int, world_size: int) -> int:
-    """A rank's entries in an epoch of `epoch_length` (the larger share when uneven)."""
-    return math.ceil(epoch_length / world_size)
+def refusal_span(remaining: int, epoch_length: int, world_size: int, whole_tasks: bool) -> int:
+    """Refusals in a row on one rank after which no batch of that rank can be filled.
+
+    Batches of the next valid samples (`whole_tasks` False): the rank reads entries r, r + W,
+    ... of the epoch's `remaining` positions, wrapping around, and stays in the epoch until
+    its batch is filled, so a run of refusals never crosses an epoch (a batch ends on a valid
+    sample). Its entries repeat after remaining / gcd(remaining, W): that many refusals are
+    every sample the rank can reach, which it would otherwise read for ever.
+
+    One batch per task (a worker's collate, buckets): a task of refused samples gives no batch
+    and the epoch moves on, so a run crosses epochs; a run of 2E - 1 entries in epochs of E
+    holds one epoch from its start to its end, hence 2 x the rank's share of `epoch_length`.
+    With one rank that is every sample of the data (every epoch is a permutation of the same
+    samples); with several, every sample the rank drew in an epoch."""
+    if not whole_tasks:
+        return remaining // math.gcd(remaining, world_size)
+    return 2 * math.ceil(epoch_length / world_size)

@@ -87,11 +87,12 @@ class Section:
 
 
 def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object of a HF folder (config.json, a tokenizer's or processor's file)."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as err:
         raise HFFolderError(path, f"cannot be read: {err.strerror}") from None
-    except json.JSONDecodeError as err:
+    except ValueError as err:  # not JSON, or not UTF-8
         raise HFFolderError(path, f"is not valid JSON: {err}") from None
     if not isinstance(data, dict):
         raise HFFolderError(path, f"expected a JSON object, got {type(data).__name__}")

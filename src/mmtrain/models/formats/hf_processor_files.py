@@ -14,19 +14,20 @@ tokenizer_config.json's.
 
 Paths recorded in config.yaml are read as written when absolute; a relative one against the
 run folder's parent, then the working directory. A path recorded but found nowhere is an error
-naming config.yaml and the field. torch and transformers are not imported here.
+naming config.yaml and the field. transformers is not imported here.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mmtrain.structured import FieldError
+from mmtrain import folders
+from mmtrain.hf_chat_template import stored_chat_template
+from mmtrain.models.formats.hf_common import HFFolderError, read_json
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +41,8 @@ GENERATION_FILES = ("generation_config.json",)
 GROUPS = {"tokenizer": TOKENIZER_FILES, "processor": PROCESSOR_CONFIG_FILES,
           "generation": GENERATION_FILES}  # fmt: skip
 # Every one of them, in the order the commands list what they copied.
-PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-                   "special_tokens_map.json", "added_tokens.json", "preprocessor_config.json",
-                   "video_preprocessor_config.json", "processor_config.json",
-                   "chat_template.json", "chat_template.jinja", "generation_config.json")  # fmt: skip
+PROCESSOR_FILES = TOKENIZER_FILES + PROCESSOR_CONFIG_FILES + GENERATION_FILES
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-RUN_CONFIG_FILE = "config.yaml"  # folders.CONFIG_FILE: the run's resolved config
 TEXT_TOWER = "text"  # whose init folder holds the tokenizer of a {tower: path} init
 # An init that names a weights file (an OpenCLIP checkpoint) has no processor files beside it.
 WEIGHTS_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
@@ -53,12 +50,9 @@ WEIGHTS_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
 Locate = Callable[[str, str], Path]  # (recorded value, its config field) -> an existing path
 
 
-class ProcessorFilesError(FieldError):
-    """Processor files that cannot be found or do not fit the model: the message names the
-    file and, where one is to blame, the field."""
-
-    def __init__(self, file: str | Path, message: str, field: str = ""):
-        super().__init__(f"{file}: {field}" if field else str(file), message)
+# Processor files that cannot be read, found or do not fit the model: files of a HF folder,
+# refused as any other (the message names the file and, where one is to blame, the field).
+ProcessorFilesError = HFFolderError
 
 
 @dataclass
@@ -105,7 +99,7 @@ def folder_processor_files(folder: Path) -> ProcessorFiles:
 def processor_files_of_run(run_dir: Path) -> ProcessorFiles:
     """The processor files of a run folder: its own, else those of where it started, as its
     config.yaml records `init`, `data.tokenizer` and `data.chat_template`."""
-    config_file = run_dir / RUN_CONFIG_FILE
+    config_file = run_dir / folders.CONFIG_FILE
     config = _read_run_config(config_file)
     data = config.get("data") if isinstance(config.get("data"), dict) else {}
 
@@ -252,9 +246,7 @@ def _add_trained_template(
 
 
 def _config_has_template(path: Path | None) -> bool:
-    if path is None:
-        return False
-    return bool(_read_json(path).get("chat_template"))
+    return path is not None and stored_chat_template(read_json(path)) is not None
 
 
 def _template_text(path: Path) -> str:
@@ -264,11 +256,8 @@ def _template_text(path: Path) -> str:
     if jinja.is_file():
         return jinja.read_text(encoding="utf-8")
     config = path if path.suffix == ".json" else path / "tokenizer_config.json"
-    value = _read_json(config).get("chat_template") if config.is_file() else None
-    if isinstance(value, list):
-        value = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        value = value.get("default")
-    if not isinstance(value, str) or not value:
+    value = stored_chat_template(read_json(config)) if config.is_file() else None
+    if value is None:
         raise ProcessorFilesError(
             path, "holds no chat template (no chat_template.jinja, no tokenizer_config.json "
             "with a 'chat_template')", "data.chat_template",
@@ -305,18 +294,6 @@ def _read_run_config(path: Path) -> dict[str, Any]:
         raise ProcessorFilesError(path, f"is not valid YAML: {err}") from None
     if not isinstance(data, dict):
         raise ProcessorFilesError(path, "is not a run config (a mapping)")
-    return data
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as err:
-        raise ProcessorFilesError(path, f"cannot be read: {err.strerror}") from None
-    except ValueError as err:
-        raise ProcessorFilesError(path, f"is not valid JSON: {err}") from None
-    if not isinstance(data, dict):
-        raise ProcessorFilesError(path, "expected a JSON object")
     return data
 
 
@@ -379,13 +356,13 @@ def tokenizer_vocab(files: Mapping[str, Path]) -> dict[str, int] | None:
                 files["tokenizer.json"], f"is not a tokenizer: {err}"
             ) from None
     elif "vocab.json" in files:
-        tokens = {str(k): int(v) for k, v in _read_json(files["vocab.json"]).items()}
+        tokens = {str(k): int(v) for k, v in read_json(files["vocab.json"]).items()}
     else:
         return None
     if "added_tokens.json" in files:
-        tokens.update({str(k): int(v) for k, v in _read_json(files["added_tokens.json"]).items()})
+        tokens.update({str(k): int(v) for k, v in read_json(files["added_tokens.json"]).items()})
     if "tokenizer_config.json" in files:
-        decoder = _read_json(files["tokenizer_config.json"]).get("added_tokens_decoder") or {}
+        decoder = read_json(files["tokenizer_config.json"]).get("added_tokens_decoder") or {}
         for index, token in decoder.items() if isinstance(decoder, dict) else ():
             if isinstance(token, dict) and isinstance(token.get("content"), str):
                 tokens[token["content"]] = int(index)
@@ -397,7 +374,7 @@ def _saved_vocab_size(folder: Path) -> int | None:
     path = folder / "config.json"
     if not path.is_file():
         return None
-    config = _read_json(path)
+    config = read_json(path)
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     value = config.get("vocab_size", text.get("vocab_size"))
     return value if isinstance(value, int) else None
