@@ -74,7 +74,7 @@ def _recipe_paths(config) -> list[str]:
     return paths
 
 
-def _commented_commands(path: Path) -> list[list[str]]:
+def commented_commands(path: Path) -> list[list[str]]:
     """The `mmtrain ...` commands a recipe's opening comment shows (continuations joined)."""
     import shlex
 
@@ -103,7 +103,7 @@ def test_recipe_paths_are_relative_to_the_file_and_match_its_commands(path):
         assert where.startswith(BESIDE_CONFIGS), f"{path.name}: {found} is not beside configs/"
     sources = {s.path for s in config.data.train if isinstance(s.path, str)}
     written = {config.out}  # the run's folder, and what an earlier command writes (--out)
-    for argv in _commented_commands(path):
+    for argv in commented_commands(path):
         if argv[1] in ("eval", "generate") and argv[2].startswith("runs/"):
             assert str(ROOT / argv[2]) in written, f"{path.name}: {argv[2]} is not its out"
         if "--out" in argv:

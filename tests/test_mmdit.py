@@ -164,8 +164,16 @@ def test_an_mmdit_written_for_diffusers_loads_strictly_and_predicts_the_same(tmp
         tmp_path / "back", output_loading_info=True, torch_dtype=torch.float64
     )
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    written, source = again.state_dict(), model.state_dict()
+    assert written.keys() == source.keys()
+    assert all(torch.equal(written[k], source[k]) for k in source)  # the weights, bitwise
+    # The same weights predict the same up to float64 rounding: how diffusers lays out the
+    # loaded tensors (accelerate's low-memory loading, when installed) can pick other kernels.
     b = batch(dtype=torch.float64)
-    assert torch.equal(peer_predicts(again, b), peer_predicts(model, b))
+    want = peer_predicts(model, b)
+    torch.testing.assert_close(
+        peer_predicts(again, b), want, rtol=0, atol=1e-12 * want.abs().max().item()
+    )
 
 
 def test_convert_an_sd3_folder_from_and_to_diffusers_on_the_command_line(tmp_path, capsys):

@@ -5,7 +5,6 @@ rows from specs, and planning from the data's own token lengths (`plan --data`).
 import io
 import json
 import random
-import shlex
 from pathlib import Path
 
 import pytest
@@ -180,17 +179,13 @@ STAGE_1 = Path(__file__).resolve().parents[1] / "configs" / "vlm-stage1.yaml"
 def _header_plan(path: Path) -> list[str]:
     """The `mmtrain plan` command of a recipe's header comment that needs no data (no
     `--data`), as the argv after `mmtrain`."""
-    found, pending = [], ""
-    for line in path.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        pending += line.lstrip("#").strip()
-        if pending.endswith("\\"):
-            pending = pending[:-1] + " "
-            continue
-        if pending.startswith("mmtrain plan") and "--data" not in pending:
-            found.append(shlex.split(pending, comments=True)[1:])
-        pending = ""
+    from test_configs import commented_commands
+
+    found = [
+        argv[1:]
+        for argv in commented_commands(path)
+        if argv[:2] == ["mmtrain", "plan"] and "--data" not in argv
+    ]
     assert len(found) == 1, f"{path.name}: one `mmtrain plan` without --data in the header"
     return found[0]
 

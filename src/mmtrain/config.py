@@ -13,7 +13,6 @@ in every checkpoint, so a run folder says exactly what produced it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -24,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from mmtrain.model_sources import SPEC_SUFFIXES, is_hub_name, is_model_folder
 from mmtrain.plan.config import SP_ATTENTION
 from mmtrain.structured import FieldError, check_choice, from_dict, to_dict
 
@@ -337,7 +337,10 @@ class MetricsConfig:
 
 @dataclass
 class RunConfig:
-    model: str  # preset name (e.g. tiny-clip) or a model spec YAML/JSON file
+    # A preset name (e.g. tiny-clip), a model spec YAML/JSON file, or a transformers model folder
+    # or hub name (org/name): its class, trained as it is (a hub model) unless it is a native
+    # family; left out, the `init` folder.
+    model: str
     data: DataConfig
     train: TrainConfig
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -694,6 +697,7 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
     if isinstance(data.get("eval"), dict):
         data["eval"] = dict(data["eval"])  # resolved below: the caller's tree stays as it is
     resolve_paths(data, Path.cwd())
+    _model_from_starting_folder(data)
     _tokenizer_from_starting_folder(data)
     config = from_dict(RunConfig, data)
     config.out = _absolute(config.out, Path.cwd())  # also the default `out`
@@ -713,6 +717,21 @@ def _sources(value: Any, path: str) -> list[Any]:
     return [{"path": v} if isinstance(v, str) else v for v in value]
 
 
+def _model_from_starting_folder(data: dict[str, Any]) -> None:
+    """A transformers model folder (or hub name) is the whole description of a run's model:
+    `init: FOLDER` alone gives `model: FOLDER`, and `model: FOLDER` alone starts from its
+    weights (`init: FOLDER`). A spec or preset `model` with `init` is left as written."""
+    model, init = data.get("model"), data.get("init")
+    if model is None and isinstance(init, str):
+        data["model"] = init
+    elif isinstance(model, str) and init is None and _is_model_source(model):
+        data["init"] = model
+
+
+def _is_model_source(value: str) -> bool:
+    return is_model_folder(value) or is_hub_name(value)
+
+
 def _tokenizer_from_starting_folder(data: dict[str, Any]) -> None:
     """`data.tokenizer` left out while `init` is a chat model's folder (a tokenizer.json and a
     chat template: tokenizer_config.json's or chat_template.jinja): that folder, so the run
@@ -725,21 +744,13 @@ def _tokenizer_from_starting_folder(data: dict[str, Any]) -> None:
     folders = [init] if isinstance(init, str) else []
     if isinstance(init, dict):  # the language model's tower first
         folders = [v for k, v in sorted(init.items(), key=lambda kv: kv[0] != "text")]
+    from mmtrain.data.stream.chat_templates import holds_chat_template  # torch-free
+
     for folder in (Path(f) for f in folders if isinstance(f, str)):
-        if (folder / "tokenizer.json").is_file() and _has_chat_template(folder):
+        if (folder / "tokenizer.json").is_file() and holds_chat_template(folder):
             section["tokenizer"] = str(folder)
             log.info("data.tokenizer left out: the tokenizer and chat template of %s", folder)
             return
-
-
-def _has_chat_template(folder: Path) -> bool:
-    if (folder / "chat_template.jinja").is_file():
-        return True
-    try:
-        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and bool(config.get("chat_template"))
 
 
 # ----------------------------------------------------------------------------- paths
@@ -750,21 +761,25 @@ TOKENIZER_NAMES = ("byte",)
 
 def resolve_paths(data: dict[str, Any], base: Path) -> None:
     """Make the relative paths of a config tree absolute against `base`, in place: `model`
-    (a spec file; a preset name stays), `init` (a path, or one per tower), `out`, data
-    sources (folders, globs, brace patterns; s3:// stays), `data.tokenizer` ("byte" stays),
-    `data.chat_template` (a template name stays), `data.cache_dir`, `eval.extractor` and
-    `eval.extractor_tokenizer`. Absolute paths and remote URLs are left as they are."""
-    from mmtrain.spec import preset_names  # torch-free; here to keep spec out of config's imports
-
-    presets = {name.lower() for name in preset_names()}
+    (a spec file; a preset name stays), `init` (a path, or one per tower) and the files of
+    `init_sha256`, `out`, data sources (folders, globs, brace patterns; s3:// stays),
+    `data.tokenizer` ("byte" stays), `data.chat_template` (a template name stays),
+    `data.cache_dir`, `eval.extractor` and `eval.extractor_tokenizer`. Absolute paths and
+    remote URLs are left as they are."""
     model = data.get("model")
-    if isinstance(model, str) and not _is_name(model, base, presets, lower=True):
+    if isinstance(model, str) and _is_spec_path(model, base) and not is_hub_name(model, base):
         data["model"] = _absolute(model, base)
     init = data.get("init")
     if isinstance(init, str):
-        data["init"] = _absolute(init, base)
+        data["init"] = _path_or_hub_name(init, base)
     elif isinstance(init, dict):
+        # Per tower: files and folders of native towers (a hub model starts from one source).
         data["init"] = {k: _absolute(v, base) if isinstance(v, str) else v for k, v in init.items()}
+    pinned = data.get("init_sha256")
+    if isinstance(pinned, dict):  # the files `init` reads, by their (now absolute) paths
+        data["init_sha256"] = {
+            _absolute(k, base) if isinstance(k, str) else k: v for k, v in pinned.items()
+        }
     if isinstance(data.get("out"), str):
         data["out"] = _absolute(data["out"], base)
     section = data.get("data")
@@ -789,6 +804,11 @@ def resolve_paths(data: dict[str, Any], base: Path) -> None:
             evaluation["extractor_tokenizer"] = _absolute(tokenizer, base)
 
 
+def _path_or_hub_name(value: str, base: Path) -> str:
+    """A Hugging Face hub name (`org/name`, no such path) as it is, else the absolute path."""
+    return value if is_hub_name(value, base) else _absolute(value, base)
+
+
 def _absolute(path: str, base: Path) -> str:
     """`path` against `base` (normalised, links kept), `~` expanded; URLs and absolute paths
     as they are."""
@@ -811,10 +831,18 @@ def _absolute_sources(value: Any, base: Path) -> Any:
     return value
 
 
-def _is_name(value: str, base: Path, names: typing.Iterable[str], lower: bool = False) -> bool:
-    """True when `value` is one of `names` and no file of that name lies beside the config."""
-    key = value.lower() if lower else value
-    return key in names and not (base / value).exists()
+def _is_name(value: str, base: Path, names: typing.Iterable[str]) -> bool:
+    """True when `value` is one of `names` (in any case, as the readers take them) and no file
+    of that name lies beside the config."""
+    return value.lower() in names and not (base / value).exists()
+
+
+def _is_spec_path(value: str, base: Path) -> bool:
+    """`model` names a spec file (or folder), not a preset: load_spec's rule (a spec suffix, or
+    something that exists) plus a path separator, so a mistyped preset name stays a name and
+    its error suggests the closest preset."""
+    path = Path(os.path.expanduser(value))
+    return path.suffix in SPEC_SUFFIXES or len(path.parts) > 1 or (base / path).exists()
 
 
 def _is_template_name(value: str, base: Path) -> bool:

@@ -25,6 +25,7 @@ import yaml
 
 from mmtrain.decoder_spec import DecoderSpec
 from mmtrain.denoiser_spec import DenoiserSpec
+from mmtrain.hub_spec import HubSpec
 from mmtrain.native_vision_spec import NativeVisionSpec
 from mmtrain.structured import FieldError, check_choice, closest, from_dict, to_dict
 
@@ -606,12 +607,18 @@ class ModelSpec:
     denoiser: DenoiserSpec | None = None
     vision: NativeVisionSpec | None = None  # a native-resolution tower (Qwen2-VL) beside a decoder
     vision_tokens: VisionTokens | None = None
+    # A transformers model trained as it is (models/hub/): it has no towers, decoder or
+    # projector of mmtrain's; `hub` records its source and counts (hub_spec.py).
+    hub: HubSpec | None = None
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         _positive("", self, "embed_dim")
+        if self.hub is not None:
+            self._validate_hub()
+            return
         if self.denoiser is not None or self.objective in GENERATIVE_OBJECTIVES:
             self._validate_generator()
             return
@@ -673,6 +680,21 @@ class ModelSpec:
         if extra:
             raise FieldError(f"towers.{extra[0]}", "a vision-language model has one image tower")
 
+    def _validate_hub(self) -> None:
+        self.hub.validate("hub")
+        if self.objective != "next_token":
+            raise FieldError(
+                "objective", f"a hub model trains with next_token, not {self.objective!r}"
+            )
+        for name in ("decoder", "projector", "fusion", "denoiser", "vision", "vision_tokens"):
+            if getattr(self, name) is not None:
+                raise FieldError(name, "a hub model is its transformers class: it has none")
+        if self.towers or self.pairs:
+            raise FieldError(
+                "towers" if self.towers else "pairs",
+                "a hub model's towers are its class's (hub.tower_params)",
+            )
+
     def _validate_native_vision(self) -> None:
         if self.vision is None or self.vision_tokens is None:
             missing = "vision" if self.vision is None else "vision_tokens"
@@ -722,12 +744,14 @@ class ModelSpec:
     def tower_names(self) -> list[str]:
         """The model's towers by the names its module and `train.towers` use: the encoders,
         "text" for a decoder LM (the batch key of its ids), "denoiser" for a DiT."""
+        if self.hub is not None:
+            return self.hub.towers()
         vision = [VISION_TOWER] if self.vision is not None else []
         parts = [*self.towers, *vision, *([DECODER_TOWER] if self.decoder is not None else [])]
         return parts + ([DENOISER_PART] if self.denoiser is not None else [])
 
     def is_language_model(self) -> bool:
-        return self.decoder is not None
+        return self.decoder is not None or self.hub is not None
 
     def is_generator(self) -> bool:
         """A denoiser trained to generate (flow matching or DDPM)."""
@@ -759,6 +783,8 @@ class ModelSpec:
         return list(self.fusion.towers) or list(self.towers)
 
     def tower_params(self) -> dict[str, int]:
+        if self.hub is not None:
+            return dict(self.hub.tower_params)
         return {name: t.params(self.embed_dim) for name, t in self.towers.items()}
 
     def head_params(self) -> int:
@@ -801,8 +827,8 @@ class ModelSpec:
         each tower and the fusion head (`fusion`); a language model: its vision tower,
         `projector` and the decoder (`text`)."""
         if self.decoder is not None:
-            images = len(self.towers) if self.projector is not None else 0
-            return self.sequence_flops_by_part([self.decoder.max_positions], images)
+            positions, images = self.counted_row()
+            return self.sequence_flops_by_part([positions], images)
         if self.denoiser is not None:
             return {DENOISER_PART: self.denoiser.forward_flops()}
         parts = dict(self.tower_flops())
@@ -813,6 +839,13 @@ class ModelSpec:
                 {n: self.towers[n].width for n in fused},
             )
         return parts
+
+    def counted_row(self) -> tuple[int, int]:
+        """The row a language model's `forward_flops()` counts, as (positions, images):
+        `decoder.max_positions` positions holding one image per tower with a projector, none
+        without (a native-resolution VLM's images have no fixed size)."""
+        assert self.decoder is not None
+        return self.decoder.max_positions, len(self.towers) if self.projector is not None else 0
 
     def sequence_flops_by_part(
         self,

@@ -33,6 +33,7 @@ import argparse
 from pathlib import Path
 
 from mmtrain.cli import UsageError
+from mmtrain.folders import SPEC_FILE
 from mmtrain.spec import ModelSpec, load_spec
 
 # torch and the model code are imported inside the functions: every `mmtrain` command registers
@@ -133,6 +134,8 @@ def _to_hf(source: Path, out: Path) -> int:
     from mmtrain.models.formats.hf import NoHFCounterpart, hf_counterpart, write_hf_state
     from mmtrain.models.formats.keys import CheckpointMismatch
 
+    if (source / SPEC_FILE).is_file() and load_spec(source / SPEC_FILE).hub is not None:
+        return _copy_hub_folder(source, out)
     # The folder is read one tensor at a time and written shard by shard: a 70B model never
     # needs its whole state dict in memory.
     spec, weights = read_model_folder(source)
@@ -152,6 +155,29 @@ def _to_hf(source: Path, out: Path) -> int:
         print(f"copied {', '.join(names)} from {origin}")
     for note in extras.notes:
         print(f"note: {note}")
+    return 0
+
+
+def _copy_hub_folder(source: Path, out: Path) -> int:
+    """A hub model's run folder is its transformers class's folder already (train/export_hub.py):
+    its config, weights and processor files, copied as they are (mmtrain's own files left)."""
+    import shutil
+
+    from mmtrain.model_sources import HF_CONFIG_FILE
+
+    if not (source / HF_CONFIG_FILE).is_file():
+        raise UsageError(f"{source}: no {HF_CONFIG_FILE}: the run has not finished")
+    own = {"spec.yaml", "config.yaml", "metrics.jsonl", "eval.json", "lora.safetensors"}
+    out.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for path in sorted(source.iterdir()):
+        if path.is_file() and path.name not in own:
+            shutil.copy2(path, out / path.name)
+            copied.append(path.name)
+        elif path.is_dir() and path.name == "adapter":
+            shutil.copytree(path, out / path.name, dirs_exist_ok=True)
+            copied.append(path.name + "/")
+    print(f"wrote {out} (a transformers folder, from {source}): {', '.join(copied)}")
     return 0
 
 

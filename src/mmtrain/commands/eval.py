@@ -4,7 +4,10 @@ for a language model (a spec with a decoder): perplexity and generated answers o
 Loads a model folder (model.safetensors + spec.yaml) or a training checkpoint (full or sharded),
 streams the data in eval mode, and writes `eval.json` (into the model folder, or
 RUN_DIR/eval-step_N.json for a checkpoint, unless `--out` says otherwise) and a table. Under
-torchrun every rank embeds and scores its share; rank 0 writes and prints.
+torchrun every rank embeds and scores its share; rank 0 writes and prints. A hub model (a hub
+run's folder, or any transformers folder of a class mmtrain trains as it is) is evaluated
+with the metrics of a native language model, through its folder's processor and its class's
+own generate (eval/hub.py).
 """
 
 from __future__ import annotations
@@ -149,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
     device = _init_distributed(args.device, torch)
     model, run_dir, source = _load_model(model_dir, device)
     spec = model.spec
+    if spec.hub is not None:
+        return _write(_hub_report(model, run_dir, args), model, run_dir, source, args)
     if spec.decoder is not None:
         report = _language_model_report(model, run_dir, args)
         return _write(report, model, run_dir, source, args)
@@ -216,12 +221,7 @@ def _write(report: dict[str, Any], model: Any, run_dir: Path, source: Path, args
     return 0
 
 
-def _language_model_report(model: Any, run_dir: Path, args: argparse.Namespace) -> dict:
-    """Perplexity and generated answers (eval.generation) for a model with a decoder."""
-    from mmtrain.data.stream.conversation_batches import resolve_chat_template
-    from mmtrain.eval.generation import VLMEvaluator
-    from mmtrain.structured import FieldError
-
+def _check_language_model_flags(spec: Any, args: argparse.Namespace) -> None:
     clip_only = {
         "--pairs": args.pairs,
         "--zeroshot": args.zeroshot or args.zeroshot_classes,
@@ -230,11 +230,20 @@ def _language_model_report(model: Any, run_dir: Path, args: argparse.Namespace) 
     }
     used = [flag for flag, value in clip_only.items() if value]
     if used:
-        raise UsageError(f"{', '.join(used)}: not for a language model ({model.spec.name})")
+        raise UsageError(f"{', '.join(used)}: not for a language model ({spec.name})")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     if args.examples < 0:
         raise UsageError(f"--examples must be 0 or more, got {args.examples}")
+
+
+def _language_model_report(model: Any, run_dir: Path, args: argparse.Namespace) -> dict:
+    """Perplexity and generated answers (eval.generation) for a model with a decoder."""
+    from mmtrain.data.stream.conversation_batches import resolve_chat_template
+    from mmtrain.eval.generation import VLMEvaluator
+    from mmtrain.structured import FieldError
+
+    _check_language_model_flags(model.spec, args)
     tokenizer = args.tokenizer or _run_tokenizer(run_dir)
     template = args.chat_template or _run_data_field(run_dir, "chat_template")
     try:
@@ -259,10 +268,34 @@ def _language_model_report(model: Any, run_dir: Path, args: argparse.Namespace) 
         if err.path in flags:
             raise UsageError(f"{flags[err.path]} {err.message}") from None
         raise
+    return _report_and_close(evaluator, model)
+
+
+def _hub_report(model: Any, run_dir: Path, args: argparse.Namespace) -> dict:
+    """A hub model's perplexity and answers (eval/hub.py): the batches training made, with
+    the processor the run folder holds, and the class's own generate."""
+    from mmtrain.eval.hub import HubEvaluator, hub_batcher, processor_folder
+    from mmtrain.structured import FieldError
+
+    _check_language_model_flags(model.spec, args)
+    folder = processor_folder(run_dir, model.spec)
+    native_only = {"--tokenizer": args.tokenizer, "--chat-template": args.chat_template}
+    used = [flag for flag, value in native_only.items() if value]
+    if used:
+        raise UsageError(
+            f"{', '.join(used)}: {model.spec.name} is a hub model; its inputs are made by the "
+            f"processor of {folder} (its tokenizer and chat template): leave them out"
+        )
     try:
-        return evaluator.report(model)
-    finally:
-        evaluator.close()
+        batcher = hub_batcher(model.spec, folder, _run_data_field(run_dir, "sequence_length"))
+        evaluator = HubEvaluator(model.spec, args.data, batcher=batcher,
+                                 batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                                 examples=args.examples)  # fmt: skip
+    except FieldError as err:
+        if err.path == "data":
+            raise UsageError(f"--data {err.message}") from None
+        raise
+    return _report_and_close(evaluator, model)
 
 
 def _denoiser_report(model: Any, run_dir: Path, args: argparse.Namespace, device: Any) -> dict:
@@ -391,7 +424,8 @@ def _init_distributed(device_arg: str | None, torch: Any) -> Any:
 def _load_model(folder: Path, device: Any) -> tuple[Any, Path, Path]:
     """The model to evaluate, the run folder it came from and the folder its weights came
     from (`folder` itself, or a checkpoint of it). `folder` is a model folder
-    (model.safetensors + spec.yaml: a finished run, `mmtrain convert`'s output), a checkpoint
+    (model.safetensors + spec.yaml: a finished run, `mmtrain convert`'s output; a hub run's or
+    any transformers folder of a hub class: eval/hub.py), a checkpoint
     (RUN_DIR/checkpoints/step_N, full or sharded under FSDP), or a run still training (its
     newest valid checkpoint)."""
     import mmtrain
@@ -402,10 +436,13 @@ def _load_model(folder: Path, device: Any) -> tuple[Any, Path, Path]:
         load_weights,
         read_meta,
     )
+    from mmtrain.eval.hub import is_hub_folder, load_hub_model
     from mmtrain.folders import SPEC_FILE, WEIGHTS_FILE
     from mmtrain.models.build import is_model_folder
     from mmtrain.spec import ModelSpec
 
+    if is_hub_folder(folder):  # a hub run's folder is its class's transformers folder
+        return load_hub_model(folder, device), folder, folder
     if is_model_folder(folder):  # final weights: one file, or shards + index
         return mmtrain.load_model(folder, device=device), folder, folder
     checkpoint, verified = folder, False
@@ -574,3 +611,10 @@ def _language_model_lines(report: dict[str, Any]) -> list[str]:
     if report.get("skipped_samples"):
         lines.append(f"skipped {report['skipped_samples']} conversations that cannot be scored")
     return lines
+
+
+def _report_and_close(evaluator: Any, model: Any) -> dict:
+    try:
+        return evaluator.report(model)
+    finally:
+        evaluator.close()

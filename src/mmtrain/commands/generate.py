@@ -8,6 +8,9 @@ and chat template the run trained with (its config.yaml: `data.tokenizer`,
 `data.chat_template`; flags override them), renders the prompt as one user turn with the
 template's generation prompt, and prints the answer. Each `--image` takes one `<image>` tag in
 the prompt; a prompt without tags gets one per image in front of it, as LLaVA's data has them.
+A hub model (models/hub/) answers through its run folder's own processor (chat template and
+image processor) and its class's `generate` (eval/hub.py); it takes no --tokenizer,
+--chat-template or --video.
 
 A denoiser (a DiT: flow matching or DDPM) is sampled with the run's own `train.diffusion`
 settings (eval/sampling.py): `--num` images per `--class` (or unconditionally), `--steps`,
@@ -179,6 +182,9 @@ def run(args: argparse.Namespace) -> int:
     for flag, path in [*(("--image", p) for p in images), *(("--video", p) for p in videos)]:
         if not path.is_file():
             raise UsageError(f"{flag} {path}: no such file")
+    if model.spec.hub is not None:
+        print(hub_answer(args, model, run_dir, images, videos))
+        return 0
     prompt = _prompt_with_tags(args.prompt[0], len(images), IMAGE_TAG, "--image")
     prompt = _prompt_with_tags(prompt, len(videos), VIDEO_TAG, "--video")
     spec = model.spec
@@ -208,6 +214,59 @@ def run(args: argparse.Namespace) -> int:
     )
     print(answer)
     return 0
+
+
+def hub_answer(
+    args: argparse.Namespace, model: Any, run_dir: Path, images: list[Path], videos: list[Path]
+) -> str:
+    """A hub model's answer (eval/hub.py): the prompt as one user turn (after --system) in
+    transformers' content lists, rendered by the processor the run folder holds, the class's
+    own generate; the text up to its end-of-turn id."""
+    from mmtrain.data.stream.processor_batches import content_items
+    from mmtrain.eval.hub import end_ids, greedy_settings, hub_answer_ids, processor_folder
+    from mmtrain.structured import FieldError
+
+    folder = processor_folder(run_dir, model.spec)
+    native_only = {"--video": videos, "--tokenizer": args.tokenizer,
+                   "--chat-template": args.chat_template}  # fmt: skip
+    used = [flag for flag, value in native_only.items() if value]
+    if used:
+        raise UsageError(
+            f"{', '.join(used)}: {model.spec.name} is a hub model: its inputs are made by the "
+            f"processor of {folder} (its tokenizer and chat template; images only, no clips "
+            "yet): leave them out"
+        )
+    from mmtrain.data.stream.hf_processor import load_processor
+
+    try:
+        processor = load_processor(folder)
+    except FieldError as err:
+        raise UsageError(f"{args.model}: {err.message}") from None
+    prompt = args.prompt[0]
+    if prompt.count(IMAGE_TAG) == 0:  # the images first, as transformers' content lists do
+        content = [{"type": "image"}] * len(images) + content_items(prompt)
+    else:
+        content = content_items(_prompt_with_tags(prompt, len(images), IMAGE_TAG, "--image"))
+    messages = [{"role": "system", "content": content_items(args.system)}] if args.system else []
+    messages.append({"role": "user", "content": content})
+    pictures = [_picture(path) for path in images]
+    new = hub_answer_ids(model, processor, messages, pictures, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                         folder=folder)  # fmt: skip
+    stops = end_ids(greedy_settings(model.hf, folder, 1, processor.tokenizer), processor.tokenizer)
+    end = next((i for i, token in enumerate(new) if token in stops), len(new))
+    return processor.tokenizer.decode(new[:end]).strip()
+
+
+def _picture(path: Path) -> Any:
+    """An --image file as an RGB PIL image (what a processor takes)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except (OSError, UnidentifiedImageError) as err:
+        raise UsageError(f"--image {path}: cannot be read as an image ({err})") from None
 
 
 def generate_images(args: argparse.Namespace, model: Any, run_dir: Path) -> int:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import replace
+from pathlib import Path
 
 from mmtrain.cli import UsageError
 from mmtrain.commands._args import add_ownership_arguments, count, ownership_given
 from mmtrain.commands._data_args import add_budget_argument
 from mmtrain.hardware import GIB, PRICE_SOURCE, load_catalog
+from mmtrain.hub_spec import HubShape
 from mmtrain.plan.comm import COMM_SHARE_LIMIT
 from mmtrain.plan.config import (
     AC_MODES,
@@ -25,6 +27,7 @@ from mmtrain.plan.config import (
     PlanConfig,
 )
 from mmtrain.plan.estimate import Plan, make_plan
+from mmtrain.plan.hub import check_hub_strategy, hub_plan_model, hub_source
 from mmtrain.plan.model import Rows, from_spec, native_rows
 from mmtrain.plan.native_vision import describe, parse_visual
 from mmtrain.plan.recommend import DEFAULT_DEADLINE_H
@@ -33,6 +36,8 @@ from mmtrain.spec import ModelSpec, load_spec
 from mmtrain.structured import FieldError
 
 ORDER = 20
+HUB_CONTEXT = 4096  # a hub model's planned row: positions (--context)
+HUB_IMAGE_SIZE = 1024  # and its images' side in pixels before the processor (--image-size)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -490,8 +495,12 @@ def run(args: argparse.Namespace) -> int:
             "--budget sets the pixel budget of the pages and clips --data reads; without "
             "--data give a row's inputs with --visual HxW / FxHxW"
         )
-    visual = _visual_inputs(args)
-    model = _model(args, visual)
+    hub = hub_source(args.model)
+    if hub is not None:
+        visual, model = None, _hub_model(args, hub)
+    else:
+        visual = _visual_inputs(args)
+        model = _model(args, visual)
     if args.recommend:
         return _recommend(args, model, _config(replace_gpu(args, "h100")), catalog)
     args = replace_gpu(args, args.gpu or "h100")
@@ -506,7 +515,9 @@ def run(args: argparse.Namespace) -> int:
             )
     plan = make_plan(model, cfg, catalog)
     result = plan.to_dict()
-    if args.measure:
+    if args.measure and hub is not None:
+        result["measured"] = _hub_measured(args, hub, plan)
+    elif args.measure:
         from mmtrain.train.measure_step import measure_training_step  # imports torch
 
         measured = measure_training_step(
@@ -533,6 +544,87 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print_plan(plan, result.get("measured"), result.get("visual"))
     return 0
+
+
+def _hub_shape(args: argparse.Namespace, has_vision: bool) -> HubShape:
+    """The row a hub model is planned (and traced) for: --context positions (default
+    HUB_CONTEXT), --images images (default one for a VLM) of --image-size px square (default
+    HUB_IMAGE_SIZE, before the processor's resizing)."""
+    images = (1 if has_vision else 0) if args.images is None else args.images
+    if images and not has_vision:
+        raise UsageError(f"--images: {args.model} is a language model without a vision tower")
+    size = args.image_size or HUB_IMAGE_SIZE
+    return HubShape(args.context or HUB_CONTEXT, images, size if images else 0,
+                    size if images else 0)  # fmt: skip
+
+
+def _hub_frozen(args: argparse.Namespace, blocks: dict[str, int]) -> tuple[str, ...]:
+    """The parts the trace freezes: --freeze towers, and a tower's stem and first N blocks
+    (--freeze-blocks, --unlocked-blocks)."""
+    frozen = list(args.freeze)
+    freeze_blocks, unlocked = _tower_counts(args)
+    counts = [*freeze_blocks.items(), *((k, blocks.get(k, 0) - v) for k, v in unlocked.items())]
+    for name, n in counts:
+        if name not in blocks:
+            raise FieldError("--freeze-blocks", f"no tower {name!r}; towers: {', '.join(blocks)}")
+        if n > 0:
+            frozen.append(f"{name}:{n}")
+    return tuple(frozen)
+
+
+def _hub_model(args: argparse.Namespace, hub: tuple[Path, bool]):
+    """The plan model of a hub model (a folder, org/name or hub preset): traced at the planned
+    row with the parts --freeze and --freeze-blocks freeze (models/hub/trace.py, cached)."""
+    from mmtrain.models.hub.trace import traced_for_plan  # imports torch and transformers
+
+    check_hub_strategy(args.sequence_parallel)
+    for flag, value in (("--visual", args.visual), ("--data", args.data),
+                        ("--packed", args.packed), ("--inference", args.inference)):  # fmt: skip
+        if value:
+            raise UsageError(
+                f"{flag} plans mmtrain's native models; a hub model ({args.model}) "
+                "is planned at --context positions with --images of --image-size"
+            )
+    folder, preset = hub
+    trace = traced_for_plan(
+        args.model,
+        folder,
+        preset,
+        lambda towers: _hub_shape(args, "vision" in towers),
+        lambda blocks: _hub_frozen(args, blocks),
+    )
+    model = hub_plan_model(Path(args.model).name or args.model, trace, args.model)
+    return _adapted(model, args)
+
+
+def _hub_measured(args: argparse.Namespace, hub: tuple[Path, bool], plan: Plan) -> dict:
+    """One real CPU step of the hub model (models/hub/trace.py's `measure_hub_step`) beside
+    the plan's CPU prediction, in the keys a native measurement has."""
+    from mmtrain.models.hub.trace import measure_hub_step, resolved_folder
+    from mmtrain.plan.memory import training_memory
+
+    if args.lora or args.qlora:
+        raise UsageError("--measure of a hub model runs full or frozen towers (no --lora yet)")
+    folder = resolved_folder(args.model, *hub)
+    trace_model = plan.model
+    frozen = _hub_frozen(args, {s.name: s.layers for s in trace_model.stacks})
+    shape = _hub_shape(args, any(s.name == "vision" for s in trace_model.stacks))
+    measured = measure_hub_step(folder, shape, frozen)
+    predicted = training_memory(plan.model, plan.config, None)
+    pred_act, pred_states = predicted.saved_activations_bytes, predicted.model_state_bytes
+    return {
+        **measured,
+        "predicted_activations_bytes": int(pred_act),
+        "predicted_model_state_bytes": int(pred_states),
+        "activations_error": round(pred_act / measured["activations_bytes"] - 1, 5),
+        "model_state_error": round(pred_states / measured["model_state_bytes"] - 1, 6),
+        "predicted_trainable_params": plan.model.trainable_params(),
+        "predicted_forward_flops": plan.model.forward_flops(),
+        "micro_batch": plan.config.micro_batch,
+        "ac": plan.config.ac,
+        "device": "cpu",
+        "dtype": "float32",
+    }
 
 
 def replace_gpu(args: argparse.Namespace, gpu: str) -> argparse.Namespace:
@@ -1010,7 +1102,8 @@ def _inference(args, model, catalog) -> int:
     if any(s.kind == "diffusion" for s in model.stacks):
         return _sampling(args, model, gpu, precision)
     context = args.context or 4096
-    est = inference_memory(model, gpu, context, args.batch, precision, args.tp, args.gpus)
+    gpus = max(args.gpus, args.tp)  # `--tp 8` alone: one group of 8 (--gpus defaults to 1)
+    est = inference_memory(model, gpu, context, args.batch, precision, args.tp, gpus)
     if args.prompt_tokens is not None and not 1 <= args.prompt_tokens <= context:
         raise FieldError("--prompt-tokens", f"must be between 1 and --context {context}")
     speed = serving_speed(model, gpu, catalog, est, precision, args.prompt_tokens, args.mfu)
@@ -1023,7 +1116,7 @@ def _inference(args, model, catalog) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    layout = f"{args.gpus} x {gpu.name}: {est.replicas} replica(s) of TP {est.tp}"
+    layout = f"{gpus} x {gpu.name}: {est.replicas} replica(s) of TP {est.tp}"
     print(f"{model.name} on {layout} ({gpu.memory_usable_gib} GiB usable each), {precision}, "
           f"{est.batch} x {est.context} tokens a replica")  # fmt: skip
     print(
@@ -1242,12 +1335,10 @@ def _print_own(d) -> None:
         print(f"  {o.name:10} {total:>18} {per:>20}  {late}")
     print(f"cheapest: {d.cheapest or 'none'}")
     print(f"why: {explain(d)}")
-    be = ", ".join(f"{mode} {'never' if u is None else f'{u:.1%}'}"
-                   for mode, u in d.break_even_utilisation.items())  # fmt: skip
+    be = _break_even(d.break_even_utilisation)
     print(f"buying breaks even at a utilisation of: {be} (this plan: {d.utilisation:.1%})")
     what_if = d.sensitivity
-    be = ", ".join(f"{mode} {'never' if u is None else f'{u:.1%}'}"
-                   for mode, u in what_if["break_even_utilisation"].items())  # fmt: skip
+    be = _break_even(what_if["break_even_utilisation"])
     counted = f"this plan counts {i.residual_value:.0%}: --residual-value"
     print(f"with a {what_if['residual_value']:.0%} residual value, buying breaks even at a "
           f"utilisation of: {be} ({counted})")  # fmt: skip
@@ -1264,6 +1355,12 @@ def _print_own(d) -> None:
             print(f"  {f.name} = {f.value:g} ({f.flag}): assumed: {f.source}")
         else:
             print(f"  {f.name} = {f.value:g} ({f.flag}): {f.source} [as of {f.as_of}]")
+
+
+def _break_even(utilisation: dict[str, float | None]) -> str:
+    """`on_demand 23.8%, monthly never`: the break-even utilisation against each rental."""
+    return ", ".join(f"{mode} {'never' if u is None else f'{u:.1%}'}"
+                     for mode, u in utilisation.items())  # fmt: skip
 
 
 def _job_text(j) -> str:

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
+from mmtrain.commands.plan import HUB_CONTEXT, HUB_IMAGE_SIZE
+from mmtrain.hub_spec import HubShape
+from mmtrain.plan.hub import hub_preset_names, hub_source
 from mmtrain.spec import (
     AudioStem,
     ImageStem,
@@ -24,24 +29,29 @@ ORDER = 10
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("spec", help="show a model spec (preset or file) and its analytic counts")
-    p.add_argument("model", nargs="?", help="preset name or spec YAML/JSON; omit to list presets")
+    p.add_argument(
+        "model",
+        nargs="?",
+        help="preset name, spec YAML/JSON, or a transformers model "
+        "folder / org/name / hub preset; omit to list presets",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
 
 
 def counted_input(spec: ModelSpec) -> dict[str, Any]:
-    """The one sample `spec.forward_flops()` counts, read from the fields that
-    ModelSpec.forward_flops_by_part takes it from: a language model's one row of
-    `decoder.max_positions` positions, with one image per tower at its stem's size (a projector
-    VLM) or none (a native-resolution VLM: its images have no fixed size); a denoiser's
-    `denoiser.size()` (and an MMDiT's `text_tokens`); one input per tower at its stem's size."""
+    """The one sample `spec.forward_flops()` counts: a language model's `ModelSpec.counted_row`,
+    its images at the projector tower's stem size; a denoiser's `denoiser.size()` (and an
+    MMDiT's `text_tokens`); one input per tower at its stem's size."""
     if spec.decoder is not None:
+        positions, count = spec.counted_row()
         images = []
-        if spec.projector is not None:
+        if count:
+            assert spec.projector is not None
             tower = spec.towers[spec.projector.tower]
             image = {"tower": spec.projector.tower, **tower_input(tower)}
-            images = [image | {"positions": spec.image_tokens()}] * len(spec.towers)
-        return {"rows": 1, "positions": spec.decoder.max_positions, "images": images,
+            images = [image | {"positions": spec.image_tokens()}] * count
+        return {"rows": 1, "positions": positions, "images": images,
                 "native_images": spec.vision is not None}  # fmt: skip
     if spec.denoiser is not None:
         d = spec.denoiser
@@ -121,7 +131,12 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None:
         for name in preset_names():
             print(_listing_line(name, load_spec(name)))
+        print(f"hub presets (transformers' classes, `mmtrain spec NAME`): "
+              f"{', '.join(hub_preset_names())}")  # fmt: skip
         return 0
+    hub = hub_source(args.model)
+    if hub is not None:
+        return _hub(args, *hub)
     spec = load_spec(args.model)
     counted = counted_input(spec)
     per_position = _per_position(spec, counted)
@@ -140,6 +155,64 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     _print_summary(spec, summary)
+    return 0
+
+
+def hub_summary(model: str, folder: Path, preset: bool) -> dict[str, Any]:
+    """A hub model (a folder, org/name or hub preset): its class, towers with parameters and
+    blocks, and the trace's forward FLOPs at the planner's default row (commands/plan.py's
+    HUB_CONTEXT positions, one image of HUB_IMAGE_SIZE px for a VLM)."""
+    from mmtrain.models.hub.trace import traced_for_plan  # imports torch and transformers
+
+    def shape(towers: tuple[str, ...]) -> HubShape:
+        size = HUB_IMAGE_SIZE if "vision" in towers else 0
+        return HubShape(HUB_CONTEXT, 1 if size else 0, size, size)
+
+    trace = traced_for_plan(model, folder, preset, shape, lambda _blocks: ())
+    shape_used = asdict(trace.shape)
+    return {
+        "name": model,
+        "hub": True,
+        "architecture": trace.architecture,
+        "params": sum(t.params for t in trace.towers),
+        "tower_params": {t.name: t.params for t in trace.towers},
+        "towers": {
+            t.name: {
+                "params": t.params,
+                "blocks": t.blocks,
+                "block_params": t.block_params,
+                "tokens": t.tokens,
+                "forward_flops": t.forward_flops,
+            }  # fmt: skip
+            for t in trace.towers
+        },
+        "forward_flops_per_sample": trace.forward_flops(),
+        "forward_flops_input": shape_used | {"image_tokens": trace.image_tokens},
+    }
+
+
+def _hub(args: argparse.Namespace, folder: Path, preset: bool) -> int:
+    summary = hub_summary(args.model, folder, preset)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    shape = summary["forward_flops_input"]
+    print(f"{summary['name']}: {summary['architecture']} (hub model: transformers' class), "
+          f"{summary['params']:,} parameters, {summary['forward_flops_per_sample'] / 1e9:,.2f} "
+          "forward GFLOPs per sample")  # fmt: skip
+    row = f"1 row of {shape['positions']:,} positions"
+    if shape["images"]:
+        row += (f" with {shape['images']} image {shape['image_height']}x{shape['image_width']} "
+                f"px ({shape['image_tokens']} tokens)")  # fmt: skip
+    print(
+        f"  counted at: {row} (traced; `mmtrain plan --model` takes --context, --images, "
+        "--image-size)"
+    )
+    for name, t in summary["towers"].items():
+        print(
+            f"  {name:8s} {t['blocks']:4d} blocks  {t['tokens']:7d} tokens  "
+            f"{t['params'] / 1e6:11.2f}M params  {t['forward_flops'] / 1e9:11.2f} GFLOPs"
+        )
     return 0
 
 

@@ -299,7 +299,7 @@ def _padded(
     return ids, mask
 
 
-def _model_parts(
+def model_parts(
     model: nn.Module, device: torch.device | str | None = None
 ) -> tuple[torch.device, torch.dtype]:
     """Where inputs go (`device`, else the weights' device) and the dtype of float inputs."""
@@ -325,6 +325,14 @@ def _is_sharded(model: nn.Module) -> bool:
 
 
 # ----------------------------------------------------------------------------- the evaluator
+def check_sizes(batch_size: int, max_new_tokens: int) -> None:
+    """An evaluator's batch size and answer length, each at least 1."""
+    if batch_size < 1:
+        raise FieldError("batch_size", f"must be positive, got {batch_size}")
+    if max_new_tokens < 1:
+        raise FieldError("max_new_tokens", f"must be positive, got {max_new_tokens}")
+
+
 class VLMEvaluator:
     """Perplexity and answer quality on validation conversations; `eval.run.Evaluator`'s
     interface: `report(model)` (nested, eval.json), `model -> flat metrics` (call), `close()`.
@@ -356,10 +364,7 @@ class VLMEvaluator:
     ):
         if spec.decoder is None:
             raise FieldError("model", f"{spec.name} has no decoder: use eval.run.Evaluator")
-        if batch_size < 1:
-            raise FieldError("batch_size", f"must be positive, got {batch_size}")
-        if max_new_tokens < 1:
-            raise FieldError("max_new_tokens", f"must be positive, got {max_new_tokens}")
+        check_sizes(batch_size, max_new_tokens)
         self.spec = spec
         self.batch_size, self.max_new_tokens, self.examples = batch_size, max_new_tokens, examples
         self.rank = distributed.rank() if rank is None else rank
@@ -430,7 +435,7 @@ class VLMEvaluator:
 
     @torch.no_grad()
     def _nll(self, model: nn.Module, device: Any) -> tuple[float, int, set[int]]:
-        device, dtype = _model_parts(model, device)
+        device, dtype = model_parts(model, device)
         share, total, tokens, broken = self._share(), 0.0, 0, set()
         for step in range(self._steps()):
             positions = share[step * self.batch_size : (step + 1) * self.batch_size]
@@ -457,7 +462,7 @@ class VLMEvaluator:
         OWN, SHUFFLED (the samples that have a partner) or FRAMES_REVERSED (those with a
         clip)."""
         generator = _generating_module(model)
-        device, dtype = _model_parts(model, device)
+        device, dtype = model_parts(model, device)
         share = self._share()
         if variant == SHUFFLED:
             share = [p for p in share if self.partners[p] is not None]

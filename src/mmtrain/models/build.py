@@ -72,6 +72,10 @@ def create_model(
     """
     spec = load_spec(name_or_spec)
     device = torch.device(device) if device is not None else torch.device("cpu")
+    if spec.hub is not None:  # transformers' own class (imports transformers: here, lazily)
+        from mmtrain.models.hub.model import create_hub_model
+
+        return create_hub_model(spec, device=device, dtype=dtype, seed=seed)
     # Build on the meta device (no memory, no default init), then allocate once and init once.
     with torch.device("meta"):
         model = _new_model(spec)

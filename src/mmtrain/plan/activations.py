@@ -417,6 +417,11 @@ def stack_activations(
     micro-batch of the whole stack, scaled by min(1, m/p) (Megatron-LM).
     """
     micro_batch = micro_batch * stack.per_sample  # a VLM's image tower sees images, not rows
+    if stack.traced is not None:  # a hub model's tower: priced from its trace (plan/hub.py)
+        from mmtrain.plan.hub import traced_activations
+
+        chunk = loss_chunk_bytes(stack, micro_batch, o) if stack.vocab else 0.0
+        return traced_activations(stack, micro_batch, o, chunk)
     working = layer_bytes(stack, micro_batch, ActivationOptions(**{**o.__dict__, "ac": "none"}))
     frozen = stack.mode == "frozen"
     if frozen and not input_grad:

@@ -22,7 +22,7 @@ from mmtrain.hardware import GIB, Catalog
 from mmtrain.plan.config import PlanConfig
 from mmtrain.plan.estimate import Plan
 from mmtrain.plan.model import PlanModel
-from mmtrain.plan.recommend import GPU_COUNTS, Recommendation, _rounded, recommend
+from mmtrain.plan.recommend import GPU_COUNTS, Recommendation, _per_sample, _rounded, recommend
 
 
 @dataclass(frozen=True)
@@ -36,12 +36,11 @@ class Change:
 
     @property
     def cost_per_sample(self) -> float:
-        t, c = self.plan.time, self.plan.config
-        return c.gpus * t.price_per_gpu_hour * t.step_time_s / c.effective_global_batch / 3600
+        return _per_sample(self.plan, "cost")
 
     @property
     def time_per_sample(self) -> float:
-        return self.plan.time.step_time_s / self.plan.config.effective_global_batch
+        return _per_sample(self.plan, "time")
 
     def to_dict(self) -> dict:
         return {

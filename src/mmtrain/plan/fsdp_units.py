@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from mmtrain.plan import quantized as q
+from mmtrain.plan.activations import BF16_MODEL
 from mmtrain.plan.model import PlanModel, Stack
-from mmtrain.plan.states import frozen_bytes
+from mmtrain.plan.states import compute_dtype_bytes, frozen_bytes
 
 
 @dataclass(frozen=True)
@@ -48,28 +49,18 @@ class Unit:
         return sum(o * i for o, i in self.nf4_shapes)
 
 
-def gather_bytes(precision: str) -> int:
-    """Bytes of a parameter as FSDP2 gathers it (MixedPrecisionPolicy's param_dtype)."""
-    return 4 if precision == "fp32" else 2
-
-
-def nf4_dtype_bytes(precision: str) -> int:
-    """Bytes of the dtype an NF4 weight was converted from (its scales' dtype)."""
-    return 4 if precision == "fp32" else 2
-
-
 def unit_gathered(unit: Unit, precision: str) -> float:
     """One unit's parameters gathered, in bytes (NF4 weights as held)."""
-    dt = nf4_dtype_bytes(precision)
+    dt = compute_dtype_bytes(precision)  # gathered in it, NF4 converted from it
     nf4 = sum(q.nf4_bytes(o * i, dt) for o, i in unit.nf4_shapes)
-    return (unit.params - unit.nf4) * gather_bytes(precision) + nf4
+    return (unit.params - unit.nf4) * dt + nf4
 
 
 def unit_frozen_held(unit: Unit, precision: str, shards: int = 1) -> float:
     """Bytes of one unit's frozen parameters as held, sharded over `shards` ranks."""
     frozen = unit.params - unit.trainable
     dense = frozen_bytes(frozen - unit.nf4, unit.frozen_fp32, precision) / shards
-    dt = nf4_dtype_bytes(precision)
+    dt = compute_dtype_bytes(precision)
     return dense + sum(q.nf4_bytes(o * i, dt, shards) for o, i in unit.nf4_shapes)
 
 
@@ -133,9 +124,16 @@ def embedding_table(stack: Stack) -> int:
     return stack.stem_params if _outside_blocks(stack) >= 2 * stack.stem_params else 0
 
 
-def _trains_outside(stack: Stack) -> bool:
-    """Whether the parameters outside `stack`'s blocks train (not frozen, LoRA or partly)."""
-    return stack.mode == "train" and stack.frozen_blocks is None
+def _frozen_outside(stack: Stack) -> tuple[int, int]:
+    """(parameters, of them held in fp32 when frozen under 16-bit autocast) outside `stack`'s
+    blocks that are frozen: all of a frozen or LoRA stack's; a partly frozen stack's stem,
+    frozen with its first blocks (its final norm and head train); none of a trained one's."""
+    if stack.mode != "train":
+        fp32 = max(stack.fp32_params - stack.layers * _block_fp32(stack), 0)
+        return _outside_blocks(stack), fp32
+    if stack.frozen_blocks is None:
+        return 0, 0
+    return stack.stem_params, stack.stem_fp32_params
 
 
 @lru_cache(maxsize=256)
@@ -149,16 +147,16 @@ def fsdp_units(model: PlanModel, shards: int = 1) -> tuple[Unit, ...]:
         if s.layers:
             units += _block_units(s, shards)
         embedding = embedding_table(s)
-        trains = _trains_outside(s)
         # frozen tables and norms outside the blocks stay fp32 under autocast (states.py)
-        fp32 = 0 if trains else max(s.fp32_params - s.layers * _block_fp32(s), 0)
-        if embedding:
+        frozen, fp32 = _frozen_outside(s)
+        if embedding:  # the stem: frozen whenever anything outside the blocks is
+            trains = frozen < embedding
             units.append(Unit(f"{s.name} embedding", "embedding", 1, embedding, embedding if trains else 0,
                               0 if trains else embedding, (), (embedding,), 2 if trains else 1))  # fmt: skip
-            fp32 = max(fp32 - embedding, 0)
+            frozen, fp32 = max(frozen - embedding, 0), max(fp32 - embedding, 0)
         outside = _outside_blocks(s) - embedding
         root_params += outside
-        root_trainable += outside if trains else 0
+        root_trainable += outside - min(frozen, outside)
         root_fp32 += min(fp32, outside)
         if outside:
             root_tensors.append(outside)
@@ -181,7 +179,7 @@ def host_param_bytes(unit: Unit, precision: str) -> float:
 def trained_param_bytes(precision: str) -> int:
     """Bytes of a trained parameter as the model holds it: fp32 under torch autocast (bf16,
     fp16, fp8) and fp32; bf16 where the model itself is bf16 (bf16-weights, bf16-pure)."""
-    return 2 if precision in ("bf16-weights", "bf16-pure") else 4
+    return 2 if precision in BF16_MODEL else 4
 
 
 def frozen_gathered_bytes(model: PlanModel, precision: str, shards: int = 1) -> float:
@@ -190,6 +188,6 @@ def frozen_gathered_bytes(model: PlanModel, precision: str, shards: int = 1) -> 
     total = 0.0
     for u in fsdp_units(model, shards):
         frozen = u.params - u.trainable
-        gathered = unit_gathered(u, precision) - u.trainable * gather_bytes(precision)
+        gathered = unit_gathered(u, precision) - u.trainable * compute_dtype_bytes(precision)
         total += u.count * (gathered if frozen else 0.0)
     return total

@@ -83,11 +83,7 @@ def kv_cache_bytes(
     """KV cache of all decoder stacks for `batch` sequences of `tokens` tokens, on one GPU of a
     TP group of `tp` (ceil(kv_heads / tp) heads a layer)."""
     b = kv_element_bytes(precision)
-    per_token = sum(
-        2 * s.layers * -(-s.kv_heads // tp) * s.head_dim * b
-        for s in model.stacks
-        if s.kind == "decoder"
-    )
+    per_token = sum(s.kv_bytes_per_token(b, tp) for s in model.stacks if s.kind == "decoder")
     return per_token * tokens * batch
 
 

@@ -37,9 +37,10 @@ from mmtrain.plan.activations import (
     stack_activations,
 )
 from mmtrain.plan.config import PlanConfig
-from mmtrain.plan.fsdp_units import Unit, fsdp_units, gather_bytes, host_param_bytes, unit_gathered
+from mmtrain.plan.fsdp_units import Unit, fsdp_units, host_param_bytes, unit_gathered
 from mmtrain.plan.model import PlanModel
-from mmtrain.plan.states import frozen_model_bytes, shard, state_bytes
+from mmtrain.plan.offload import grad_host_bytes
+from mmtrain.plan.states import compute_dtype_bytes, frozen_model_bytes, shard, state_bytes
 
 MIB = 1024**2
 CUDA_CONTEXT_BYTES = 1000 * MIB
@@ -201,13 +202,12 @@ def _fsdp_buffers(model: PlanModel, precision: str, grad_bytes: float, shards: i
 @lru_cache(maxsize=1024)
 def offload_staging(model: PlanModel, precision: str, shards: int) -> float:
     """GPU bytes of CPU offload's copies: the current and the prefetched unit's shards copied
-    in for their all-gathers, and one unit's reduce-scattered gradient shard (fp32) before it
-    is copied out."""
-    units = [u for u in fsdp_units(model, shards) if u.kind != "root"] or [
-        *fsdp_units(model, shards)
-    ]
-    copied_in = max(host_param_bytes(u, precision) for u in units) / shards
-    copied_out = max(u.trainable for u in units) * 4 / shards
+    in for their all-gathers, and one unit's reduce-scattered gradient shard (in the reduce
+    dtype, plan/offload.py's `grad_host_bytes`) before it is copied out."""
+    units = fsdp_units(model, shards)
+    staged = [u for u in units if u.kind != "root"] or list(units)
+    copied_in = max(host_param_bytes(u, precision) for u in staged) / shards
+    copied_out = max(u.trainable for u in staged) * grad_host_bytes(precision) / shards
     return 2 * copied_in + copied_out
 
 
@@ -215,7 +215,7 @@ def dequantized_working_set(
     model: PlanModel, precision: str, tp: int = 1, shards: int = 1
 ) -> float:
     """QLoRA: the largest NF4 weight dequantized to the compute dtype for its matmul."""
-    dtype_bytes = gather_bytes(precision)
+    dtype_bytes = compute_dtype_bytes(precision)
     largest = max((q.dequantized_bytes(s, dtype_bytes, shards) for s in model.stacks), default=0)
     return largest / tp
 

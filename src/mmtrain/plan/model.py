@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from mmtrain.denoiser_spec import TIMESTEP_FREQUENCIES
+from mmtrain.hub_spec import TowerTrace
 from mmtrain.plan import native_vision as nv
 from mmtrain.spec import (
     DENOISER_PART,
@@ -112,11 +113,14 @@ class Stack:
     # A denoiser under sequence parallelism: the elements of its output patches per sample,
     # which the ranks all-gather once per forward.
     output_elements: int = 0
+    # A hub model's tower (plan/hub.py): what the trace counted, per row (its activations are
+    # priced from it), and one block's linears as (group, out, in) (what LoRA adapts).
+    traced: TowerTrace | None = None
 
     @property
     def sequence_split(self) -> bool:
         """Whether sequence parallelism splits this stack's tokens over its ranks."""
-        return self.kind in SEQUENCE_SPLIT_KINDS
+        return self.kind in SEQUENCE_SPLIT_KINDS and self.traced is None  # native-only
 
     def block_params(self) -> int:
         """Parameters of one block (what ZeRO-3 gathers at a time)."""
@@ -134,6 +138,9 @@ class Stack:
         gated fc1 yields gate and value, 2f). The same layers and shapes as train/lora.py's
         default targets, so `mmtrain plan --lora` counts what a LoRA run trains."""
         w, f, r = self.width, self.mlp_hidden, self.lora_rank
+        if self.traced is not None:  # a hub block's own linears, by group
+            dims = sum(o + i for g, o, i in self.traced.linears if g in self.lora_targets)
+            return self.layers * r * dims
         inner = self.heads * self.head_dim
         per_block = 0
         if "attn" in self.lora_targets:
@@ -177,9 +184,11 @@ class Stack:
             return 1.0
         return (self.layers - self.frozen_blocks) / self.layers
 
-    def kv_bytes_per_token(self, bytes_per_element: float) -> float:
-        """KV cache: K and V for every layer, `kv_heads x head_dim` each (grouped-query aware)."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * bytes_per_element
+    def kv_bytes_per_token(self, bytes_per_element: float, tp: int = 1) -> float:
+        """KV cache: K and V for every layer, `kv_heads x head_dim` each (grouped-query aware),
+        on one GPU of a TP group of `tp`: ceil(kv_heads / tp) heads (a group wider than the kv
+        heads replicates them)."""
+        return 2 * self.layers * -(-self.kv_heads // tp) * self.head_dim * bytes_per_element
 
 
 @dataclass(frozen=True)

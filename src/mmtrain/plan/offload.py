@@ -35,10 +35,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mmtrain.hardware import GIB, GPU, Catalog
+from mmtrain.plan.activations import BF16_MODEL
 from mmtrain.plan.config import PlanConfig
 from mmtrain.plan.fsdp_units import Unit, fsdp_units, host_param_bytes, trained_param_bytes
 from mmtrain.plan.model import PlanModel
-from mmtrain.plan.states import _OPTIMIZER_FP32, _OPTIMIZER_PURE16, state_bytes
+from mmtrain.plan.states import state_bytes
 from mmtrain.structured import FieldError
 
 OVERLAP = 0.8  # as compute.py: the share of compute a prefetched copy can hide behind
@@ -125,13 +126,12 @@ def grad_host_bytes(precision: str) -> int:
 
 
 def optimizer_host_bytes(precision: str, optimizer: str, bytes_per_param: int) -> float:
-    """Optimizer states per trained parameter beside it on the host: the parameter itself is
-    the fp32 master under autocast, so only the optimizer's own states (AdamW 8)."""
-    if precision in ("bf16-weights",):
-        return state_bytes(precision, optimizer, bytes_per_param).optimizer
-    if precision == "bf16-pure":
-        return _OPTIMIZER_PURE16[optimizer]
-    return _OPTIMIZER_FP32[optimizer]
+    """Optimizer states per trained parameter beside it on the host: under autocast the
+    parameter itself is the fp32 master, so only the optimizer's own states, as an fp32
+    model's (AdamW 8); a bf16 model's as states.py counts them (bf16-weights with its fp32
+    master, bf16-pure without)."""
+    held = precision if precision in BF16_MODEL else "fp32"
+    return state_bytes(held, optimizer, bytes_per_param).optimizer
 
 
 def _pinned(unit: Unit, precision: str, shards: int) -> float:

@@ -59,6 +59,8 @@ def block_linear_shapes(stack: Stack) -> list[tuple[int, int]]:
     value together in a gated MLP), fc2, and a DiT block's adaLN modulation (shift, scale and
     gate of both branches), once per stream of an MMDiT block. Their elements add up to
     `Stack.block_params`."""
+    if stack.traced is not None:  # a hub block's own linears (plan/hub.py)
+        return [(o, i) for _, o, i in stack.traced.linears]
     w, f = stack.width, stack.mlp_hidden
     inner = stack.heads * stack.head_dim
     shapes = [(inner + 2 * stack.kv_heads * stack.head_dim, w), (w, inner)]

@@ -48,7 +48,6 @@ from mmtrain.plan.model import PlanModel
 from mmtrain.structured import FieldError
 
 GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-TP_SIZES = (1, 2, 4, 8)  # what `mmtrain plan --tp` takes; the search runs TP 1 only
 SP_SIZES = (1, 2, 4, 8)  # sequence-parallel ranks per row (within a node)
 # (ZeRO stage, CPU offload) of the layouts `mmtrain train` runs: DDP, FSDP2, FSDP2 offloaded
 LAYOUTS = ((0, False), (3, False), (3, True))
@@ -189,24 +188,15 @@ def _host(plan: Plan) -> float:
 
 
 def _sequence_sizes(model: PlanModel, base: PlanConfig, count: int) -> list[int]:
-    """Sequence-parallel sizes the search tries on `count` GPUs (TP 1)."""
-    return [sp for tp, sp in _parallel_sizes(model, base, count) if tp == 1]
-
-
-def _parallel_sizes(model: PlanModel, base: PlanConfig, count: int) -> list[tuple[int, int]]:
-    """(TP, SP) sizes to try on `count` GPUs: TP x SP dividing the count; SP > 1 only for a
-    model with a stack it splits, and, under `--sequence-parallel-attention all_to_all`, only
-    where SP divides every split stack's heads."""
+    """Sequence-parallel sizes the search tries on `count` GPUs (TP 1): those dividing the
+    count; SP > 1 only for a model with a stack it splits, and, under
+    `--sequence-parallel-attention all_to_all`, only where SP divides every split stack's
+    heads."""
     split = model.split_heads()
-    sp_sizes = SP_SIZES if split else (1,)
+    sizes = SP_SIZES if split else (1,)
     if base.sequence_parallel_attention == "all_to_all":
-        sp_sizes = [n for n in sp_sizes if all(h % n == 0 for h in split)]
-    return [
-        (tp, sp)
-        for tp in TP_SIZES
-        for sp in sp_sizes
-        if tp * sp <= count and count % (tp * sp) == 0
-    ]
+        sizes = tuple(n for n in sizes if all(h % n == 0 for h in split))
+    return [n for n in sizes if n <= count and count % n == 0]
 
 
 def _halves_alike(model: PlanModel, base: PlanConfig, n: int) -> bool:

@@ -22,16 +22,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mmtrain.hardware import GPU, Catalog
+from mmtrain.hardware import GPU, Catalog, Interconnect
 from mmtrain.plan.comm import all_reduce_s, group_link
 from mmtrain.plan.compute import efficiency
 from mmtrain.plan.config import PlanConfig
 from mmtrain.plan.fsdp_units import embedding_table
 from mmtrain.plan.inference import WEIGHT_BYTES, InferenceEstimate, kv_cache_bytes
 from mmtrain.plan.model import PlanModel
+from mmtrain.plan.states import compute_dtype_bytes
 
 TP_ALL_REDUCES = 2  # per layer: after the attention and after the MLP (Megatron-LM)
-COMPUTE = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "fp8"}  # else weight-only
+COMPUTE = ("fp32", "bf16", "fp16", "fp8")  # serving precisions that run matmuls; else weight-only
 
 
 @dataclass(frozen=True)
@@ -78,18 +79,31 @@ def prefill_flops(model: PlanModel, prompt: int) -> float:
 
 
 def _decode_step(
-    model: PlanModel, precision: str, context: int, batch: int, tp: int, gpu: GPU, link
+    model: PlanModel,
+    precision: str,
+    context: int,
+    batch: int,
+    tp: int,
+    gpu: GPU,
+    link: Interconnect,
 ) -> tuple[float, float]:
     """(bytes each GPU reads, seconds) of one decode step of `batch` sequences at `context`."""
     read = decode_weight_bytes(model, precision) / tp
     read += kv_cache_bytes(model, context, batch, precision, tp)
-    act = 4 if precision == "fp32" else 2
-    comm = sum(
-        s.layers * TP_ALL_REDUCES * all_reduce_s(batch * s.width * act, tp, link)
+    comm = _tp_all_reduces_s(model, batch, precision, tp, link)
+    return read, read / (gpu.mem_bw_tbps * 1e12) + comm
+
+
+def _tp_all_reduces_s(
+    model: PlanModel, tokens: int, precision: str, tp: int, link: Interconnect
+) -> float:
+    """The decoder layers' TP all-reduces of `tokens` hidden states (bandwidth only)."""
+    act = compute_dtype_bytes(precision)
+    return sum(
+        s.layers * TP_ALL_REDUCES * all_reduce_s(tokens * s.width * act, tp, link)
         for s in model.stacks
         if s.kind == "decoder"
     )
-    return read, read / (gpu.mem_bw_tbps * 1e12) + comm
 
 
 def serving_speed(
@@ -112,17 +126,11 @@ def serving_speed(
     if memory.max_batch:
         big = _decode_step(model, precision, context, memory.max_batch, tp, gpu, link)[1]
         largest = memory.replicas * memory.max_batch / big
-    compute_precision = COMPUTE.get(precision, "bf16")
+    compute_precision = precision if precision in COMPUTE else "bf16"
     eff = efficiency(model, gpu, PlanConfig(gpu=gpu.key, precision=compute_precision, mfu=mfu))
     rate = gpu.peak_flops(compute_precision) * eff.fraction
     flops = prefill_flops(model, prompt)
-    act = 4 if precision == "fp32" else 2
-    comm = sum(
-        s.layers * TP_ALL_REDUCES * all_reduce_s(prompt * s.width * act, tp, link)
-        for s in model.stacks
-        if s.kind == "decoder"
-    )
-    ttft = flops / (rate * tp) + comm
+    ttft = flops / (rate * tp) + _tp_all_reduces_s(model, prompt, precision, tp, link)
     return ServingSpeed(
         decode_bytes_per_gpu=read,
         decode_step_s=step,

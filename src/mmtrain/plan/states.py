@@ -17,6 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from mmtrain.plan import quantized as q
+from mmtrain.plan.model import PlanModel
+
 # Optimizer bytes per parameter: with an fp32 master copy (mixed) / states in the weight dtype.
 _OPTIMIZER_MIXED = {"adamw": 12, "adamw8bit": 6, "sgd": 8}
 _OPTIMIZER_FP32 = {"adamw": 8, "adamw8bit": 2, "sgd": 4}
@@ -60,6 +63,13 @@ def state_bytes(precision: str, optimizer: str, bytes_per_param: int = 16) -> St
     return StateBytes(2, grads, _OPTIMIZER_MIXED[optimizer], names[bytes_per_param])
 
 
+def compute_dtype_bytes(precision: str) -> int:
+    """Bytes of an element in the compute dtype: 4 under fp32, else 2 (bf16 or fp16, and the
+    bf16 of an fp8 run outside its matmuls). FSDP2 gathers parameters in it
+    (MixedPrecisionPolicy's param_dtype), and QLoRA converts NF4 weights from it."""
+    return 4 if precision == "fp32" else 2
+
+
 def frozen_weight_bytes(precision: str) -> float:
     """A frozen (or LoRA base) weight is stored once, in the compute dtype."""
     return {"fp32": 4, "fp8": 1}.get(precision, 2)
@@ -98,15 +108,13 @@ def shard(params: float, b: StateBytes, zero: int, dp: int) -> ShardedStates:
     )
 
 
-def frozen_model_bytes(model, precision: str, shards: int = 1) -> float:
+def frozen_model_bytes(model: PlanModel, precision: str, shards: int = 1) -> float:
     """Bytes of `model`'s frozen parameters as the trainer holds them, over `shards` ranks
     (FSDP2's, which also decide which weights torchao can split in NF4; TP x PP for the rest):
     linear and convolution weights in the compute dtype, the rest in fp32 under 16-bit
     autocast (`frozen_bytes`), and a QLoRA stack's NF4 weights as torchao lays them out
     (plan/quantized.py: their codes, scalers and factors sharded, the table whole per rank)."""
-    from mmtrain.plan import quantized as q
-
-    dtype_bytes = 4 if precision == "fp32" else 2
+    dtype_bytes = compute_dtype_bytes(precision)
     nf4 = sum(q.nf4_params(s, shards) for s in model.stacks)
     dense = frozen_bytes(model.frozen_params() - nf4, model.frozen_fp32_params(), precision)
     held = sum(q.nf4_stack_bytes(s, dtype_bytes, shards) for s in model.stacks)

@@ -44,6 +44,7 @@ from mmtrain.data.stream.labels import label_value, read_class
 from mmtrain.data.stream.loader import NoValidSamples, StreamingLoader
 from mmtrain.data.stream.media import MediaError
 from mmtrain.data.stream.order import apportion, mixing_schedule
+from mmtrain.data.stream.processor_batches import ProcessorBatcher, ProcessorDecoder
 from mmtrain.data.stream.sample_sizes import bucket_ids
 from mmtrain.data.stream.tokenizer import Tokenizer, get_tokenizer
 from mmtrain.data.stream.transforms import (
@@ -163,11 +164,11 @@ class TrainData:
         weights = [s.weight for s in config.data.train] if len(sources) > 1 else None
         self._check_labels(config, spec)
         self.micro_batch = micro_batch
-        if config.data.balance and not spec.is_language_model():
-            raise FieldError("data.balance", "deals conversation samples by cost: a decoder LM's")
-        self.conversations = (
-            ConversationBatcher(config.data, spec) if spec.is_language_model() else None
-        )
+        if config.data.balance and spec.decoder is None:
+            # A hub model's costs would need every sample through its processor first.
+            why = "not yet for hub models" if spec.hub is not None else "a decoder LM's"
+            raise FieldError("data.balance", f"deals conversation samples by cost: {why}")
+        self.conversations = _conversations(config, spec)
         # What a refusal of every sample is told against (`_unfillable`).
         self.row_length = self.conversations.sequence_length if self.conversations else None
         self.native = spec.vision is not None
@@ -284,6 +285,8 @@ class TrainData:
         if not self.uint8_pixels:
             return {}
         decoder = self.loaders[0].decode
+        if isinstance(decoder, ProcessorDecoder):  # the folder's processor normalises itself
+            return {}
         if isinstance(decoder, ConversationDecoder) and decoder.native is not None:
             values = decoder.native.scale_and_shift()
             return {"image": values, "video": values}
@@ -421,6 +424,14 @@ def _unfillable(err: NoValidSamples, row_length: int | None, native: bool) -> Fi
         f"(they need up to {needed} positions; the largest input: {what}); give "
         f"data.sequence_length={needed} or more{budget}",
     )
+
+
+def _conversations(config: RunConfig, spec: ModelSpec) -> ConversationBatcher | None:
+    """How conversation samples become a language model's batches: mmtrain's chat templates
+    and tokenizer for a native model, the folder's own processor for a hub model."""
+    if spec.hub is not None:
+        return ProcessorBatcher(config.data, spec)
+    return ConversationBatcher(config.data, spec) if spec.is_language_model() else None
 
 
 def _shard_cache(config: RunConfig) -> ShardCache | None:

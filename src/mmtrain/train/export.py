@@ -1,6 +1,6 @@
 """The run's final weights, written one tensor at a time: OUT/model.safetensors (shards and an
 index past 5 GB) + OUT/spec.yaml, LoRA adapters merged, and the adapters alone in
-OUT/lora.safetensors. `copy_processor_files` puts beside them, at the start of a run, the
+OUT/lora.safetensors and OUT/adapter/. `copy_processor_files` puts beside them, at the start of a run, the
 tokenizer, chat template, processor and generation files of where the run starts, so that
 `convert --to hf OUT` needs nothing outside the run folder.
 
@@ -14,6 +14,10 @@ A merged LoRA weight is written in the adapters' dtype (fp32) when its base is h
 narrower one (bf16, or QLoRA's NF4, dequantised first): W + scale B A is summed in float64 and
 rounded once (train/lora.py `merged`). QLoRA's other NF4 weights are written dequantised, in
 the dtype the forward used them in; the model folder holds no 4-bit tensor.
+
+A LoRA run's adapters are also written as OUT/adapter/ in PEFT's layout, named after the
+transformers model `convert --to hf` writes (models/formats/peft_adapter.py); where the spec
+has no transformers class, the log says so and the run ends as before.
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ from torch import nn
 from mmtrain.config import LoraConfig, RunConfig
 from mmtrain.models import create_model
 from mmtrain.models.build import write_model_folder
+from mmtrain.models.formats.hf_common import NoHFCounterpart
 from mmtrain.models.formats.hf_processor_files import (
     TOKENIZER_FILES,
     ProcessorFilesError,
     find_processor_files,
 )
+from mmtrain.models.formats.peft_adapter import ADAPTER_DIR, write_peft_adapter
 from mmtrain.models.materialize import full_on_cpu
 from mmtrain.models.safetensors_files import TensorEntry
 from mmtrain.train import parallel
@@ -49,25 +55,56 @@ def export_model(
     rank: int,
     lora_scale: Mapping[str, float],
     loras: Mapping[str, LoraConfig],
+    *,
+    base_name: str | None = None,
 ) -> None:
-    """Every rank calls it (a collective under FSDP); rank 0 writes."""
+    """Every rank calls it (a collective under FSDP); rank 0 writes. A LoRA run also gets
+    OUT/adapter/ in PEFT's layout, `base_name` (`peft_base_name(config.init)`) recorded as
+    the model it applies to."""
     sharded = parallel.is_fsdp(model)
     if not sharded and rank != 0:
         return
     state = model.state_dict()  # QLoRA's NF4 weights are not in it (train/qlora.py)
     check_finite_weights(state, sharded=sharded)
     adapters = {name: full_on_cpu(v) for name, v in state.items() if is_adapter(name)}
-    sources = _plain_sources(model, state)
+    sources = plain_sources(model, state)
     layout = [_entry(name, v, adapters, lora_scale) for name, v in sources.items()]
     _check_layout(model, layout)
-    tensors = _merged_tensors(sources, adapters, lora_scale)
+    tensors = merged_tensors(sources, adapters, lora_scale)
     if rank != 0:
         for _ in tensors:  # take part in every gather
             pass
         return
     if adapters:
         write_lora_file(adapters, loras, out / LORA_FILE)
+        _write_peft_adapter(model, adapters, loras, out, base_name)
     write_model_folder(out, model.spec, layout, tensors)
+
+
+def _write_peft_adapter(
+    model: nn.Module,
+    adapters: Mapping[str, torch.Tensor],
+    loras: Mapping[str, LoraConfig],
+    out: Path,
+    base_name: str | None,
+) -> None:
+    """OUT/adapter/ (models/formats/peft_adapter.py), where the spec has a transformers class;
+    otherwise logged, never a reason to fail a finished run. The base is `base_name` only
+    when the run trained nothing but the adapters: then the folder it started from is
+    exactly the model the adapters apply to."""
+    trained = [n for n, p in model.named_parameters() if p.requires_grad and not is_adapter(n)]
+    if trained and base_name is not None:
+        log.info(
+            "the PEFT adapter records no base model: the run also trained %d other weights "
+            "(%s, ...), so %s is not the model its adapters apply to",
+            len(trained), trained[0], base_name,
+        )  # fmt: skip
+        base_name = None
+    try:
+        write_peft_adapter(model.spec, adapters, loras, out / ADAPTER_DIR, base_name)
+    except NoHFCounterpart as err:
+        log.info("no PEFT adapter (%s/): the model has no transformers counterpart: %s",
+                 ADAPTER_DIR, err)  # fmt: skip
 
 
 def copy_processor_files(config: RunConfig, out: Path) -> list[str]:
@@ -102,7 +139,7 @@ def _existing(value: str, key: str) -> Path:
     return path.resolve()
 
 
-def _plain_sources(model: nn.Module, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def plain_sources(model: nn.Module, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The plain model's tensors, by name, in its order: the state dict's (adapters left out)
     and the NF4 parameters it leaves out."""
     quantised = {name: p for name, p in model.named_parameters() if is_quantised(p)}
@@ -136,7 +173,7 @@ def _entry(
     return entry
 
 
-def _merged_tensors(
+def merged_tensors(
     sources: Mapping[str, torch.Tensor],
     adapters: Mapping[str, torch.Tensor],
     lora_scale: Mapping[str, float],

@@ -16,6 +16,7 @@ from torch import nn
 from mmtrain.config import RunConfig
 from mmtrain.train.init import InitError, InitReport, load_init_towers
 from mmtrain.train.init_denoiser import load_init_denoiser
+from mmtrain.train.init_hub import load_init_hub
 from mmtrain.train.init_lm import load_init_lm
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,8 @@ def load_init(model: nn.Module, init: str | Mapping[str, str], strict: bool = Tr
 
     Raises InitError/InitMismatch; with `strict=False` loads what fits and reports the rest.
     """
+    if model.spec.hub is not None:  # a HubModel: transformers' own class
+        return load_init_hub(model, init, strict)
     if model.spec.decoder is not None:  # a LanguageModel: its decoder is a tower spec.towers lacks
         return load_init_lm(model, init, strict)
     if model.spec.denoiser is not None:  # a DiffusionModel: one network

@@ -36,11 +36,13 @@ from mmtrain import __version__
 from mmtrain.atomic import atomic_write_text
 from mmtrain.checkpoint import Checkpoint
 from mmtrain.config import RunConfig, diff_configs, parse_yaml
-from mmtrain.distributed import sum_over_ranks
+from mmtrain.distributed import default_allocator_settings, sum_over_ranks
 from mmtrain.folders import CONFIG_FILE
 from mmtrain.losses import logit_scale_value
+from mmtrain.models.formats.peft_adapter import peft_base_name
+from mmtrain.models.model_source import load_model_spec
 from mmtrain.plan.comm import COMM_SHARE_LIMIT
-from mmtrain.spec import ModelSpec, load_spec
+from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
 from mmtrain.train import parallel
 from mmtrain.train.checkpointer import Checkpointer
@@ -48,6 +50,7 @@ from mmtrain.train.comm_timing import CommTimer
 from mmtrain.train.data import TrainData
 from mmtrain.train.ema import Ema
 from mmtrain.train.export import copy_processor_files, export_model
+from mmtrain.train.export_hub import export_hub_model, write_hub_adapter
 from mmtrain.train.lora import lora_towers
 from mmtrain.train.metrics import (
     compile_counts,
@@ -60,7 +63,7 @@ from mmtrain.train.metrics import (
     step_model_flops,
     throughput,
 )
-from mmtrain.train.model_setup import build_model
+from mmtrain.train.model_setup import build_model, check_hub_settings
 from mmtrain.train.objectives import NextTokenObjective, objectives_for
 from mmtrain.train.optim import (
     apply_changed_settings,
@@ -87,7 +90,6 @@ from mmtrain.train.validator import Validator
 __all__ = ["TrainResult", "Trainer", "forward_backward", "optimizer_step", "train"]
 
 log = logging.getLogger(__name__)
-# The exposed communication share of a step above which the log says so (once per run).
 
 
 @dataclass
@@ -143,9 +145,17 @@ class Trainer:
     """The components of one run, wired by the set-up, and the parts of the loop."""
 
     def __init__(self, config: RunConfig, on_step: Callable[[dict[str, Any]], None] | None = None):
+        self.spec = spec = load_model_spec(config.model)
+        if spec.hub is not None:
+            check_hub_settings(config)
+        # Before anything touches CUDA: rows and pages of other sizes every step (a decoder,
+        # a native-resolution tower) fragment fixed-size allocator segments.
+        default_allocator_settings(spec.is_language_model() or spec.vision is not None)
         self.env = env = parallel.init_distributed(
-            config.train.device, group_of_one=config.train.offload
-        )  # FSDP2 offloads on one GPU too
+            config.train.device,
+            group_of_one=config.train.offload,  # FSDP2 offloads on one GPU too
+            sharded=config.train.parallel == "fsdp",
+        )
         self.rank, self.world = env.rank, env.world_size
         config.validate(world_size=self.world)
         t = config.train
@@ -154,7 +164,6 @@ class Trainer:
         sequence = t.sequence_parallel
         self.data_rank, self.data_world = self.rank // sequence, self.world // sequence
         self.counts_data = self.rank % sequence == 0
-        self.spec = spec = load_spec(config.model)
         resolve_optimizer_defaults(t, spec)  # AdamW's settings left out: the workload's
         check_schedules(spec, t.resolution_schedule, t.frames_schedule)
         # Fails early where it cannot run; fp32 on CUDA uses TF32 unless train.tf32 is false.
@@ -212,22 +221,24 @@ class Trainer:
         )
         # Model FLOPs as the planner counts them: trained parts 3x, frozen 1x (2x where a
         # gradient passes through), LoRA 2x; recomputation is not model work.
-        self.part_modes = part_modes(spec, config)
+        self.part_modes = part_modes(spec, config) if spec.hub is None else {}
         self.peak_flops = (config.metrics.peak_tflops or 0) * 1e12 or detect_peak_flops(
             env.device, t.precision
         )
+        if spec.hub is not None:  # the planner's trace of a hub model does not count steps yet
+            self.peak_flops = None
         self.state = TrainState()
         if ckpt is not None:
-            configured = group_settings(self.optimizer)
-            self._restore(ckpt)
-            log.info("resuming from %s (step %d, %d samples seen)",
-                     ckpt.path, self.state.step, self.state.samples_seen)  # fmt: skip
-            self._apply_changed_settings(ckpt, configured)
+            self._resume(ckpt)
         self.resumed_from = ckpt.step if ckpt is not None else None
         del ckpt  # the weights now live in the model and optimizer
         # The step of the newest checkpoint: a signal with no step since then stops at once.
         self.saved_step = self.state.step
-        self.stop = StopOnSignal(nothing_to_save=lambda: self.state.step <= self.saved_step)
+        # One process stops at once when nothing is left to save (signals.py says why not
+        # several ranks).
+        self.stop = StopOnSignal(
+            nothing_to_save=lambda: self.world == 1 and self.state.step <= self.saved_step
+        )
         self.stopped_by_signal = False
         self.injected: set[int] = set()  # fault injection: each step corrupted once
         self.warned_comm_share = False
@@ -275,7 +286,8 @@ class Trainer:
         if self.env.ranks_per_node is not None:  # where the node boundaries fall (doctor)
             layout["ranks_per_node"] = self.env.ranks_per_node
         recorder.record("layout", self.state.step, layout)  # what the run folder cannot say
-        if self.t.precision != "fp64":  # the planner knows the training precisions only
+        # The planner knows the training precisions only, and hub models by their trace.
+        if self.t.precision != "fp64" and self.spec.hub is None:
             plan = planned_memory(
                 self.spec, config, world_size=self.world, recompute=self.recompute,
                 device=self.env.device,
@@ -480,9 +492,18 @@ class Trainer:
         totals = zip(REFUSED, now, strict=True)
         return {name: before.get(name, 0) + int(round(n)) for name, n in totals}
 
+    def _resume(self, ckpt: Checkpoint) -> None:
+        """The checkpoint's state (`_restore`), then the settings the config changed since."""
+        configured = group_settings(self.optimizer)  # before the checkpoint's load over them
+        self._restore(ckpt)
+        log.info("resuming from %s (step %d, %d samples seen)",
+                 ckpt.path, self.state.step, self.state.samples_seen)  # fmt: skip
+        self._apply_changed_settings(ckpt, configured)
+
     def _apply_changed_settings(self, ckpt: Checkpoint, configured: list[dict[str, Any]]) -> None:
-        """The learning rates and AdamW settings the config changed since the checkpoint
-        apply from here on (the checkpoint's optimizer and schedule carry the old ones)."""
+        """The learning rates, AdamW settings and schedule the config changed since the
+        checkpoint apply from here on (the checkpoint's optimizer and schedule carry the old
+        ones)."""
         old = (ckpt.meta.get("config") or {}).get("train") or {}
         changed = diff_configs(old, self.config.to_dict()["train"], "train.")
         factor = self.config.guards.rollback_lr_factor**self.state.rollbacks
@@ -519,6 +540,10 @@ class Trainer:
         rollbacks, skipped = state.rollbacks, state.skipped  # steps that happened
         self._restore(ckpt)
         state.skipped, state.rollbacks, state.nonfinite_in_a_row = skipped, rollbacks + 1, 0
+        # The replay starts from this checkpoint: each replayed step is new progress, and a
+        # signal during a replayed step's save (over a checkpoint of the bad streak) must not
+        # take it for a stop with nothing to save and break off the save.
+        self.saved_step = state.step
         factor = self.config.guards.rollback_lr_factor
         if factor != 1.0:
             scale_learning_rates(self.optimizer, self.scheduler, factor)
@@ -583,7 +608,13 @@ class Trainer:
     def _export(self) -> None:
         """OUT/model.safetensors + spec.yaml (LoRA merged, adapters alone beside), gathered
         and written one tensor at a time (train/export.py); EMA in OUT/ema."""
-        export_model(self.model, self.out, self.rank, self.lora_scale, lora_towers(self.t))
+        if self.spec.hub is not None:  # the run folder becomes a transformers folder
+            adapters = export_hub_model(self.model, self.out, self.rank, self.lora_scale)
+            if adapters:
+                write_hub_adapter(self.model, adapters, lora_towers(self.t), self.out)
+        else:
+            export_model(self.model, self.out, self.rank, self.lora_scale, lora_towers(self.t),
+                         base_name=peft_base_name(self.config.init))  # fmt: skip
         if self.ema is not None:
             self.ema.export(self.model, self.out / "ema", self.rank)
 

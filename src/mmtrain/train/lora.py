@@ -189,9 +189,11 @@ def _targets(model: nn.Module, loras: Mapping[str, LoraConfig]):
     for name, tower in model.towers.items():
         if name not in loras:
             continue
+        # A hub model's tower names its blocks' linears itself (models/hub/towers.py).
+        paths = getattr(tower, "lora_paths", lambda block, target: TARGET_LAYERS[target])
         for block in tower.blocks:
             for target in loras[name].targets:
-                for path in TARGET_LAYERS[target]:
+                for path in paths(block, target):
                     yield block, path, loras[name], target
 
 

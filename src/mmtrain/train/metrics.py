@@ -125,7 +125,8 @@ def padding_fraction(micro_batches: Sequence[dict[str, torch.Tensor]]) -> float 
     for batch in micro_batches:
         if "attention_mask" not in batch and "document_ids" not in batch:
             continue
-        valid = valid_ids(batch["text"], batch.get("attention_mask"), batch.get("document_ids"))
+        ids = batch["text"] if "text" in batch else batch["input_ids"]  # native / hub model
+        valid = valid_ids(ids, batch.get("attention_mask"), batch.get("document_ids"))
         total += valid.numel()
         padded += int(valid.numel() - valid.sum())
     return padded / total if total else None
@@ -150,6 +151,8 @@ def step_model_flops(
         size = tuple(micro_batches[0][d.input].shape[2:])
         per_sample = {DENOISER_PART: d.forward_flops(size)}
         return model_train_flops(step_spec, per_sample, modes, recompute) * batch_size
+    if step_spec.hub is not None:  # counted by the planner's trace, not per step yet
+        return 0
     if step_spec.decoder is None:
         per_sample = step_spec.forward_flops_by_part()
         return model_train_flops(step_spec, per_sample, modes, recompute) * batch_size
@@ -325,6 +328,7 @@ def planned_memory(
         comm_buffers,
         dequantized_working_set,
         model_states,
+        nf4_shards,
     )
     from mmtrain.plan.model import from_spec
 
@@ -353,19 +357,18 @@ def planned_memory(
     )  # fmt: skip
     saved = recompute_bytes = 0.0
     by_tower = {}
-    upstream = False  # a language model's stacks feed each other (image -> text), as in plan
-    for stack in plan_model.stacks:
+    # a language model's stacks feed each other (image -> text): the planner's input gradients
+    for stack, input_grad in zip(plan_model.stacks, plan_model.input_grads(), strict=True):
         mode = "full" if stack.name in recompute else "none"
         options_here = dataclasses.replace(options, ac=mode)
-        a = stack_activations(stack, micro, options_here, input_grad=upstream)
-        upstream = plan_model.language_model and (upstream or stack.mode != "frozen")
+        a = stack_activations(stack, micro, options_here, input_grad=input_grad)
         by_tower[stack.name] = int(a.saved)
         saved += a.saved
         recompute_bytes = max(recompute_bytes, a.recompute_bytes)  # one block at a time
     saved += contrastive_bytes(plan_model, micro, world_size)
     buffers = comm_buffers(plan_model, cfg)
     # QLoRA: the NF4 weight dequantised for its matmul (0 without a quantised base)
-    buffers += dequantized_working_set(plan_model, precision, 1, cfg.shard_ranks)
+    buffers += dequantized_working_set(plan_model, precision, 1, nf4_shards(cfg))
     activations = saved + recompute_bytes
     model_state = weights + grads + optimizer
     allocated = model_state + activations + buffers

@@ -106,6 +106,17 @@ def build_model(
     return BuiltModel(model, trained, config, lora_scale, recompute)
 
 
+def check_hub_settings(config: RunConfig) -> None:
+    """What a hub model cannot do (yet): exit 2 naming the setting, before anything starts."""
+    if config.train.sequence_parallel > 1:
+        raise FieldError(
+            "train.sequence_parallel",
+            "sequence parallelism is native-only: mmtrain's own LLaVA, Qwen2-VL / Qwen2.5-VL and "
+            "Llama / Qwen2 modules split a row over ranks, a hub model (transformers' class) "
+            "does not; set train.sequence_parallel: 1 (FSDP2 shards the model instead)",
+        )
+
+
 def _build_whole(
     config: RunConfig,
     spec: ModelSpec,
@@ -232,6 +243,9 @@ def _sliced_plan(
     which comes from the `init` the run started from), or builds the whole model."""
     loras = lora_towers(config.train)
     quantising = bool(quantised_towers(loras))
+    if spec.hub is not None:  # transformers reads its folders whole (train/init_hub.py)
+        fresh_or_full = ckpt is None or ckpt.format == "full"
+        return _WHOLE if fresh_or_full or quantising else None
     if ckpt is not None:
         if ckpt.format == "full":
             return _WHOLE

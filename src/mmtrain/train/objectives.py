@@ -254,7 +254,7 @@ def objectives_for(
     a denoiser (`diffusion`: its settings; `seed`, `rank`: what its draws are seeded by, the
     data rank: a sequence-parallel group draws alike); `sequence_parallel`: ranks per row;
     otherwise contrastive over its pairs and/or the fusion head's loss."""
-    if spec.decoder is not None:
+    if spec.is_language_model():  # a native decoder LM or a hub model
         return [NextTokenObjective(world_size, sequence_parallel)]
     if spec.denoiser is not None:
         return [DiffusionObjective(spec, diffusion or DiffusionConfig(), seed=seed, rank=rank)]

@@ -105,14 +105,24 @@ def apply_activation_checkpointing(
         return model
     for name in names:
         for block in all_towers[name].blocks:
-            target = block if mode == "full" else block.attn
-            if any(getattr(m, "_mmtrain_checkpointed", False) for m in (block, block.attn)):
+            attention = _attention_of(block)
+            target = block if mode == "full" else attention
+            if any(getattr(m, "_mmtrain_checkpointed", False) for m in (block, attention)):
                 raise ValueError(
                     f"activation checkpointing is already applied to tower {name!r} of this model"
                 )
             target.forward = _checkpointed(target.forward)
             target._mmtrain_checkpointed = True
     return model
+
+
+def _attention_of(block: nn.Module) -> nn.Module:
+    """A block's attention sub-module: mmtrain's `attn`, or a transformers layer's child
+    named so (`self_attn`, `attention`, ...)."""
+    for name, child in block.named_children():
+        if name.lower().endswith(("attn", "attention")):
+            return child
+    raise ValueError(f"{type(block).__name__} has no attention sub-module to checkpoint")
 
 
 def apply_compile(model: nn.Module) -> nn.Module:

@@ -121,7 +121,8 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 
 def fp8_targets(model: nn.Module, keep_bf16: Sequence[str] = ()) -> dict[str, nn.Module]:
     """The linears fp8 training converts, by qualified name: every `nn.Linear` inside a
-    tower's transformer blocks (the decoder's and the encoders': where the FLOPs are) and the
+    tower's transformer blocks (the decoder's and the encoders', a hub model's towers' blocks
+    too: where the FLOPs are) and the
     frozen base of a LoRA linear there. The output layer, embeddings, stems, pooling heads,
     projections, a VLM's projector and a fusion head stay in bf16 (torchtitan keeps the output
     layer so too), and so does any layer whose dimensions are not multiples of 16 (fp8 matmul
@@ -130,14 +131,27 @@ def fp8_targets(model: nn.Module, keep_bf16: Sequence[str] = ()) -> dict[str, nn
     from mmtrain.train.lora import LoraLinear
 
     found = {}
+    blocks = _hub_block_prefixes(model)
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.Linear, LoraLinear)) or ".blocks." not in f".{name}":
+        if not isinstance(module, (nn.Linear, LoraLinear)):
+            continue
+        if ".blocks." not in f".{name}" and not name.startswith(blocks):
             continue
         if any(fragment in name for fragment in keep_bf16):
             continue
         if module.in_features % 16 == 0 and module.out_features % 16 == 0:
             found[name] = module
     return found
+
+
+def _hub_block_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """A hub model's blocks by name (`hf.model.language_model.layers.3.`): its towers name
+    them by transformers' paths, not mmtrain's `blocks`."""
+    towers = getattr(model, "towers", None)
+    if towers is None or getattr(model.spec, "hub", None) is None:
+        return ()
+    names = {id(m): n for n, m in model.named_modules()}
+    return tuple(f"{names[id(b)]}." for tower in towers.values() for b in tower.blocks)
 
 
 def convert_to_fp8(

@@ -181,8 +181,14 @@ def nf4_targets(
     names of those torchao cannot split over `shards` ranks (kept in the compute dtype)."""
     targets, kept = [], []
     for tower in quantised_towers(loras):
-        for index, block in enumerate(model.towers[tower].blocks):
-            prefix = f"towers.{tower}.blocks.{index}."
+        view = model.towers[tower]
+        for index, block in enumerate(view.blocks):
+            # A hub model's tower names its blocks by their transformers path (models/hub/).
+            prefix = (
+                view.block_name(index)
+                if hasattr(view, "block_name")
+                else (f"towers.{tower}.blocks.{index}.")
+            )
             for path, module in list(block.named_modules()):
                 weight = getattr(module, "weight", None)
                 if not _is_frozen_linear(module, weight):

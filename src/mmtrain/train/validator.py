@@ -38,6 +38,12 @@ def _pairs_held_by(path: str, spec: ModelSpec) -> list[tuple[str, str]] | None:
 
 
 def _conversation_settings(config: RunConfig, spec: ModelSpec) -> Any:
+    """A native language model's ConversationBatcher; a hub model's ProcessorBatcher (the
+    folder's own processor), as training makes its batches."""
+    if spec.hub is not None:
+        from mmtrain.data.stream.processor_batches import ProcessorBatcher
+
+        return ProcessorBatcher(config.data, spec)
     from mmtrain.data.stream.conversation_batches import ConversationBatcher
 
     return ConversationBatcher(config.data, spec)
@@ -62,6 +68,16 @@ def _language_model_evaluator(
         world_size=world,
         budget=settings.budget,
     )
+
+
+def _hub_evaluator(config: RunConfig, spec: ModelSpec, settings: Any, path: str, rank: int,
+                   world: int) -> Any:  # fmt: skip
+    """A hub model's perplexity and answers (eval/hub.py), with training's batches
+    (`settings`: the run's ProcessorBatcher) and the class's own generate."""
+    from mmtrain.eval.hub import HubEvaluator
+
+    return HubEvaluator(spec, path, batcher=settings, batch_size=config.eval.batch_size,
+                        seed=config.seed, rank=rank, world_size=world)  # fmt: skip
 
 
 def _denoiser_evaluator(config: RunConfig, spec: ModelSpec, path: str, rank: int, world: int):
@@ -98,9 +114,14 @@ class Validator:
         self.evaluators = []
         # A language model's settings (tokenizer, chat template) are checked once, naming
         # their own fields; each evaluator then reads its conversations.
-        settings = _conversation_settings(config, spec) if spec.decoder is not None else None
+        settings = _conversation_settings(config, spec) if spec.is_language_model() else None
         for i, path in enumerate(self.sources):
             try:
+                if spec.hub is not None:
+                    self.evaluators.append(
+                        _hub_evaluator(config, spec, settings, path, rank, world)
+                    )
+                    continue
                 if settings is not None:
                     self.evaluators.append(
                         _language_model_evaluator(config, spec, settings, path, rank, world)

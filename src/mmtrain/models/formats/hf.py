@@ -24,6 +24,7 @@ from mmtrain.models.formats import hf_clip, hf_llama, hf_llava, hf_qwen2_vl
 from mmtrain.models.formats.hf_common import (
     CONFIG_FILE,
     HFFolderError,
+    KeyGroup,
     NoHFCounterpart,
     is_hf_folder,
     read_json,
@@ -36,11 +37,13 @@ TEXT_TOWER = "text"  # the decoder's name among a LanguageModel's towers
 __all__ = [
     "HFFolderError",
     "NoHFCounterpart",
+    "export_groups",
     "export_vocab_size",
     "family_of",
     "hf_counterpart",
     "is_hf_folder",
     "language_model_spec",
+    "module_prefixes",
     "read_hf_model",
     "write_hf_model",
     "write_hf_state",
@@ -79,6 +82,32 @@ def language_model_spec(decoder: DecoderSpec, name: str) -> ModelSpec:
     )
 
 
+def native_family(config: dict[str, Any]) -> str | None:
+    """The native family of a config.json (`family_of`), None for a class mmtrain has no
+    module of (which trains as a hub model, models/hub/)."""
+    try:
+        return family_of(config, Path(CONFIG_FILE))
+    except HFFolderError:
+        return None
+
+
+def spec_of_folder(path: str | Path) -> ModelSpec:
+    """The ModelSpec of a HF folder of a native family, from its config (and a Qwen2-VL's
+    processor pixel budget) alone: no weights read."""
+    folder = Path(path)
+    config = read_json(folder / CONFIG_FILE)
+    family = family_of(config, folder / CONFIG_FILE)
+    name = folder.resolve().name
+    if family == "clip":
+        return hf_clip.spec_from_config(config, folder / CONFIG_FILE, name)[0]
+    if family == "llava":
+        return hf_llava.spec_from_config(config, folder / CONFIG_FILE, name)
+    if family == "qwen2_vl":
+        pixels = hf_qwen2_vl.processor_pixels(folder)
+        return hf_qwen2_vl.spec_from_config(config, folder / CONFIG_FILE, name, pixels)
+    return language_model_spec(hf_llama.spec_from_config(config, folder / CONFIG_FILE), name)
+
+
 def read_hf_model(path: str | Path) -> tuple[ModelSpec, dict[str, Tensor]]:
     """(spec, state dict) of a HF folder of any architecture mmtrain reads, the state dict in
     the names of `create_model(spec)`'s model; dtypes are kept. Raises HFFolderError (a
@@ -109,6 +138,32 @@ def hf_counterpart(spec: ModelSpec) -> str:
         hf_llava.llava_layout(spec)  # raises where LLaVA cannot express the spec
         return hf_llava.ARCHITECTURE
     return hf_llama.hf_architecture(spec.decoder)  # a decoder alone (no towers: spec.py)
+
+
+def export_groups(spec: ModelSpec) -> list[KeyGroup]:
+    """The key groups `write_hf_state` writes for `spec` (our tensors -> the written HF
+    tensors), from the family's own key map; raises NoHFCounterpart when it has none."""
+    hf_counterpart(spec)
+    if spec.decoder is None:
+        return hf_clip.key_map(spec, hf_clip.hf_layout(spec))
+    if spec.vision is not None:
+        return hf_qwen2_vl.key_groups(spec)
+    if spec.projector is not None:
+        return hf_llava.export_groups(spec)
+    return hf_llama.export_groups(spec.decoder, f"towers.{TEXT_TOWER}.")
+
+
+def module_prefixes(spec: ModelSpec) -> dict[str, str]:
+    """Written key prefix -> the module path transformers 5 builds it at, where they differ
+    (PEFT names adapters by the modules of the class it loads: formats/peft_adapter.py)."""
+    hf_counterpart(spec)
+    if spec.decoder is None:
+        return hf_clip.module_prefixes(hf_clip.hf_layout(spec))
+    if spec.vision is not None:
+        return dict(hf_qwen2_vl.MODULE_PREFIXES)
+    if spec.projector is not None:
+        return dict(hf_llava.MODULE_PREFIXES)
+    return {}  # Llama / Qwen2 are built as they are saved
 
 
 def export_vocab_size(spec: ModelSpec) -> int | None:

@@ -624,6 +624,15 @@ def hf_layout(spec: ModelSpec, headless_ok: bool = False) -> HFLayout:
     return HFLayout(arch, image=image, text=text)
 
 
+def module_prefixes(layout: HFLayout) -> dict[str, str]:
+    """The written key prefixes that are not where transformers 5 builds the modules (the
+    names PEFT gives adapters, models/formats/peft_adapter.py): its CLIPVisionModel and
+    SiglipVisionModel hold the encoder at the top, without the `vision_model.` level they
+    are still saved with."""
+    flat = layout.text is None and not layout.arch.projection
+    return {layout.vision_prefix: ""} if flat and layout.vision_prefix else {}
+
+
 def _arch_for(family: str, with_text: bool, projection: bool) -> Architecture:
     if with_text:
         return ARCHITECTURES["SiglipModel" if family == "siglip" else "CLIPModel"]

@@ -102,6 +102,15 @@ OUT_VISION, OUT_PROJECTOR = "vision_tower.vision_model.", "multi_modal_projector
 OUT_LM = {"model.": "language_model.model.", "lm_head.": "language_model.lm_head."}
 # our projector layers <-> LLaVA's
 PROJECTOR_LAYERS = {"fc1": "linear_1", "fc2": "linear_2"}
+# The written prefixes -> where transformers 5 builds those modules (its LlavaModel nests the
+# parts under `model.`; its vision model has no `vision_model.` level): the names PEFT gives
+# adapters (models/formats/peft_adapter.py).
+MODULE_PREFIXES = {
+    OUT_VISION: "model.vision_tower.",
+    OUT_PROJECTOR: "model.multi_modal_projector.",
+    OUT_LM["model."]: "model.language_model.",
+    OUT_LM["lm_head."]: "lm_head.",
+}
 
 
 # ----------------------------------------------------------------------------- config.json -> spec

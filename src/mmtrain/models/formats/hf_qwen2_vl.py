@@ -72,6 +72,10 @@ TOP_DEFAULTS = {"image_token_id": 151655, "video_token_id": 151656,
 VISION_PREFIXES = ("model.visual.", "visual.")
 LM_PREFIXES = {"model.language_model.": "model.", "model.": "model.", "lm_head.": "lm_head."}
 OUT_VISION = "visual."
+# The written prefixes -> where transformers 5 builds those modules (`model.visual.`,
+# `model.language_model.`): the names PEFT gives adapters (models/formats/peft_adapter.py).
+MODULE_PREFIXES = {OUT_VISION: "model.visual.", "model.": "model.language_model.",
+                   "lm_head.": "lm_head."}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- config.json -> spec
@@ -148,7 +152,7 @@ def _decoder(config: dict[str, Any], file: Path) -> DecoderSpec:
         ) from None
 
 
-def _processor_pixels(folder: Path) -> dict[str, int]:
+def processor_pixels(folder: Path) -> dict[str, int]:
     """min_pixels / max_pixels of the processor's preprocessor_config.json (its `size`
     shortest_edge / longest_edge in newer ones), where the folder has it."""
     path = folder / PROCESSOR_FILE
@@ -274,7 +278,7 @@ def read_hf_qwen2_vl(path: str | Path) -> tuple[ModelSpec, dict[str, Tensor]]:
     LanguageModel's names (`load_state_dict(strict=True)`); dtypes kept. HFFolderError naming
     the file and field for anything it cannot read."""
     folder, config_path, config = open_hf_folder(path)
-    spec = spec_from_config(config, config_path, folder.resolve().name, _processor_pixels(folder))
+    spec = spec_from_config(config, config_path, folder.resolve().name, processor_pixels(folder))
     weights = read_hf_weights(folder)
     weights = {k: t for k, t in weights.items() if not k.endswith(hf_llama.IGNORED_SUFFIXES)}
     try:
