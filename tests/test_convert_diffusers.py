@@ -189,16 +189,36 @@ def test_latent_shards_train_a_latent_dit_and_generate_decodes_its_samples(tmp_p
         "num_classes": 4, "input": "latent"}})  # fmt: skip
     spec.save(tmp_path / "spec.yaml")
     run = tmp_path / "run"
+    # validation decodes the samples through eval.vae: a sample grid and the FD per validation
+    from test_dit import MICRO_SPEC
+
+    clip = tmp_path / "clip"
+    mmtrain.save_model(mmtrain.create_model(ModelSpec.from_dict(MICRO_SPEC), seed=0), clip)
+    latents = str(tmp_path / "latents")
     config = config_from_dict({
-        "model": str(tmp_path / "spec.yaml"), "data": {"train": str(tmp_path / "latents")},
+        "model": str(tmp_path / "spec.yaml"), "data": {"train": latents, "val": latents},
         "train": {"steps": 2, "batch_size": 4, "lr": 1e-3}, "metrics": {"tensorboard": False},
+        "eval": {"every_steps": 2, "extractor": str(clip), "vae": str(tmp_path / "vae"),
+                 "samples": 4, "sample_steps": 2},
         "out": str(run)})  # fmt: skip
-    assert train(config).step == 2
+    history = train(config).history
+    assert any("val/diffusion/fd" in row for row in history)
+    grid = np.asarray(Image.open(run / "samples" / "step_00000002.png"))
+    assert grid.shape == (4 * 32, 4 * 32, 3)  # a row per class, 4 decoded 32 px samples each
     out = tmp_path / "samples"
     assert main(["generate", str(run), "--class", "2", "--num", "2", "--steps", "2",
                  "--vae", str(tmp_path / "vae"), "--out", str(out)]) == 0  # fmt: skip
     assert np.asarray(Image.open(out / "grid.png")).shape == (32, 64, 3)  # decoded to pixels
     assert main(["generate", str(run), "--class", "2", "--out", str(out)]) == 2  # no --vae
+
+    # `mmtrain eval --extractor` sees the latents through the VAE that encoded them (it used to
+    # hand latents to the extractor's image tower and crash); without --vae it says so.
+    argv = ["eval", str(run), "--data", latents, "--extractor", str(clip), "--samples", "6",
+            "--steps", "2", "--out", str(tmp_path / "eval.json")]  # fmt: skip
+    assert main(argv) == 2
+    assert main([*argv, "--vae", str(tmp_path / "vae")]) == 0
+    report = json.loads((tmp_path / "eval.json").read_text())["diffusion"]
+    assert report["fd_n"] == 6 and report["fd"] >= 0 and report["fd_real_floor"] >= 0
 
 
 class _Tokens(Exception):
@@ -220,3 +240,20 @@ def _patch_tokens(model, x, t, y):
     finally:
         hook.remove()
     raise AssertionError("diffusers' DiT never reached its output projection")
+
+
+def test_video_shards_given_to_an_image_vae_are_refused_not_skipped(tmp_path, capsys):
+    """`data encode-latents` on clips with an image VAE exits 2 naming the sample and what it
+    would take, before writing anything (it used to skip every clip and report success)."""
+    from test_dit import video_shards
+
+    torch.manual_seed(0)
+    diffusers.AutoencoderKL(**VAE_CONFIG).save_pretrained(tmp_path / "vae")
+    clips = video_shards(tmp_path / "clips", n=2)
+    out = tmp_path / "latents"
+    argv = ["data", "encode-latents", clips, "--vae", str(tmp_path / "vae"), "--size", "32",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "v000" in err and "video clip (.mp4)" in err and "video VAE" in err
+    assert not (out / "manifest.json").exists()

@@ -221,5 +221,7 @@ def test_latents_or_text_features_of_another_shape_stop_before_the_first_step(
     assert f"{field}:" in message and shape in message and "s0" in message
     if field == "denoiser.sample_size":  # a bucket of the latents' size would take them
         assert "data.buckets: [[16, 16]]" in message
+    if field == "denoiser.text_tokens":  # what encode-latents wrote against what the spec takes
+        assert "wrote 7 text tokens a caption" in message and "takes 5" in message
     with pytest.raises(FieldError):  # the same through the library, no step taken
         train(config_from_dict(config))

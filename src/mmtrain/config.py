@@ -301,6 +301,9 @@ class EvalConfig:
     # features of `extractor` (an mmtrain model folder with an image tower); null: loss only.
     extractor: str | None = None
     extractor_tokenizer: str = "byte"  # the extractor's text tower's (conditional accuracy)
+    # A latent denoiser's VAE (a diffusers AutoencoderKL folder): its samples and the held-out
+    # latents are decoded through it for the FD and the sample grids.
+    vae: str | None = None
     samples: int = 256
     sample_steps: int = 25
     cfg: float = 1.0
@@ -764,7 +767,7 @@ def resolve_paths(data: dict[str, Any], base: Path) -> None:
     (a spec file; a preset name stays), `init` (a path, or one per tower) and the files of
     `init_sha256`, `out`, data sources (folders, globs, brace patterns; s3:// stays),
     `data.tokenizer` ("byte" stays), `data.chat_template` (a template name stays),
-    `data.cache_dir`, `eval.extractor` and `eval.extractor_tokenizer`. Absolute paths and
+    `data.cache_dir`, `eval.extractor`, `eval.vae` and `eval.extractor_tokenizer`. Absolute paths and
     remote URLs are left as they are."""
     model = data.get("model")
     if isinstance(model, str) and _is_spec_path(model, base) and not is_hub_name(model, base):
@@ -797,8 +800,9 @@ def resolve_paths(data: dict[str, Any], base: Path) -> None:
             section["cache_dir"] = _absolute(section["cache_dir"], base)
     evaluation = data.get("eval")
     if isinstance(evaluation, dict):
-        if isinstance(evaluation.get("extractor"), str):
-            evaluation["extractor"] = _absolute(evaluation["extractor"], base)
+        for key in ("extractor", "vae"):
+            if isinstance(evaluation.get(key), str):
+                evaluation[key] = _absolute(evaluation[key], base)
         tokenizer = evaluation.get("extractor_tokenizer")
         if isinstance(tokenizer, str) and not _is_name(tokenizer, base, TOKENIZER_NAMES):
             evaluation["extractor_tokenizer"] = _absolute(tokenizer, base)

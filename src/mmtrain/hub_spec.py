@@ -68,9 +68,13 @@ class HubShape:
     images: int = 0
     image_height: int = 0
     image_width: int = 0
+    # A diffusers denoiser's row (DENOISER_FAMILIES): one sample of `frames` frames (1: an
+    # image) of image_height x image_width pixels, `positions` text tokens; 0: not a denoiser.
+    frames: int = 0
 
     def key(self) -> str:
-        return f"s{self.positions}-i{self.images}-{self.image_height}x{self.image_width}"
+        key = f"s{self.positions}-i{self.images}-{self.image_height}x{self.image_width}"
+        return key + (f"-f{self.frames}" if self.frames else "")
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,9 @@ class HubTrace:
     frozen: tuple[str, ...] = ()
     dtype: str = "float32"
     version: int = TRACE_VERSION
+    # A diffusers denoiser's trace: the latent it denoised ([C, T, H, W] of a video, [C, H,
+    # W] of an image; `image_tokens` its tokens after patching); empty for a transformers model.
+    latent_shape: tuple[int, ...] = ()
 
     def tower(self, name: str) -> TowerTrace:
         for t in self.towers:
@@ -180,4 +187,97 @@ class HubTrace:
             frozen=tuple(d["frozen"]),
             dtype=d["dtype"],
             version=int(d["version"]),
+            latent_shape=tuple(int(n) for n in d.get("latent_shape", ())),
         )
+
+
+# ----------------------------------------------------------------------------- denoisers
+# The diffusers transformers the planner traces (models/hub/denoiser_trace.py), with what their
+# pipelines feed them, which their config.json does not say: the VAE's compression and latent
+# channels, the text encoders' token count, the pipeline's default sample size.
+@dataclass(frozen=True)
+class DenoiserFamily:
+    pipeline: str  # the diffusers pipeline class that runs it
+    temporal: int  # VAE: pixel frames per latent frame after the first (0: an image model)
+    spatial: int  # VAE: pixels per latent row and column
+    latent_channels: int
+    patch: int  # latent rows and columns per token (the transformer's or the pipeline's packing)
+    text_tokens: int  # the pipeline's default text length (what `--context` overrides)
+    frames: int  # the pipeline's default sample
+    height: int
+    width: int
+    text: str  # what the text tokens are, for the plan's note
+
+    def latent(self, frames: int, height: int, width: int) -> tuple[int, ...]:
+        """The VAE latent of a sample, [C, T, H, W] for video ([C, H, W] for an image);
+        ValueError naming the rule a size breaks."""
+        step = self.spatial * self.patch
+        if height < step or width < step or height % step or width % step:
+            raise ValueError(
+                f"height and width must be multiples of {step} pixels (the VAE's {self.spatial}x "
+                f"times the {self.patch}x{self.patch} patch), got {height}x{width}"
+            )
+        h, w = height // self.spatial, width // self.spatial
+        if not self.temporal:
+            if frames != 1:
+                raise ValueError(f"{self.pipeline} makes images: --frames must be 1, got {frames}")
+            return (self.latent_channels, h, w)
+        if frames < 1 or (frames - 1) % self.temporal:
+            raise ValueError(
+                f"the VAE of {self.pipeline} takes 1 + {self.temporal}k frames (1, "
+                f"{1 + self.temporal}, ..., 81), got {frames}"
+            )
+        return (self.latent_channels, 1 + (frames - 1) // self.temporal, h, w)
+
+    def tokens(self, latent: tuple[int, ...]) -> int:
+        frames = latent[1] if len(latent) == 4 else 1
+        return frames * (latent[-2] // self.patch) * (latent[-1] // self.patch)
+
+
+DENOISER_FAMILIES = {
+    # WanPipeline: AutoencoderKLWan (4x temporal, 8x spatial, 16 channels); UMT5-XXL's hidden
+    # states padded to max_sequence_length 512; 81 x 480 x 832 by default; patch (1, 2, 2).
+    "WanTransformer3DModel": DenoiserFamily(
+        pipeline="WanPipeline",
+        temporal=4,
+        spatial=8,
+        latent_channels=16,
+        patch=2,
+        text_tokens=512,
+        frames=81,
+        height=480,
+        width=832,
+        text="UMT5-XXL hidden states (512 tokens, text_dim wide) in every block's cross-attention",
+    ),
+    # FluxPipeline: a 16-channel VAE at 8x, latents packed 2x2 into 64-wide tokens; T5-XXL's
+    # hidden states (max_sequence_length 512) and CLIP-L's pooled vector; the guidance scale.
+    "FluxTransformer2DModel": DenoiserFamily(
+        pipeline="FluxPipeline",
+        temporal=0,
+        spatial=8,
+        latent_channels=16,
+        patch=2,
+        text_tokens=512,
+        frames=1,
+        height=1024,
+        width=1024,
+        text="T5-XXL hidden states (512 tokens) in the joint attention, CLIP-L's pooled "
+        "vector and the guidance scale in the conditioning",
+    ),
+    # StableDiffusion3Pipeline: a 16-channel VAE at 8x, patch 2; CLIP-L and CLIP-G's hidden
+    # states (77 tokens, padded to 4096 wide) before T5-XXL's (max_sequence_length 256): 333
+    # tokens; the two CLIPs' pooled vectors (768 + 1280).
+    "SD3Transformer2DModel": DenoiserFamily(
+        pipeline="StableDiffusion3Pipeline",
+        temporal=0,
+        spatial=8,
+        latent_channels=16,
+        patch=2,
+        text_tokens=333,
+        frames=1,
+        height=1024,
+        width=1024,
+        text="CLIP-L + CLIP-G (77) and T5-XXL (256) hidden states in the joint attention, "
+        "the pooled CLIPs (2048) in the conditioning",
+    ),
+}

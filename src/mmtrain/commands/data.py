@@ -125,10 +125,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         "a float32 .npy latent (scaled as the denoiser sees it), copying the samples' other "
         "members (.cls, .json, .txt); --flip adds each mirror image as its own sample (key_flip). "
         "--text-encoder MODEL_DIR also stores each caption's text for an MMDiT "
-        "(.text_hidden.npy, .text_pooled.npy; samples without a .txt caption are skipped).",
+        "(.text_hidden.npy, .text_pooled.npy; samples without a .txt caption are skipped). "
+        "--pipeline DIR takes both from a diffusers pipeline folder: its vae/, and its own "
+        "encode_prompt for the captions (SD3: CLIP-L + CLIP-G + T5; FLUX.1: CLIP-L + T5).",
     )
     latents.add_argument("shards", help="shard folder, .tar file, glob or brace pattern")
-    latents.add_argument("--vae", required=True, metavar="VAE_DIR", help="an AutoencoderKL folder")
+    source = latents.add_mutually_exclusive_group(required=True)
+    source.add_argument("--vae", metavar="VAE_DIR", help="an AutoencoderKL folder")
+    source.add_argument(
+        "--pipeline",
+        metavar="PIPELINE_DIR",
+        help="a diffusers pipeline folder (model_index.json: StableDiffusion3Pipeline, "
+        "FluxPipeline): its VAE encodes the images, its text encoders the captions",
+    )
     shape = latents.add_mutually_exclusive_group(required=True)
     shape.add_argument("--size", type=count, help="image side before encoding (the square)")
     shape.add_argument(
@@ -148,6 +157,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a model folder with a text tower (a CLIP trained with mmtrain, or converted from "
         "OpenCLIP): also cache each caption's hidden states and pooled embedding for an MMDiT",
     )
+    latents.add_argument(
+        "--max-sequence-length",
+        type=count,
+        metavar="N",
+        help="with --pipeline: T5's tokens a caption (default: the pipeline's encode_prompt's)",
+    )
     latents.set_defaults(func=run_encode_latents)
 
 
@@ -155,14 +170,13 @@ def run_encode_latents(args: argparse.Namespace) -> int:
     import torch
 
     from mmtrain.data.ingest.latents import encode_latent_shards
-    from mmtrain.models.formats.diffusers import read_diffusers_vae
-    from mmtrain.structured import FieldError
+    from mmtrain.data.ingest.pipeline_encoders import component_identity
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        vae = read_diffusers_vae(args.vae).to(device).eval()
-    except (OSError, FieldError) as err:
-        raise UsageError(f"--vae {args.vae}: {err}") from None
+    vae_dir, encoder, provenance, named = _encoders(args, device)
+    vae = _vae(vae_dir, "--pipeline" if args.pipeline else "--vae", device)
+    vae_identity = {"vae": component_identity(vae_dir)}
+    provenance["components"] = {**vae_identity, **provenance.get("components", {})}
     down = vae.config.downscale()
     sides = [args.size] if args.size is not None else [n for b in args.buckets for n in b]
     flag = "--size" if args.size is not None else "--buckets"
@@ -170,12 +184,11 @@ def run_encode_latents(args: argparse.Namespace) -> int:
         raise UsageError(f"{flag}: sides must be positive multiples of the VAE's {down}x")
     if args.buckets is not None and any(len(b) != 2 for b in args.buckets):
         raise UsageError("--buckets: an image's buckets are HxW")
-    encoder = _text_encoder(args.text_encoder, device, args.batch_size)
     try:
         counts = encode_latent_shards(args.shards, vae, args.out, size=args.size or 0,
                                       flip=args.flip, batch_size=args.batch_size,
-                                      vae_name=str(args.vae), text_encoder=encoder,
-                                      buckets=args.buckets)  # fmt: skip
+                                      vae_name=vae_dir, text_encoder=encoder,
+                                      buckets=args.buckets, provenance=provenance)  # fmt: skip
     except (FileNotFoundError, ValueError) as err:
         raise UsageError(f"{args.shards}: {err}") from None
     shapes = [(args.size, args.size)] if args.size is not None else args.buckets
@@ -191,8 +204,46 @@ def run_encode_latents(args: argparse.Namespace) -> int:
     if encoder is not None:
         s = encoder.shape
         print(f"with text [{s.text_tokens}, {s.text_width}] + pooled [{s.pooled_width}] from "
-              f"{args.text_encoder}: an MMDiT on them takes {s}")  # fmt: skip
+              f"{named}: an MMDiT on them takes {s}")  # fmt: skip
     return 0
+
+
+def _encoders(args: argparse.Namespace, device: Any) -> tuple[str, Any, dict[str, Any], str]:
+    """(VAE folder, text encoder or None, what the manifest records of the pipeline and its
+    text encoders, the encoder's name) of --vae [--text-encoder] or of --pipeline."""
+    if args.pipeline is None:
+        if args.max_sequence_length is not None:
+            raise UsageError("--max-sequence-length: a pipeline's T5 length; give --pipeline")
+        encoder = _text_encoder(args.text_encoder, device, args.batch_size)
+        return str(args.vae), encoder, {}, str(args.text_encoder)
+    if args.text_encoder is not None:
+        raise UsageError("--text-encoder: --pipeline encodes captions with its own encoders")
+    from mmtrain.data.ingest.pipeline_encoders import (
+        PipelineFolderError,
+        load_pipeline_text_encoder,
+        pipeline_identity,
+    )
+
+    folder = Path(args.pipeline)
+    try:
+        encoder = load_pipeline_text_encoder(folder, device=device, batch_size=args.batch_size,
+                                             max_sequence_length=args.max_sequence_length)  # fmt: skip
+    except PipelineFolderError as err:
+        raise UsageError(f"--pipeline: {err}") from None
+    provenance = {"pipeline": pipeline_identity(folder), "components": encoder.components}
+    named = f"{encoder.class_name}'s encode_prompt ({encoder.family.names}, {folder})"
+    return str(folder / "vae"), encoder, provenance, named
+
+
+def _vae(folder: str, flag: str, device: Any) -> Any:
+    """mmtrain's AutoencoderKL of a diffusers VAE folder, in eval mode on `device`."""
+    from mmtrain.models.formats.diffusers import read_diffusers_vae
+    from mmtrain.structured import FieldError
+
+    try:
+        return read_diffusers_vae(folder).to(device).eval()
+    except (OSError, FieldError) as err:
+        raise UsageError(f"{flag} {folder}: {err}") from None
 
 
 def _text_encoder(folder: str | None, device: Any, batch_size: int) -> Any:

@@ -119,6 +119,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a model with an image tower whose features the Fréchet distance is taken in",
     )
     gen.add_argument(
+        "--vae",
+        metavar="VAE_DIR",
+        help="a latent denoiser's VAE (a diffusers AutoencoderKL folder): samples and held-out "
+        "latents are decoded through it before the extractor sees them",
+    )
+    gen.add_argument(
         "--extractor-tokenizer",
         default="byte",
         help="the extractor's text tokenizer, for the conditional accuracy (default byte)",
@@ -312,6 +318,7 @@ def _denoiser_report(model: Any, run_dir: Path, args: argparse.Namespace, device
             extractor = mmtrain.load_model(args.extractor, device=device).eval()
         except (OSError, ValueError) as err:
             raise UsageError(f"--extractor {args.extractor}: {err}") from None
+    vae = _vae(args.vae, device)
     try:
         evaluator = DenoiserEvaluator(
             model.spec, args.data, batch_size=args.batch_size, config=config,
@@ -319,6 +326,7 @@ def _denoiser_report(model: Any, run_dir: Path, args: argparse.Namespace, device
             extractor=extractor, samples=args.samples, steps=args.steps, cfg=args.cfg,
             num_workers=args.workers, extractor_tokenizer=args.extractor_tokenizer,
             video_stride=_run_data_field(run_dir, "video_stride"),  # the run's middle window
+            vae=vae,
         )  # fmt: skip
     except FieldError as err:
         raise UsageError(
@@ -329,6 +337,19 @@ def _denoiser_report(model: Any, run_dir: Path, args: argparse.Namespace, device
     finally:
         evaluator.close()
     return {"n_samples": report["diffusion"]["n"], **report}
+
+
+def _vae(folder: str | None, device: Any) -> Any:
+    """The diffusers VAE of --vae (None without the flag), as `generate --vae` reads it."""
+    if folder is None:
+        return None
+    from mmtrain.models.formats.diffusers import read_diffusers_vae
+    from mmtrain.structured import FieldError
+
+    try:
+        return read_diffusers_vae(folder).to(device).eval()
+    except (OSError, FieldError) as err:
+        raise UsageError(f"--vae {folder}: {err}") from None
 
 
 def run_config(run_dir: Path) -> dict[str, Any]:

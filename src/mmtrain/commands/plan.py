@@ -16,7 +16,7 @@ from mmtrain.cli import UsageError
 from mmtrain.commands._args import add_ownership_arguments, count, ownership_given
 from mmtrain.commands._data_args import add_budget_argument
 from mmtrain.hardware import GIB, PRICE_SOURCE, load_catalog
-from mmtrain.hub_spec import HubShape
+from mmtrain.hub_spec import DENOISER_FAMILIES, HubShape
 from mmtrain.plan.comm import COMM_SHARE_LIMIT
 from mmtrain.plan.config import (
     AC_MODES,
@@ -27,7 +27,14 @@ from mmtrain.plan.config import (
     PlanConfig,
 )
 from mmtrain.plan.estimate import Plan, make_plan
-from mmtrain.plan.hub import check_hub_strategy, hub_plan_model, hub_source
+from mmtrain.plan.hub import (
+    check_denoiser_class,
+    check_hub_strategy,
+    denoiser_class,
+    denoiser_plan_model,
+    hub_plan_model,
+    hub_source,
+)
 from mmtrain.plan.model import Rows, from_spec, native_rows
 from mmtrain.plan.native_vision import describe, parse_visual
 from mmtrain.plan.recommend import DEFAULT_DEADLINE_H
@@ -180,7 +187,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(default attn,mlp: what train.towers.NAME.lora adapts by default)",
     )
     p.add_argument("--image-size", type=int, default=None)
-    p.add_argument("--frames", type=int, default=None)
+    p.add_argument(
+        "--frames",
+        type=int,
+        default=None,
+        help="video frames per sample (a diffusers video denoiser: 1 + 4k for Wan, default 81)",
+    )
+    p.add_argument(
+        "--height",
+        type=count,
+        default=None,
+        help="a diffusers denoiser's sample height in pixels (default the pipeline's; "
+        "--image-size sets height and width)",
+    )
+    p.add_argument("--width", type=count, default=None, help="its width in pixels (see --height)")
     p.add_argument(
         "--context",
         type=count,
@@ -496,6 +516,11 @@ def run(args: argparse.Namespace) -> int:
             "--data give a row's inputs with --visual HxW / FxHxW"
         )
     hub = hub_source(args.model)
+    if (args.height or args.width) and (hub is None or denoiser_class(hub[0]) is None):
+        raise UsageError(
+            "--height and --width size a diffusers denoiser's sample (a pipeline folder or a "
+            "preset such as Wan2.1-T2V-14B); other models take --image-size"
+        )
     if hub is not None:
         visual, model = None, _hub_model(args, hub)
     else:
@@ -586,6 +611,9 @@ def _hub_model(args: argparse.Namespace, hub: tuple[Path, bool]):
                 "is planned at --context positions with --images of --image-size"
             )
     folder, preset = hub
+    architecture = denoiser_class(folder)
+    if architecture is not None:
+        return _denoiser_model(args, folder, architecture)
     trace = traced_for_plan(
         args.model,
         folder,
@@ -597,12 +625,74 @@ def _hub_model(args: argparse.Namespace, hub: tuple[Path, bool]):
     return _adapted(model, args)
 
 
+def _denoiser_shape(args: argparse.Namespace, architecture: str) -> HubShape:
+    """A diffusers denoiser's planned sample: --frames x --height x --width pixels (default
+    the pipeline's sample; --image-size sets both sides) and --context text tokens (default
+    the pipeline's)."""
+    family = DENOISER_FAMILIES[architecture]
+    if args.images is not None:
+        raise UsageError("--images: a denoiser's row is one sample (--micro-batch sets how many)")
+    height = args.height or args.image_size or family.height
+    width = args.width or args.image_size or family.width
+    frames = family.frames if args.frames is None else args.frames
+    return HubShape(args.context or family.text_tokens, 1, height, width, frames)
+
+
+def _denoiser_model(args: argparse.Namespace, folder: Path, architecture: str):
+    """The plan model of a diffusers denoiser (a pipeline folder, its transformer folder or a
+    preset), traced at the planned sample (models/hub/denoiser_trace.py, cached); --lora,
+    --qlora and --freeze `denoiser` apply to all of its blocks' kinds."""
+    from mmtrain.models.hub.denoiser_trace import trace_denoiser  # imports torch and diffusers
+
+    check_denoiser_class(architecture, folder)
+    if args.freeze_blocks or args.unlocked_blocks:
+        raise UsageError(
+            "--freeze-blocks / --unlocked-blocks: a diffusers denoiser is planned whole (full "
+            "fine-tune, --lora denoiser or --qlora denoiser)"
+        )
+    trace = trace_denoiser(folder, _denoiser_shape(args, architecture))
+    name = folder.parent.name if folder.name == "transformer" else folder.name
+    model = denoiser_plan_model(name or args.model, trace, args.model)
+    names = [s.name for s in model.stacks]
+
+    def every_stack(towers: list[str]) -> list[str]:
+        return [n for t in towers for n in (names if t == names[0] else [t])]
+
+    tower_args = {k: every_stack(getattr(args, k)) for k in ("lora", "qlora", "freeze")}
+    return _adapted(model, argparse.Namespace(**{**vars(args), **tower_args}))
+
+
+def _denoiser_measured(args: argparse.Namespace, folder: Path, plan: Plan) -> dict:
+    """One real CPU step of a diffusers denoiser (`measure_denoiser_step`) beside the plan."""
+    from mmtrain.models.hub.denoiser_trace import measure_denoiser_step
+    from mmtrain.plan.memory import training_memory
+
+    if args.lora or args.qlora or args.freeze or plan.config.micro_batch != 1:
+        raise UsageError("--measure of a diffusers denoiser runs one full sample (no --lora, "
+                         "--freeze, --micro-batch)")  # fmt: skip
+    measured = measure_denoiser_step(folder, _denoiser_shape(args, denoiser_class(folder)))
+    measured["activations_bytes"] = measured["float_elements"] * 4 + measured["other_bytes"]
+    predicted = training_memory(plan.model, plan.config, None).saved_activations_bytes
+    return {
+        **measured,
+        "predicted_activations_bytes": int(predicted),
+        "activations_error": round(predicted / measured["activations_bytes"] - 1, 5),
+        "predicted_forward_flops": plan.model.forward_flops(),
+        "predicted_trainable_params": plan.model.trainable_params(),
+        "ac": plan.config.ac,
+        "device": "cpu",
+        "dtype": "float32",
+    }
+
+
 def _hub_measured(args: argparse.Namespace, hub: tuple[Path, bool], plan: Plan) -> dict:
     """One real CPU step of the hub model (models/hub/trace.py's `measure_hub_step`) beside
     the plan's CPU prediction, in the keys a native measurement has."""
     from mmtrain.models.hub.trace import measure_hub_step, resolved_folder
     from mmtrain.plan.memory import training_memory
 
+    if denoiser_class(hub[0]) is not None:
+        return _denoiser_measured(args, hub[0], plan)
     if args.lora or args.qlora:
         raise UsageError("--measure of a hub model runs full or frozen towers (no --lora yet)")
     folder = resolved_folder(args.model, *hub)

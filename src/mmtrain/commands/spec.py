@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from mmtrain.commands.plan import HUB_CONTEXT, HUB_IMAGE_SIZE
-from mmtrain.hub_spec import HubShape
-from mmtrain.plan.hub import hub_preset_names, hub_source
+from mmtrain.hub_spec import DENOISER_FAMILIES, HubShape
+from mmtrain.plan.hub import check_denoiser_class, denoiser_class, hub_preset_names, hub_source
 from mmtrain.spec import (
     AudioStem,
     ImageStem,
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None:
         for name in preset_names():
             print(_listing_line(name, load_spec(name)))
-        print(f"hub presets (transformers' classes, `mmtrain spec NAME`): "
+        print(f"hub presets (transformers' and diffusers' classes, `mmtrain spec NAME`): "
               f"{', '.join(hub_preset_names())}")  # fmt: skip
         return 0
     hub = hub_source(args.model)
@@ -191,7 +191,59 @@ def hub_summary(model: str, folder: Path, preset: bool) -> dict[str, Any]:
     }
 
 
+def denoiser_summary(model: str, folder: Path) -> dict[str, Any]:
+    """A diffusers denoiser (a pipeline or transformer folder, or a preset): its class, towers
+    and the trace's forward FLOPs at its pipeline's default sample (commands/plan.py's row)."""
+    from mmtrain.models.hub.denoiser_trace import trace_denoiser  # imports torch and diffusers
+
+    architecture = denoiser_class(folder)
+    check_denoiser_class(architecture, folder)
+    family = DENOISER_FAMILIES[architecture]
+    shape = HubShape(family.text_tokens, 1, family.height, family.width, family.frames)
+    trace = trace_denoiser(folder, shape)
+    towers = {t.name: {"params": t.params, "blocks": t.blocks, "block_params": t.block_params,
+                       "tokens": t.tokens, "forward_flops": t.forward_flops}
+              for t in trace.towers}  # fmt: skip
+    return {
+        "name": model,
+        "hub": True,
+        "architecture": architecture,
+        "pipeline": family.pipeline,
+        "params": sum(t.params for t in trace.towers),
+        "tower_params": {t.name: t.params for t in trace.towers},
+        "towers": towers,
+        "forward_flops_per_sample": trace.forward_flops(),
+        "forward_flops_input": asdict(shape)
+        | {
+            "latent_shape": list(trace.latent_shape),
+            "latent_tokens": trace.image_tokens,
+        },  # fmt: skip
+    }
+
+
+def _denoiser(args: argparse.Namespace, folder: Path) -> int:
+    summary = denoiser_summary(args.model, folder)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    shape = summary["forward_flops_input"]
+    print(f"{summary['name']}: {summary['architecture']} (diffusers' class, {summary['pipeline']}), "
+          f"{summary['params']:,} parameters, {summary['forward_flops_per_sample'] / 1e9:,.2f} "
+          "forward GFLOPs per sample")  # fmt: skip
+    latent = "x".join(str(n) for n in shape["latent_shape"])
+    print(f"  counted at: {shape['frames']} frame(s) of {shape['image_height']}x"
+          f"{shape['image_width']} px (latent {latent}, {shape['latent_tokens']:,} tokens), "
+          f"{shape['positions']} text tokens (traced; `mmtrain plan --model` takes --frames, "
+          "--height, --width, --context)")  # fmt: skip
+    for name, t in summary["towers"].items():
+        print(f"  {name:16s} {t['blocks']:4d} blocks  {t['params'] / 1e6:11.2f}M params  "
+              f"{t['forward_flops'] / 1e9:13.2f} GFLOPs")  # fmt: skip
+    return 0
+
+
 def _hub(args: argparse.Namespace, folder: Path, preset: bool) -> int:
+    if denoiser_class(folder) is not None:
+        return _denoiser(args, folder)
     summary = hub_summary(args.model, folder, preset)
     if args.json:
         print(json.dumps(summary, indent=2))

@@ -12,7 +12,8 @@ extractor, the Fréchet distance between its samples and those images.
   sampling noise alone costs at half this n, and `fd_half` the samples' first half against the
   real set's second: FD's estimate is biased upwards the more the fewer the images, so the
   floor compares with `fd_half` (the same n), not with `fd`. The extractor is any mmtrain model with an image tower
-  (e.g. a CLIP trained on the same domain): nothing is downloaded.
+  (e.g. a CLIP trained on the same domain): nothing is downloaded. A latent denoiser's samples
+  and held-out latents are decoded to pixels by the VAE that encoded them (`vae`) first.
 - With class names and an extractor that has a text tower (a CLIP), also the conditional
   accuracy (zero-shot, eval/zeroshot.py: is a sample of class k nearest to class k's prompts?)
   beside the real images' (the ceiling this extractor allows), and the CLIP score of each
@@ -81,16 +82,24 @@ class DenoiserEvaluator:
         world_size: int | None = None,
         extractor_tokenizer: str = "byte",
         video_stride: int | None = None,  # the run's data.video_stride: its middle window
+        vae: nn.Module | None = None,  # a latent denoiser's: its samples and images to pixels
     ):
         if spec.denoiser is None:
             raise FieldError("model", f"{spec.name} is not a denoiser")
+        if extractor is not None and spec.denoiser.input == "latent" and vae is None:
+            raise FieldError(
+                "extractor",
+                f"{spec.name} denoises latents: its samples and the held-out latents are seen "
+                "through the VAE that encoded them; give it (a diffusers AutoencoderKL "
+                "folder: eval.vae in a run config, --vae with mmtrain eval)",
+            )
         try:
             shards = ShardSet.open(data)
         except (FileNotFoundError, ValueError) as err:
             raise FieldError("data", f"{data!r}: {err}") from None
         self.spec, self.config = spec, config or DiffusionConfig()
         self.seed, self.samples, self.steps, self.cfg = seed, samples, steps, cfg
-        self.extractor = extractor
+        self.extractor, self.vae = extractor, vae
         self.class_names = list(class_names)
         self.extractor_tokenizer = extractor_tokenizer
         self.rank = distributed.rank() if rank is None else rank
@@ -144,10 +153,11 @@ class DenoiserEvaluator:
         """uint8 [H, W, 3] grid of samples from a fixed seed: a row per class (the first
         `rows`) or, for an MMDiT, per held-out text (the set's first `rows` samples'),
         `per_class` columns (one row when unconditional); a video's first frames.
-        None for a latent denoiser (its samples need the VAE to be seen). Every rank calls it
-        (the model's forward is a collective under FSDP); all get the same grid."""
+        A latent denoiser's samples are decoded by its VAE (`vae`); None without one. Every
+        rank calls it (the model's forward is a collective under FSDP); all get the same
+        grid."""
         d = self.spec.denoiser
-        if d.input == "latent":
+        if d.input == "latent" and self.vae is None:
             return None
         condition: dict[str, Tensor] = {}
         n_rows = 1
@@ -162,7 +172,7 @@ class DenoiserEvaluator:
                         seed=self.seed, config=self.config)  # fmt: skip
         if d.is_video():
             images = images[:, :, 0]  # [N, C, T, H, W] -> the first frames
-        return image_grid(to_uint8(images).numpy(), n_rows)
+        return image_grid(to_uint8(self._pixels(images)).numpy(), n_rows)
 
     def _error(self, model: nn.Module, x0: Tensor, condition: Condition, t: float, g) -> Tensor:
         """Squared error [n] of each sample's prediction at time t (its channels only)."""
@@ -197,8 +207,8 @@ class DenoiserEvaluator:
                           # other noise on every rank, or the ranks' samples would repeat
                           steps=self.steps, cfg=self.cfg, seed=self.seed + 7919 * self.rank,
                           config=self.config).cpu()  # fmt: skip
-        real_features = _gathered(image_features(self.extractor, real_images))
-        fake_features = _gathered(image_features(self.extractor, fake))
+        real_features = _gathered(image_features(self.extractor, self._pixels(real_images)))
+        fake_features = _gathered(image_features(self.extractor, self._pixels(fake)))
         half = real_features.shape[0] // 2
         out = {
             "fd": frechet_distance(fake_features, real_features),
@@ -213,6 +223,19 @@ class DenoiserEvaluator:
             all_labels = _gathered(labels.double()).long()
             out.update(self._conditional(fake_features, real_features, all_labels))
         return out
+
+    @torch.no_grad()
+    def _pixels(self, x: Tensor) -> Tensor:
+        """Images in [-1, 1]: `x` itself, or a latent denoiser's latents through its VAE
+        (the denoiser's scaling undone first), a batch at a time."""
+        if self.spec.denoiser.input != "latent" or x.shape[0] == 0:
+            return x
+        param = next(self.vae.parameters())
+        decoded = [
+            self.vae.decode_latent(self.vae.from_diffusion(chunk.to(param.device, param.dtype)))
+            for chunk in x.split(16)
+        ]
+        return torch.cat(decoded).clamp(-1, 1).cpu()
 
     def _conditional(self, fake: Tensor, real: Tensor, labels: Tensor) -> dict[str, float]:
         """Zero-shot accuracy of samples (and of the real images) for their class, and the

@@ -28,14 +28,17 @@ Sequence parallelism is native-only: a hub stack is never split (`Stack.sequence
 
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
-from mmtrain.hub_spec import HubTrace, TowerTrace
+from mmtrain.hub_spec import DENOISER_FAMILIES, HubTrace, TowerTrace
 from mmtrain.plan.model import PlanModel, Stack
 from mmtrain.structured import FieldError
 
 HUB_PRESETS = Path(__file__).resolve().parent.parent / "presets" / "hub"
+PIPELINE_INDEX = "model_index.json"  # a diffusers pipeline folder; its transformer in transformer/
 # A hub name, as models/hub/source.py's HUB_NAME (plan/ imports no torch, nor models/).
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 SP_NATIVE_ONLY = (
@@ -102,6 +105,8 @@ def hub_source(model: str) -> tuple[Path, bool] | None:
             return folder, True
     if (Path(model) / "config.json").is_file():
         return Path(model), False
+    if (Path(model) / PIPELINE_INDEX).is_file():
+        return Path(model) / "transformer", False
     spec_file = model.lower().endswith((".yaml", ".yml", ".json"))
     if HUB_NAME.match(model) and not spec_file and not Path(model).exists():
         return Path(model), False
@@ -160,3 +165,55 @@ def traced_activations(stack: Stack, micro_batch: float, o, loss_chunk: float): 
     if stack.vocab:
         working = max(working, loss_chunk)
     return StackActivations(blocks, outside, 0.0, working)
+
+
+# ----------------------------------------------------------------------------- denoisers
+def denoiser_class(folder: Path) -> str | None:
+    """The diffusers class `folder`'s config.json names (`_class_name`), or None for a
+    transformers model's config (which names `architectures`) or a folder without one."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    name = config.get("_class_name") if isinstance(config, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def check_denoiser_class(name: str, folder: Path) -> None:
+    if name not in DENOISER_FAMILIES:
+        raise FieldError(
+            "--model",
+            f"{folder / 'config.json'}: {name} is not a denoiser the planner traces yet; "
+            f"supported: {', '.join(DENOISER_FAMILIES)} (Wan 2.1 text-to-video, FLUX.1, SD3)",
+        )
+
+
+def denoiser_plan_model(name: str, trace: HubTrace, source: str) -> PlanModel:
+    """The plan model of a traced diffusers denoiser: one "diffusion" stack per kind of block
+    (`denoiser`, and FLUX's `denoiser_single`), exact parameters, chained (the gradient of the
+    later blocks flows through the earlier ones)."""
+    family = DENOISER_FAMILIES[trace.architecture]
+    stacks = tuple(_denoiser_stack(t) for t in trace.towers)
+    shape = trace.shape
+    sample = f"{shape.image_height}x{shape.image_width} px"
+    if family.temporal:
+        sample = f"{shape.frames} frames x {sample}"
+    latent = "x".join(str(n) for n in trace.latent_shape)
+    return PlanModel(
+        name=name,
+        stacks=stacks,
+        embed_dim=stacks[0].width,
+        source=source,
+        language_model=True,  # the stacks feed each other; no contrastive embeddings
+        notes=(
+            f"diffusers denoiser {trace.architecture} ({family.pipeline}), traced at one sample "
+            f"of {sample}: latent {latent} ({trace.image_tokens:,} tokens) and {shape.positions} "
+            f"text tokens ({family.text}); the VAE and text encoders are not in the plan "
+            "(latents and text features encoded beforehand); docs/PLANNER.md",
+        ),
+    )
+
+
+def _denoiser_stack(t: TowerTrace) -> Stack:
+    return replace(_stack(t, t.params, 0), kind="diffusion", causal=False, norm="layernorm",
+                   source=f"{t.name} (traced)")  # fmt: skip

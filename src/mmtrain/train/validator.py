@@ -86,18 +86,26 @@ def _denoiser_evaluator(config: RunConfig, spec: ModelSpec, path: str, rank: int
     from mmtrain.models.build import load_model
 
     e = config.eval
-    extractor = None
+    extractor = vae = None
     if e.extractor is not None:
         try:
             extractor = load_model(e.extractor).eval()
         except (OSError, ValueError) as err:
             raise FieldError("eval.extractor", f"{e.extractor}: {err}") from None
+    if e.vae is not None:
+        from mmtrain.models.formats.diffusers import read_diffusers_vae
+
+        try:
+            vae = read_diffusers_vae(e.vae).eval()
+        except (OSError, FieldError) as err:
+            raise FieldError("eval.vae", f"{e.vae}: {err}") from None
     return DenoiserEvaluator(
         spec, path, batch_size=e.batch_size, config=config.train.diffusion,
         label_field=config.data.label_field, class_names=config.data.class_names,
         seed=config.seed, extractor=extractor, samples=e.samples, steps=e.sample_steps,
         cfg=e.cfg, num_workers=config.data.workers, rank=rank, world_size=world,
         extractor_tokenizer=e.extractor_tokenizer, video_stride=config.data.video_stride,
+        vae=vae,
     )  # fmt: skip
 
 

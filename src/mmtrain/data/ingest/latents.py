@@ -13,7 +13,9 @@ With a `text_encoder` (data/ingest/text_features.py) each sample also gets an MM
 text from its caption (`.txt`): `.text_hidden.npy` [text_tokens, text_width] and
 `.text_pooled.npy` [pooled_width], float32, its mirror image the same arrays. A sample without
 a readable caption is skipped and counted (`no_caption`), and the manifest's latent section
-records the encoder.
+records the encoder. A pipeline's own encoders (data/ingest/pipeline_encoders.py) serve as
+`text_encoder` too; `provenance` (the pipeline, each component's identity: its folder and
+config sha256) goes into the manifest's latent section as it is.
 
 With `buckets` (pixel shapes (H, W), multiples of the VAE's downscale) each image is encoded
 at its aspect-ratio bucket instead of the square: the rule of `data.buckets`
@@ -26,13 +28,14 @@ one bucket; the manifest lists the buckets and how many latents each holds.
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from mmtrain.data.ingest.pipeline_encoders import PipelineTextEncoder
 from mmtrain.data.ingest.text_features import TextEncoder
 from mmtrain.data.storage.manifest import write_manifest
 from mmtrain.data.storage.shard_writer import ShardWriter
@@ -69,6 +72,7 @@ def _images(source: ShardSet, transform: Any, counts: dict[str, int]) -> Iterato
     for i in range(len(source)):
         sample = source.read(i)
         ext = next((e for e in MODALITY_EXTENSIONS["image"] if e in sample), None)
+        _refuse_video(sample, ext, source.key(i))
         try:
             if ext is None:
                 raise MediaError("no image member")
@@ -78,6 +82,18 @@ def _images(source: ShardSet, transform: Any, counts: dict[str, int]) -> Iterato
             continue
         kept = {k: v for k, v in sample.items() if k != "__key__" and k not in IMAGE_EXTENSIONS}
         yield source.key(i), image, kept
+
+
+def _refuse_video(sample: dict[str, Any], image: str | None, key: str) -> None:
+    """A video clip is refused, not skipped as an unreadable image: an image VAE would leave
+    the whole set out and report success with no latent written."""
+    clip = next((e for e in MODALITY_EXTENSIONS["video"] if e in sample), None)
+    if image is None and clip is not None:
+        raise ValueError(
+            f"sample {key} holds a video clip (.{clip}) and no image: the VAE encodes images, "
+            "one at a time; video latents need a video VAE (Wan's AutoencoderKLWan), which "
+            "mmtrain does not read yet"
+        )
 
 
 def _batches(items: Iterator, batch_size: int) -> Iterator[list]:
@@ -101,13 +117,18 @@ def encode_latent_shards(
     flip: bool = False,
     batch_size: int = 16,
     vae_name: str = "",
-    text_encoder: TextEncoder | None = None,
+    text_encoder: TextEncoder | PipelineTextEncoder | None = None,
     buckets: Sequence[Sequence[int]] | None = None,
+    provenance: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Encode the images of the shards at `source` into latent shards in `out` (the square at
     `size`, or each at its pixel bucket of `buckets`; with `text_encoder`, their captions'
     cached text too); the counts."""
     shards = ShardSet.open(source)
+    if len(shards):  # before anything is written
+        first = shards.read(0)
+        image = next((e for e in MODALITY_EXTENSIONS["image"] if e in first), None)
+        _refuse_video(first, image, shards.key(0))
     if buckets:
         transform: Any = BucketCrop(buckets)
     else:
@@ -135,6 +156,7 @@ def encode_latent_shards(
                              for b in buckets]  # fmt: skip
     if text_encoder is not None:
         latent["text_encoder"] = text_encoder.record()
+    latent.update(provenance or {})
     write_manifest(out, writer.shards, modalities=["latent"], counts=counts, latent=latent)
     return counts
 
@@ -151,7 +173,9 @@ def _write(writer: ShardWriter, vae: AutoencoderKL, batch: list, flip: bool, par
     return written
 
 
-def _with_text(items: Iterator, encoder: TextEncoder, batch_size: int, counts: dict) -> Iterator:
+def _with_text(
+    items: Iterator, encoder: TextEncoder | PipelineTextEncoder, batch_size: int, counts: dict
+) -> Iterator:
     """`items` with their caption's cached text members added to the members they copy,
     captions encoded `batch_size` at a time; a sample without a readable `.txt` is skipped and
     counted (an MMDiT trains on none of them: refusing it here beats a hole in the data)."""

@@ -241,6 +241,14 @@ def _check_text_features(sample: dict[str, Any], d: DenoiserSpec, where: str) ->
         if tuple(shape) == want:
             continue
         wrong = [n for n, a, b in zip(names, shape, want, strict=False) if a != b] or [names[0]]
+        if wrong[0] == "denoiser.text_tokens":  # the usual one: a spec converted elsewhere
+            raise FieldError(
+                wrong[0],
+                f"{where}: `mmtrain data encode-latents` wrote {shape[0]} text tokens a caption "
+                f"(.{member} {list(shape)}) and the spec's MMDiT takes {want[0]}; set "
+                f"denoiser.text_tokens: {shape[0]} in the spec, or encode the captions again "
+                f"for {want[0]} tokens",
+            )
         raise FieldError(
             wrong[0],
             f"{where} holds .{member} of shape {list(shape)}, the spec's MMDiT takes "

@@ -37,7 +37,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -64,6 +64,7 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 ATTENTION_NAMES = ("attn", "attention")  # an attention module's attribute name ends so
 FACTORIES = ("arange", "zeros", "ones", "full", "empty", "scalar_tensor", "randint")
 NORM_OR_TABLE = (nn.Embedding, nn.LayerNorm, nn.GroupNorm)
+SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -80,6 +81,12 @@ def trace_hub(
     config-only folder (plan presets), built without the processor files a run needs."""
     frozen = tuple(sorted(frozen))
     path = _cache_path(folder, shape, frozen)
+    return cached_trace(path, cache, lambda: _trace(folder, shape, frozen, preset))
+
+
+def cached_trace(path: Path, cache: bool, trace: Callable[[], HubTrace]) -> HubTrace:
+    """The trace kept at `path` when it is readable and of this version, else `trace()`'s,
+    kept there (with `cache`)."""
     if cache and path.is_file():
         try:
             cached = HubTrace.from_dict(json.loads(path.read_text(encoding="utf-8")))
@@ -87,9 +94,9 @@ def trace_hub(
                 return cached
         except (OSError, ValueError, KeyError, TypeError) as err:
             log.info("trace cache %s unreadable (%s): tracing again", path, err)
-    result = _trace(folder, shape, frozen, preset)
+    result = trace()
     if cache:
-        _write_atomic(path, json.dumps(result.to_dict()))
+        write_atomic(path, json.dumps(result.to_dict()))
     return result
 
 
@@ -110,7 +117,7 @@ def _cache_path(folder: Path, shape: HubShape, frozen: tuple[str, ...]) -> Path:
     return cache_dir() / f"{digest}.json"
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -185,20 +192,20 @@ def _positions(indices: list) -> list:
     return out
 
 
-class _FlashOnMeta(TorchFunctionMode):
+class FlashOnMeta(TorchFunctionMode):
     """Scaled dot-product attention on the meta device through the flash kernel's op, as the
     CPU and CUDA run it (q, k, v, output and fp32 log-sum-exp kept; grouped k and v as they
     are): the meta device would otherwise take the math path, which keeps the [s, s] scores."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and args[0].device.type == "meta":
-            q, k, v = args[:3]
-            extra = dict(
-                zip(("attn_mask", "dropout_p", "is_causal", "scale"), args[3:], strict=False)
-            )
-            extra.update({n: kwargs[n] for n in ("attn_mask", "dropout_p", "is_causal", "scale")
-                          if n in kwargs})  # fmt: skip
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        # by position or by name (diffusers passes query=, key=, value=)
+        extra = dict(zip(SDPA_ARGUMENTS, args, strict=False))
+        extra.update({n: kwargs[n] for n in SDPA_ARGUMENTS if n in kwargs})
+        q, k, v = extra["query"], extra["key"], extra["value"]
+        if q.device.type == "meta":
             mask = extra.get("attn_mask")
             if mask is not None and mask.dtype == torch.bool:  # as SDPA does: an additive mask
                 mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
@@ -358,15 +365,15 @@ def _trace(folder: Path, shape: HubShape, frozen: tuple[str, ...], preset: bool)
     towers = model.towers
     _freeze(towers, frozen)
     batch, image_tokens = row_inputs(folder, hf, shape)
-    recorder = _Recorder(model, towers)
+    recorder = Recorder(model, towers)
     flops = flop_counter()
-    with recorder.attributing(), flops, _HostValues(), _FlashOnMeta():
+    with recorder.attributing(), flops, _HostValues(), FlashOnMeta():
         with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
             out = model(batch)
         held = recorder.held()  # while `out` (the graph) is alive
-    reached = _reached_parameters(out["nll_sum"])
+    reached = reached_parameters(out["nll_sum"])
     del out
-    counts = _flops_by_module(flops, model)
+    counts = flops_by_module(flops, model)
     traced = tuple(
         replace(
             _tower_trace(name, tower, held, counts, recorder, hf),
@@ -381,7 +388,7 @@ def _trace(folder: Path, shape: HubShape, frozen: tuple[str, ...], preset: bool)
                     frozen=frozen)  # fmt: skip
 
 
-def _reached_parameters(loss: Tensor) -> set[int]:
+def reached_parameters(loss: Tensor) -> set[int]:
     """Ids of the parameters the loss's gradient reaches (a pooling head the loss does not
     read runs in the forward but gets no gradient, hence no optimizer state)."""
     reached: set[int] = set()
@@ -413,7 +420,7 @@ def _freeze(towers: dict[str, HubTower], frozen: tuple[str, ...]) -> None:
                 param.requires_grad_(False)
 
 
-class _Recorder:
+class Recorder:
     """Saved tensors by storage, with where they were saved: (tower, block, in attention)."""
 
     def __init__(self, model: nn.Module, towers: dict[str, HubTower]):
@@ -476,13 +483,15 @@ def _key(t: Tensor) -> int:
 
 
 def _attention_module(block: nn.Module) -> nn.Module | None:
+    """A block's (first) attention module: `self_attn`, `attn`, or diffusers' `attn1` (a Wan
+    block's self-attention, before its cross-attention `attn2`)."""
     for name, child in block.named_children():
-        if name.lower().endswith(ATTENTION_NAMES):
+        if name.lower().rstrip("0123456789").endswith(ATTENTION_NAMES):
             return child
     return None
 
 
-def _saved(tensors: list[Tensor]) -> Saved:
+def saved_of(tensors: list[Tensor]) -> Saved:
     floats = other = 0
     seen: set[int] = set()
     for t in tensors:
@@ -498,7 +507,7 @@ def _saved(tensors: list[Tensor]) -> Saved:
     return Saved(floats, other)
 
 
-def _flops_by_module(flops: FlopCounterMode, root: nn.Module) -> dict[str, int]:
+def flops_by_module(flops: FlopCounterMode, root: nn.Module) -> dict[str, int]:
     """Forward FLOPs by the module's qualified name in `root` ("" for everything)."""
     prefix = type(root).__name__
     out = {}
@@ -516,14 +525,14 @@ def _tower_trace(
     tower: HubTower,
     held: list[tuple[Tensor, tuple]],
     counts: dict[str, int],
-    recorder: _Recorder,
+    recorder: Recorder,
     hf: nn.Module,
 ) -> TowerTrace:
     blocks = len(tower.blocks)
     mine = [(t, w) for t, w in held if w[0] == name]
-    block_saved = tuple(_saved([t for t, w in mine if w[1] == i]) for i in range(blocks))
-    attention = tuple(_saved([t for t, w in mine if w[1] == i and w[2]]) for i in range(blocks))
-    outside = _saved([t for t, w in mine if w[1] is None])
+    block_saved = tuple(saved_of([t for t, w in mine if w[1] == i]) for i in range(blocks))
+    attention = tuple(saved_of([t for t, w in mine if w[1] == i and w[2]]) for i in range(blocks))
+    outside = saved_of([t for t, w in mine if w[1] is None])
     names = {id(m): n for n, m in hf.named_modules()}
     block_flops = tuple(counts.get(f"hf.{names[id(b)]}", 0) for b in tower.blocks)
     if name == "text":  # the loss's head matmuls run outside any module: the rest is text's
@@ -537,14 +546,14 @@ def _tower_trace(
     first = tower.blocks[0] if blocks else None
     return TowerTrace(
         name=name,
-        tokens=_tokens(inputs[0]) if inputs else 0,
+        tokens=tokens_of(inputs[0]) if inputs else 0,
         forward_flops=forward,
         block_flops=block_flops,
         block_saved=block_saved,
         attention_saved=attention,
         attention_input=attn_inputs[0].numel() if attn_inputs else 0,
         block_input=inputs[0].numel() if inputs else 0,
-        shared_inputs=_saved(list(recorder.shared[name].values())),
+        shared_inputs=saved_of(list(recorder.shared[name].values())),
         outside=outside,
         params=sum(p.numel() for p in tower.parameters()),
         block_params=sum(p.numel() for p in first.parameters()) if first is not None else 0,
@@ -555,7 +564,7 @@ def _tower_trace(
     )
 
 
-def _tokens(hidden: Tensor) -> int:
+def tokens_of(hidden: Tensor) -> int:
     """Sequence length of a block's hidden-state input ([batch, seq, width] or [seq, width])."""
     return hidden.shape[-2] * (hidden.shape[0] if hidden.dim() == 3 else 1)
 
@@ -620,12 +629,12 @@ def measure_hub_step(
     generator = torch.Generator().manual_seed(seed)
     batch = {k: torch.randn(v.shape, generator=generator) if v.device.type == "meta" else v
              for k, v in batch.items()}  # fmt: skip
-    recorder = _Recorder(model, model.towers)
+    recorder = Recorder(model, model.towers)
     flops = flop_counter()
     with flops, torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
         out = model(batch)
     held = recorder.held()
-    saved = _saved([t for t, _ in held])
+    saved = saved_of([t for t, _ in held])
     forward_flops = int(flops.get_total_flops())
     out["nll_sum"].backward()
     del out
@@ -640,7 +649,7 @@ def measure_hub_step(
         "float_elements": saved.floats,
         "other_bytes": saved.other_bytes,
         "forward_flops": forward_flops,
-        "model_state_bytes": _saved(held).bytes(4),
+        "model_state_bytes": saved_of(held).bytes(4),
         "trainable_params": sum(p.numel() for p in trained),
         "optimizer_state_params": sum(p.numel() for p in optimizer.state),
     }
