@@ -208,6 +208,10 @@ class DiffusionConfig:
     beta_end: float = 0.02
     min_snr: float | None = None
     temporal_weight: float = 0.0
+    # The guidance scale fed to a guidance-distilled denoiser while it trains (FLUX.1-dev, a
+    # pipeline folder's transformer with guidance_embeds). Recipes differ: diffusers'
+    # train_dreambooth_lora_flux.py defaults to 3.5, many published runs pass 1.
+    guidance: float = 1.0
 
     def validate(self, path: str = "train.diffusion") -> None:
         check_choice(f"{path}.timesteps", self.timesteps, ("logit_normal", "uniform"))

@@ -14,6 +14,9 @@ from dataclasses import asdict, dataclass, field
 from mmtrain.structured import FieldError
 
 HUB_TOWERS = ("vision", "text")  # the towers a hub model has (`train.towers` keys), in order
+# A diffusers denoiser's towers (models/hub/denoiser.py): FLUX's double-stream blocks (with
+# every part outside the blocks) and its single-stream blocks, each wrapped block by block.
+DENOISER_TOWERS = ("denoiser", "denoiser_single")
 
 
 @dataclass(frozen=True)
@@ -30,21 +33,35 @@ class HubSpec:
     text_layers: int = 0
     vocab_size: int = 0
     tied_embeddings: bool = False  # the head shares the token embedding's weight
+    # A diffusers denoiser (architecture in DENOISER_FAMILIES; `source` a pipeline folder):
+    # whether it embeds the guidance scale (FLUX.1-dev), fed `train.diffusion.guidance`.
+    guidance: bool = False
 
     def validate(self, path: str = "hub") -> None:
         if not self.source:
             raise FieldError(f"{path}.source", "a hub model needs the folder or name it comes from")
-        unknown = sorted(set(self.tower_params) - set(HUB_TOWERS))
+        names, needed = (
+            (DENOISER_TOWERS, "denoiser") if self.is_denoiser() else (HUB_TOWERS, "text")
+        )
+        unknown = sorted(set(self.tower_params) - set(names))
         if unknown:
             raise FieldError(
                 f"{path}.tower_params.{unknown[0]}",
-                f"a hub model's towers are {', '.join(HUB_TOWERS)}",
+                f"a {self.architecture}'s towers are {', '.join(names)}",
             )
-        if "text" not in self.tower_params:
-            raise FieldError(f"{path}.tower_params", "a hub model has a language model (text)")
+        if needed not in self.tower_params:
+            what = "a denoiser" if self.is_denoiser() else "a language model"
+            raise FieldError(f"{path}.tower_params", f"a hub model has {what} ({needed})")
+        if self.guidance and not self.is_denoiser():
+            raise FieldError(f"{path}.guidance", "is for a diffusers denoiser (FLUX.1-dev)")
+
+    def is_denoiser(self) -> bool:
+        """A diffusers transformer trained as it is (a pipeline folder's `transformer/`)."""
+        return self.architecture in DENOISER_FAMILIES
 
     def towers(self) -> list[str]:
-        return [name for name in HUB_TOWERS if name in self.tower_params]
+        names = DENOISER_TOWERS if self.is_denoiser() else HUB_TOWERS
+        return [name for name in names if name in self.tower_params]
 
     def params(self) -> int:
         return sum(self.tower_params.values())

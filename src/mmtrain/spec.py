@@ -682,6 +682,9 @@ class ModelSpec:
 
     def _validate_hub(self) -> None:
         self.hub.validate("hub")
+        if self.hub.is_denoiser():
+            self._validate_hub_denoiser()
+            return
         if self.objective != "next_token":
             raise FieldError(
                 "objective", f"a hub model trains with next_token, not {self.objective!r}"
@@ -689,6 +692,27 @@ class ModelSpec:
         for name in ("decoder", "projector", "fusion", "denoiser", "vision", "vision_tokens"):
             if getattr(self, name) is not None:
                 raise FieldError(name, "a hub model is its transformers class: it has none")
+        if self.towers or self.pairs:
+            raise FieldError(
+                "towers" if self.towers else "pairs",
+                "a hub model's towers are its class's (hub.tower_params)",
+            )
+
+    def _validate_hub_denoiser(self) -> None:
+        """A diffusers denoiser (models/hub/denoiser.py): its `denoiser` describes what it takes
+        and predicts (the data and the objective read it); the hub counts its parameters."""
+        if self.denoiser is None:
+            raise FieldError("denoiser", f"a {self.hub.architecture} needs its inputs described")
+        self.denoiser.validate("denoiser")
+        if self.objective != "flow_matching" or self.denoiser.prediction != "velocity":
+            raise FieldError(
+                "objective",
+                f"a {self.hub.architecture} trains with flow_matching (a velocity prediction), "
+                f"not {self.objective!r} ({self.denoiser.prediction!r})",
+            )
+        for name in ("decoder", "projector", "fusion", "vision", "vision_tokens"):
+            if getattr(self, name) is not None:
+                raise FieldError(name, "a hub denoiser is its diffusers class: it has none")
         if self.towers or self.pairs:
             raise FieldError(
                 "towers" if self.towers else "pairs",
@@ -751,7 +775,7 @@ class ModelSpec:
         return parts + ([DENOISER_PART] if self.denoiser is not None else [])
 
     def is_language_model(self) -> bool:
-        return self.decoder is not None or self.hub is not None
+        return self.decoder is not None or (self.hub is not None and self.denoiser is None)
 
     def is_generator(self) -> bool:
         """A denoiser trained to generate (flow matching or DDPM)."""

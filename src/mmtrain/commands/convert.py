@@ -5,7 +5,7 @@
     mmtrain convert --from hf HF_DIR --out DIR
     mmtrain convert --to hf DIR --out HF_DIR
     mmtrain convert --from diffusers DIT_DIR|SD3_DIR --out DIR
-    mmtrain convert --to diffusers DIR --out DIT_DIR|SD3_DIR
+    mmtrain convert --to diffusers DIR --out DIT_DIR|SD3_DIR|PIPELINE_DIR
 
 DIR holds spec.yaml + model.safetensors, or shards listed in model.safetensors.index.json past
 5 GB (what `mmtrain.load_model(DIR)` reads). `--to hf` reads DIR one tensor at a time and writes
@@ -24,7 +24,9 @@ its own, else those of the folder it started from (`init`, else `data.tokenizer`
 config.yaml records them) and the chat template it trained with, and refuses a tokenizer that
 does not fit the model's vocabulary (models/formats/hf_processor_files.py). DIT_DIR is a diffusers
 `DiTTransformer2DModel` or SD3 `SD3Transformer2DModel` folder (config.json +
-diffusion_pytorch_model.safetensors, or shards); the denoiser lies under `towers.denoiser.*` (an SD3 folder's is an MMDiT).
+diffusion_pytorch_model.safetensors, or shards); the denoiser lies under `towers.denoiser.*` (an SD3 folder's is an MMDiT). `--to diffusers` of a
+hub denoiser's run (`init: PIPELINE_DIR`, FLUX.1) copies the pipeline folder the run became
+(model_index.json, its components, a LoRA run's adapter/) to PIPELINE_DIR.
 """
 
 from __future__ import annotations
@@ -181,6 +183,31 @@ def _copy_hub_folder(source: Path, out: Path) -> int:
     return 0
 
 
+def _copy_pipeline_folder(source: Path, out: Path) -> int:
+    """A hub denoiser's run folder (train/export_hub_denoiser.py): model_index.json, every
+    component folder and a LoRA run's adapter/, copied as they are (checkpoints, mmtrain's own
+    files and any other folder left)."""
+    import json
+    import shutil
+
+    from mmtrain.models.formats.peft_adapter import ADAPTER_DIR
+    from mmtrain.models.hub.pipeline import PIPELINE_INDEX, TRANSFORMER_DIR
+
+    if not (source / TRANSFORMER_DIR / "config.json").is_file():
+        raise UsageError(f"{source}: no {TRANSFORMER_DIR}/config.json: the run has not finished")
+    index = json.loads((source / PIPELINE_INDEX).read_text(encoding="utf-8"))
+    parts = [k for k, v in index.items() if not k.startswith("_") and isinstance(v, list)]
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(source / PIPELINE_INDEX, out / PIPELINE_INDEX)
+    copied = [PIPELINE_INDEX]
+    for name in [*parts, ADAPTER_DIR]:
+        if (source / name).is_dir():
+            shutil.copytree(source / name, out / name, dirs_exist_ok=True)
+            copied.append(name + "/")
+    print(f"wrote {out} (a diffusers pipeline folder, from {source}): {', '.join(copied)}")
+    return 0
+
+
 def _processor_files(source: Path, spec: ModelSpec):
     """The tokenizer, chat template, processor and generation files the export carries: a
     model folder's own, or for a run folder (config.yaml beside the weights) its own, else
@@ -209,6 +236,10 @@ def _processor_files(source: Path, spec: ModelSpec):
 
 
 def _to_diffusers(source: Path, out: Path) -> int:
+    from mmtrain.models.hub.pipeline import is_pipeline_folder
+
+    if is_pipeline_folder(source):  # a hub denoiser's run folder is its pipeline already
+        return _copy_pipeline_folder(source, out)
     from mmtrain.models.build import read_model_folder
     from mmtrain.models.formats.diffusers import DIT_CLASS, write_diffusers_dit
     from mmtrain.models.formats.diffusers_sd3 import SD3_CLASS

@@ -165,6 +165,10 @@ def run(args: argparse.Namespace) -> int:
     if not model_dir.is_dir():
         raise UsageError(f"{model_dir}: not a folder (expected RUN_DIR or a model folder)")
     device = _device(args.device, torch)
+    from mmtrain.models.hub.pipeline import is_pipeline_folder
+
+    if is_pipeline_folder(model_dir):  # a hub denoiser's run: the folder is its pipeline
+        return generate_with_pipeline(args, model_dir, device)
     model, run_dir, _ = _load_model(model_dir, device)
     if model.spec.denoiser is not None:
         ema = model_dir / "ema"
@@ -267,6 +271,37 @@ def _picture(path: Path) -> Any:
             return image.convert("RGB")
     except (OSError, UnidentifiedImageError) as err:
         raise UsageError(f"--image {path}: cannot be read as an image ({err})") from None
+
+
+def generate_with_pipeline(args: argparse.Namespace, folder: Path, device: Any) -> int:
+    """Sample a pipeline folder (a hub denoiser's run, or its source) through the family's own
+    diffusers pipeline: `--num` PNGs per `--prompt` into `--out`, `--size` in latent positions
+    (the VAE's factor gives the pixels), `--cfg` the pipeline's guidance_scale (FLUX.1-dev's
+    embedded guidance)."""
+    import diffusers
+    import torch
+
+    if not args.prompt or args.out is None:
+        raise UsageError(f"{folder} is a diffusers pipeline: give --prompt and --out DIR")
+    pipe = diffusers.DiffusionPipeline.from_pretrained(str(folder)).to(device)
+    factor = int(getattr(pipe, "vae_scale_factor", 8))
+    size = {}
+    if args.size is not None:
+        if len(args.size) != 2:
+            raise UsageError(f"--size: {type(pipe).__name__} makes images (HxW)")
+        size = {"height": args.size[0] * factor, "width": args.size[1] * factor}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    written = 0
+    for p, prompt in enumerate(args.prompt):
+        images = pipe(prompt, num_images_per_prompt=args.num, num_inference_steps=args.steps,
+                      guidance_scale=args.cfg, generator=g, **size).images  # fmt: skip
+        for i, image in enumerate(images):
+            image.save(out / f"prompt{p}_{i}.png")
+            written += 1
+    print(f"wrote {written} images to {out} ({type(pipe).__name__})")
+    return 0
 
 
 def generate_images(args: argparse.Namespace, model: Any, run_dir: Path) -> int:

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 from mmtrain.config import load_config
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         return 0  # the summary and hints are rank 0's to print (every rank has the same)
     hints.close()
     if result.resumed_from is not None and result.resumed_from >= config.train.steps:
-        print(f"already finished: {result.step} steps; weights in {result.out}/model.safetensors")
+        print(f"already finished: {result.step} steps; weights in {_weights(result.out)}")
         return 0
     if result.resumed_from is not None:
         print(f"resumed from step {result.resumed_from}")
@@ -73,9 +74,19 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"done: {result.step} steps, {result.samples_seen} samples, last loss {result.last_loss:.4f}, "
         f"{result.skipped_steps} skipped steps, {result.corrupt_samples} corrupt samples; "
-        f"weights in {result.out}/model.safetensors"
+        f"weights in {_weights(result.out)}"
     )
     return 0
+
+
+def _weights(out: Path) -> str:
+    """Where a finished run's weights are: a pipeline's transformer folder (a hub denoiser),
+    else the run folder's model.safetensors (or its shards' index)."""
+    if (out / "model_index.json").is_file():
+        return f"{out}/transformer/ (a diffusers pipeline folder: {out})"
+    if (out / "model.safetensors.index.json").is_file():
+        return f"{out}/model.safetensors.index.json"
+    return f"{out}/model.safetensors"
 
 
 _PEER_WORDS = ("connection reset", "connection closed", "broken pipe", "timed out", "peer")

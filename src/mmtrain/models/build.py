@@ -72,6 +72,10 @@ def create_model(
     """
     spec = load_spec(name_or_spec)
     device = torch.device(device) if device is not None else torch.device("cpu")
+    if spec.hub is not None and spec.hub.is_denoiser():  # diffusers' own class (lazily)
+        from mmtrain.models.hub.denoiser import create_hub_denoiser
+
+        return create_hub_denoiser(spec, device=device, dtype=dtype, seed=seed)
     if spec.hub is not None:  # transformers' own class (imports transformers: here, lazily)
         from mmtrain.models.hub.model import create_hub_model
 

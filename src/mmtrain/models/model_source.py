@@ -1,8 +1,11 @@
 """The ModelSpec of whatever a run's `model` names: a preset or spec file (mmtrain's own), a
 transformers folder or hub name of a native family (its spec read from the config: mmtrain's
-modules train it), or of any other class transformers builds (a hub model, models/hub/)."""
+modules train it), or of any other class transformers builds (a hub model, models/hub/), or a
+diffusers pipeline folder whose transformer trains as diffusers' class (models/hub/denoiser.py)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from mmtrain.model_sources import is_hub_name, is_model_folder
 from mmtrain.models.formats import hf
@@ -15,6 +18,12 @@ def load_model_spec(model: str | ModelSpec, key: str = "model") -> ModelSpec:
     if isinstance(model, ModelSpec):
         return model
     text = str(model)
+    from mmtrain.models.hub.pipeline import is_pipeline_folder
+
+    if is_pipeline_folder(text):  # a diffusers pipeline: its transformer as diffusers' class
+        from mmtrain.models.hub.denoiser import hub_denoiser_spec_of
+
+        return hub_denoiser_spec_of(Path(text), text, key)
     if not (is_model_folder(text) or is_hub_name(text)):
         return load_spec(text)
     from mmtrain.models.hub.model import hub_spec_of

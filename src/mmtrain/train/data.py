@@ -429,7 +429,7 @@ def _unfillable(err: NoValidSamples, row_length: int | None, native: bool) -> Fi
 def _conversations(config: RunConfig, spec: ModelSpec) -> ConversationBatcher | None:
     """How conversation samples become a language model's batches: mmtrain's chat templates
     and tokenizer for a native model, the folder's own processor for a hub model."""
-    if spec.hub is not None:
+    if spec.hub is not None and spec.is_language_model():
         return ProcessorBatcher(config.data, spec)
     return ConversationBatcher(config.data, spec) if spec.is_language_model() else None
 

@@ -14,7 +14,8 @@ A share `cfg_dropout` of the samples get the "no class" id (an MMDiT: zeroed tex
 states and pooled vector both, SD3's empty condition), which classifier-free guidance needs at
 sampling time. The loss is the mean squared error per sample (over the prediction's
 channels; DiT's learned-sigma channels are not trained by it), averaged over the micro-batch
-and divided by the K micro-batches of the step, like any per-sample mean.
+and divided by the K micro-batches of the step, like any per-sample mean. A guidance-distilled
+hub denoiser (FLUX.1-dev) is fed `guidance` (the scale it is trained at) per sample.
 
 The noise, the timesteps and the dropout are drawn from a generator seeded by (run seed, step,
 rank, micro-batch) alone, on the device: a resumed or rolled-back run draws exactly what the
@@ -44,6 +45,7 @@ from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
 
 Batch = Mapping[str, torch.Tensor]
+GUIDANCE = "guidance"  # the batch key of a guidance-distilled denoiser's scale (models/hub)
 
 
 def flow_timesteps(n: int, config: DiffusionConfig, g: torch.Generator, device) -> torch.Tensor:
@@ -77,6 +79,7 @@ class DiffusionObjective:
         self.key = spec.denoiser.input
         self.alphas_cumprod = None if self.flow else ddpm_alphas_cumprod(config)
         self.temporal = config.temporal_weight > 0
+        self.guidance = spec.hub is not None and spec.hub.guidance
         if self.temporal and not spec.denoiser.is_video():
             raise FieldError(
                 "train.diffusion.temporal_weight",
@@ -111,6 +114,8 @@ class DiffusionObjective:
             out[CLASS] = self._dropped(batch[CLASS], g)
         if self.denoiser.is_mmdit():
             out.update(self._dropped_text(batch, g))
+        if self.guidance:  # a guidance-distilled hub denoiser (FLUX.1-dev): the scale trained at
+            out[GUIDANCE] = torch.full((n,), self.config.guidance, device=x0.device, dtype=x0.dtype)
         self.targets[j] = (target, weight)
         return out
 

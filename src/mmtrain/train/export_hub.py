@@ -46,23 +46,36 @@ def export_hub_model(
     adapters (`hf.`-less names: `<module>.lora_a` / `.lora_b`) on rank 0, {} elsewhere.
     Every rank takes part in gathering each tensor (FSDP); QLoRA's NF4 bases are written
     dequantised, their adapters merged (train/export.py's tensors)."""
-    sharded = parallel.is_fsdp(model)
-    if not sharded and rank != 0:
+    gathered = gathered_weights(model, rank, lora_scale)
+    if gathered is None:
         return {}
-    state = model.state_dict()
-    check_finite_weights(state, sharded=sharded)
-    adapters = {name: full_on_cpu(v) for name, v in state.items() if is_adapter(name)}
-    tensors = merged_tensors(plain_sources(model, state), adapters, lora_scale)
-    weights = {name[len(PREFIX) :]: value.contiguous() for name, value in tensors}
-    if rank != 0:
-        return {}
+    weights, adapters = gathered
     hf = model.hf
     _drop_tied(hf, weights)
     count = len(weights)  # save_pretrained consumes the dict
     hf.save_pretrained(str(out), state_dict=weights)
     model.spec.save(out / SPEC_FILE)
     log.info("wrote %s (%s, %d tensors)", out, type(hf).__name__, count)
-    return {name[len(PREFIX) :]: value for name, value in adapters.items()}
+    return adapters
+
+
+def gathered_weights(
+    model: nn.Module, rank: int, lora_scale: Mapping[str, float]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None:
+    """(the plain weights, the adapters) of a hub model's module by its own names (`hf.`
+    left out) on rank 0, None elsewhere. Every rank takes part in gathering each tensor
+    (FSDP); QLoRA's NF4 bases come dequantised, LoRA adapters merged (train/export.py)."""
+    sharded = parallel.is_fsdp(model)
+    if not sharded and rank != 0:
+        return None
+    state = model.state_dict()
+    check_finite_weights(state, sharded=sharded)
+    adapters = {name: full_on_cpu(v) for name, v in state.items() if is_adapter(name)}
+    tensors = merged_tensors(plain_sources(model, state), adapters, lora_scale)
+    weights = {name[len(PREFIX) :]: value.contiguous() for name, value in tensors}
+    if rank != 0:
+        return None
+    return weights, {name[len(PREFIX) :]: value for name, value in adapters.items()}
 
 
 def _drop_tied(hf: nn.Module, weights: dict[str, torch.Tensor]) -> None:

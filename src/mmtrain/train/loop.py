@@ -51,6 +51,7 @@ from mmtrain.train.data import TrainData
 from mmtrain.train.ema import Ema
 from mmtrain.train.export import copy_processor_files, export_model
 from mmtrain.train.export_hub import export_hub_model, write_hub_adapter
+from mmtrain.train.export_hub_denoiser import export_hub_denoiser, write_denoiser_adapter
 from mmtrain.train.lora import lora_towers
 from mmtrain.train.metrics import (
     compile_counts,
@@ -608,7 +609,11 @@ class Trainer:
     def _export(self) -> None:
         """OUT/model.safetensors + spec.yaml (LoRA merged, adapters alone beside), gathered
         and written one tensor at a time (train/export.py); EMA in OUT/ema."""
-        if self.spec.hub is not None:  # the run folder becomes a transformers folder
+        if self.spec.hub is not None and self.spec.hub.is_denoiser():  # a diffusers pipeline
+            adapters = export_hub_denoiser(self.model, self.out, self.rank, self.lora_scale)
+            if adapters:
+                write_denoiser_adapter(self.model, adapters, lora_towers(self.t), self.out)
+        elif self.spec.hub is not None:  # the run folder becomes a transformers folder
             adapters = export_hub_model(self.model, self.out, self.rank, self.lora_scale)
             if adapters:
                 write_hub_adapter(self.model, adapters, lora_towers(self.t), self.out)

@@ -146,13 +146,13 @@ def step_model_flops(
     by the ranks; a denoiser counts `batch_size` (global) samples of the step's shape (shape
     buckets: one per step, the same on every rank); other models `batch_size` samples of the
     spec's inputs."""
+    if step_spec.hub is not None:  # counted by the planner's trace, not per step yet
+        return 0
     if step_spec.denoiser is not None and micro_batches:
         d = step_spec.denoiser
         size = tuple(micro_batches[0][d.input].shape[2:])
         per_sample = {DENOISER_PART: d.forward_flops(size)}
         return model_train_flops(step_spec, per_sample, modes, recompute) * batch_size
-    if step_spec.hub is not None:  # counted by the planner's trace, not per step yet
-        return 0
     if step_spec.decoder is None:
         per_sample = step_spec.forward_flops_by_part()
         return model_train_flops(step_spec, per_sample, modes, recompute) * batch_size

@@ -125,7 +125,7 @@ class Validator:
         settings = _conversation_settings(config, spec) if spec.is_language_model() else None
         for i, path in enumerate(self.sources):
             try:
-                if spec.hub is not None:
+                if spec.hub is not None and spec.is_language_model():
                     self.evaluators.append(
                         _hub_evaluator(config, spec, settings, path, rank, world)
                     )
