@@ -243,3 +243,56 @@ def test_a_pipeline_of_another_family_exits_2_naming_its_class(made, tmp_path, c
     assert main(["train", str(run_config(tmp_path, other, latents, "wan"))]) == 2
     err = capsys.readouterr().err
     assert "WanTransformer3DModel" in err and "FluxTransformer2DModel (FluxPipeline)" in err
+
+
+def test_latents_of_another_pipelines_vae_are_refused_by_name(made, tmp_path, capsys):
+    """A run from a pipeline whose VAE is not the one `encode-latents --pipeline` recorded
+    exits 2 before the first step, naming the component and how to encode again."""
+    _, pipeline, latents = made
+    other = tmp_path / "other"
+    shutil.copytree(pipeline, other)
+    config = json.loads((other / "vae" / "config.json").read_text())
+    config["scaling_factor"] = config["scaling_factor"] * 2  # another VAE's latent scale
+    (other / "vae" / "config.json").write_text(json.dumps(config))
+    assert main(["train", str(run_config(tmp_path, other, latents, "run"))]) == 2
+    err = capsys.readouterr().err
+    assert "data.train[0].path" in err and "vae" in err and "encode-latents --pipeline" in err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def _losses_on_ranks(rank: int, world: int, paths: list[str]) -> list[list[float]]:
+    return [[row["loss"] for row in train(load_config(path)).history] for path in paths]
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_ranks_trains_what_ddp_trains(made, tmp_path):
+    """FSDP2 (per block of both towers) on 2 gloo ranks trains what DDP on the same 2 ranks
+    trains: a denoiser draws its noise and timesteps per rank (train/diffusion.py), so the
+    data-parallel run it must equal is DDP's, not one process's. float64, AdamW's eps 1 so an
+    update is Lipschitz in its gradient (see test_hub_train_parallel.py); the losses agree to
+    1e-9, the weights to float32's rounding of their updates (diffusers' RMSNorm takes its
+    statistics in float32)."""
+    from dist_helpers import run_distributed
+
+    _, pipeline, latents = made
+    settings = {"precision": "fp64", "eps": 1.0, "steps": 3, "batch_size": 4, "lr": 1e-2,
+                "micro_batch": 2}  # fmt: skip
+    paths = [
+        str(run_config(tmp_path, pipeline, latents, name, parallel=name, **settings))
+        for name in ("ddp", "fsdp")
+    ]
+    first, second = run_distributed(_losses_on_ranks, world_size=2, args=(paths,),
+                                    timeout_s=300)  # fmt: skip
+    assert first == second  # every rank logs the global loss
+    ddp, fsdp = first
+    torch.testing.assert_close(torch.tensor(fsdp), torch.tensor(ddp), rtol=1e-9, atol=0)
+    name = "transformer/diffusion_pytorch_model.safetensors"
+    source = load_file(pipeline / name)
+    want, got = load_file(tmp_path / "ddp" / name), load_file(tmp_path / "fsdp" / name)
+    assert got.keys() == want.keys()
+    moved = max((want[k] - v.double()).abs().max().item() for k, v in source.items())
+    assert moved > 1e-6  # the steps changed the weights far beyond the tolerance below
+    for key, value in want.items():
+        update = (value - source[key].double()).abs().max().item()
+        torch.testing.assert_close(got[key], value, rtol=1e-9, atol=1e-12 + 1e-6 * update,
+                                   msg=key)  # fmt: skip

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from mmtrain.config import RunConfig
+from mmtrain.data.storage.manifest import read_manifest
 from mmtrain.data.storage.remote_cache import ShardCache, cache_stats, open_cache
 from mmtrain.data.storage.s3 import is_remote
 from mmtrain.data.storage.shards import ShardSet
@@ -183,6 +184,8 @@ class TrainData:
         self.buckets, bucket_ids = _buckets(config, spec, sources, rank)
         if spec.denoiser is not None:  # latents / text features of other components: exit 2
             check_first_samples(sources, spec, self.buckets)
+            if spec.hub is not None:  # a pipeline's denoiser: its own VAE and encoders only
+                _check_pipeline_components(config, spec)
         self.spec = spec  # the spec whose sizes the current transforms produce
         self.uint8_pixels = uint8_pixels
         options = dict(
@@ -432,6 +435,26 @@ def _conversations(config: RunConfig, spec: ModelSpec) -> ConversationBatcher | 
     if spec.hub is not None and spec.is_language_model():
         return ProcessorBatcher(config.data, spec)
     return ConversationBatcher(config.data, spec) if spec.is_language_model() else None
+
+
+def _check_pipeline_components(config: RunConfig, spec: ModelSpec) -> None:
+    """Latents and text features that `encode-latents --pipeline` recorded as another
+    pipeline's components (a VAE or text encoder whose config differs from the one in the
+    run's pipeline folder) are refused, naming the component: they would train silently on
+    what this pipeline's decoder and encoders never produce. Remote sources and manifests
+    without a record are not checked."""
+    from mmtrain.data.ingest.pipeline_encoders import PipelineFolderError, refuse_other_components
+
+    for i, source in enumerate(config.data.train):
+        if is_remote(source.path):
+            continue
+        try:
+            latent = read_manifest(source.path).get("latent") or {}
+            refuse_other_components(latent, spec.hub.source, f"data.train[{i}]")
+        except FileNotFoundError:
+            continue
+        except PipelineFolderError as err:
+            raise FieldError(f"data.train[{i}].path", str(err)) from None
 
 
 def _shard_cache(config: RunConfig) -> ShardCache | None:
