@@ -206,3 +206,24 @@ def test_activation_checkpointing_and_compile_per_block_train_the_same_steps(tmp
     assert losses("checkpointed", towers=ac) == plain
     compiled = losses("compiled", towers=ac, compile=True)
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(plain), rtol=1e-4, atol=0)
+
+
+def test_cpu_offload_trains_what_the_plain_run_trains(tmp_path):
+    """`train.offload` (FSDP2 with its shards, gradients and optimizer state in host memory,
+    on one rank) trains a hub model as the plain run does: float64, losses to 1e-9."""
+    from mmtrain.config import config_from_dict
+    from mmtrain.train.loop import train
+
+    folder = make_folder("gemma3", tmp_path)
+    shards = conversation_shards(tmp_path / "shards", n=8)
+
+    def losses(name: str, **settings) -> list[float]:
+        config = _config(tmp_path, folder, shards, name, batch_size=2, eps=1.0, **settings)
+        return [row["loss"] for row in train(config_from_dict(config)).history]
+
+    plain = losses("plain")
+    offloaded = losses("offloaded", parallel="fsdp", offload=True)
+    torch.testing.assert_close(torch.tensor(offloaded), torch.tensor(plain), rtol=1e-9, atol=0)
+    want = load_file(tmp_path / "plain" / "model.safetensors")
+    got = load_file(tmp_path / "offloaded" / "model.safetensors")
+    assert got.keys() == want.keys()
