@@ -33,6 +33,8 @@ from mmtrain.report.rundata import load_run
 from mmtrain.report.scaling import SCALING_EFFICIENCY, scaling
 from mmtrain.train.loop import train
 
+STALL_S = 1.0  # a slow sample's decode in the stall test
+
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
@@ -244,28 +246,29 @@ def test_a_slow_decoder_is_an_input_bound_run(tmp_path, shards, monkeypatch, cap
 def test_a_decoder_that_stalls_now_and_then_is_named_by_its_stalled_steps(
     tmp_path, shards, monkeypatch
 ):
-    """Every 64th image decodes 0.3 s slow (a slow sample, a shard fetched from far away): on
-    the wider model (a step of ~50 ms, ~8% of it reading) the mean data-wait share stays under
-    30% (~16%), but the 3 steps holding those images (of 200 read, wherever the shuffle buffer
-    reads ahead) wait most of their time, and doctor names
-    exactly those."""
+    """Every 64th image decodes 1 s slow (a slow sample, a shard fetched from far away): on
+    the wider model (a step of ~50 ms quiet, ~8% of it reading) the mean data-wait share stays
+    under 30% (~20%), but the 3 steps holding those images (of 200 read, wherever the shuffle
+    buffer reads ahead) wait most of their time, and doctor names exactly those. The stall is
+    long enough to stay most of its step (doctor's 50%) even when a busy machine makes the
+    step's compute several times slower, and no other step waits that long."""
     decode, calls = ImageTransform.decode, []
 
     def sometimes_slow(self, *args, **kwargs):
         calls.append(None)
         if len(calls) % 64 == 0:
-            time.sleep(0.3)
+            time.sleep(STALL_S)
         return decode(self, *args, **kwargs)
 
     monkeypatch.setattr(ImageTransform, "decode", sometimes_slow)
     run, _ = _run(tmp_path, shards, spec=_computing_spec(), train={"steps": 25},
                   checkpoint={"every_steps": 100})  # fmt: skip
     (finding,) = [f for f in diagnose(run) if f.kind == "input_bound"]
-    waited = [r["step"] for r in run.train_rows[1:] if r["data_wait_s"] >= 0.3]
+    waited = [r["step"] for r in run.train_rows[1:] if r["data_wait_s"] >= STALL_S]
     assert len(waited) == 3 and finding.steps == waited and finding.severity == "info"
     assert finding.evidence["stalled_steps"] == 3
     assert finding.evidence["data_wait_fraction_mean"] <= INPUT_BOUND_SHARE
-    assert finding.cost_s >= 3 * 0.3
+    assert finding.cost_s >= 3 * STALL_S
     assert "data.workers=2 (now 0" in finding.advice
 
 
