@@ -4,9 +4,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from mmtrain.structured import FieldError
 
@@ -68,3 +70,15 @@ def _snapshot(name: str, key: str) -> Path:
             f"{err}); download it (huggingface-cli download {name}) or give the folder",
         ) from None
     return Path(folder)
+
+
+def read_json_object(path: Path, key: str) -> dict[str, Any]:
+    """The JSON object in `path` (a config.json, model_index.json); HubModelError naming `key`
+    and the file when it cannot be read or is not an object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise HubModelError(key, f"{path}: cannot read it as JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise HubModelError(key, f"{path}: expected a JSON object")
+    return data

@@ -10,11 +10,10 @@ supported. SD3's transformer trains as mmtrain's native MMDiT (`convert --from d
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 from mmtrain.model_sources import HubModelError
+from mmtrain.model_sources import read_json_object as read_json
 
 PIPELINE_INDEX = "model_index.json"
 TRANSFORMER_DIR = "transformer"
@@ -25,16 +24,6 @@ SUPPORTED = {"FluxTransformer2DModel": "FluxPipeline"}
 def is_pipeline_folder(value: str | Path) -> bool:
     """A folder holding model_index.json (a diffusers pipeline)."""
     return (Path(value) / PIPELINE_INDEX).is_file()
-
-
-def read_json(path: Path, key: str) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise HubModelError(key, f"{path}: cannot read it as JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise HubModelError(key, f"{path}: expected a JSON object")
-    return data
 
 
 def transformer_class(folder: Path, key: str = "init") -> str:

@@ -11,12 +11,11 @@ mixture-of-experts model, a VLM folder without its processor files).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from mmtrain.model_sources import HF_CONFIG_FILE as CONFIG_FILE
-from mmtrain.model_sources import HubModelError, resolve_folder
+from mmtrain.model_sources import HubModelError, read_json_object, resolve_folder
 
 __all__ = ["CONFIG_FILE", "HubModelError", "model_class", "read_config", "resolve_folder"]
 
@@ -28,14 +27,7 @@ EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_nu
 
 
 def read_config(folder: Path, key: str = "init") -> dict[str, Any]:
-    path = folder / CONFIG_FILE
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise HubModelError(key, f"{path}: cannot read it as JSON ({err})") from None
-    if not isinstance(config, dict):
-        raise HubModelError(key, f"{path}: a config is a JSON object")
-    return config
+    return read_json_object(folder / CONFIG_FILE, key)
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
