@@ -150,10 +150,13 @@ def test_contradictory_or_out_of_range_settings_name_the_field(tmp_path, tower, 
     assert err.value.path == field
 
 
-def test_lora_with_ema_is_refused(tmp_path):
+def test_lora_takes_ema_and_qlora_refuses_it(tmp_path):
+    """A LoRA run averages its adapters (train/ema.py; test_hub_wan.py trains one); QLoRA
+    with an average is refused, naming the field."""
+    run_config(tmp_path, "shards", {"text": {"lora": {}}}, ema=0.99)
     with pytest.raises(FieldError) as err:
-        run_config(tmp_path, "shards", {"text": {"lora": {}}}, ema=0.99)
-    assert err.value.path == "train.ema" and "train.towers.text.lora" in str(err.value)
+        run_config(tmp_path, "shards", {"text": {"lora": {"quantize_base": "nf4"}}}, ema=0.99)
+    assert err.value.path == "train.ema" and "quantize_base" in str(err.value)
 
 
 @pytest.mark.slow

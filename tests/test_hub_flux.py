@@ -42,6 +42,7 @@ from mmtrain.train.loop import train
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
+from pipeline_runs import check_fsdp_trains_what_ddp_trains, losses  # noqa: E402
 from test_pipeline_latents import (  # noqa: E402
     VAE,
     clip_encoder,
@@ -63,8 +64,12 @@ def flux_dev_pipeline(folder: Path) -> Path:
         patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=8,
         num_attention_heads=2, joint_attention_dim=24, pooled_projection_dim=8,
         axes_dims_rope=(2, 2, 4), guidance_embeds=True)  # fmt: skip
+    # FLUX.1-dev's published scheduler config: the shift grows with the image's tokens.
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096)  # fmt: skip
     pipe = diffusers.FluxPipeline(
-        transformer=transformer, scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
+        transformer=transformer, scheduler=scheduler,
         vae=diffusers.AutoencoderKL(**{**VAE, "latent_channels": 16}),
         text_encoder=clip_encoder(8, projection=False), tokenizer=clip_tokenizer(),
         text_encoder_2=t5_encoder(24), tokenizer_2=t5_tokenizer())  # fmt: skip
@@ -89,11 +94,6 @@ def run_config(root: Path, pipeline: Path, latents: Path, run: str, **train) -> 
     path = root / f"{run}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
-
-
-def losses(run: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [row["loss"] for row in rows if "loss" in row]
 
 
 def test_the_loss_equals_diffusers_own_flux_in_float64(made):
@@ -134,6 +134,29 @@ def test_the_loss_equals_diffusers_own_flux_in_float64(made):
     prediction = diffusers.FluxPipeline._unpack_latents(out, 2 * LATENT, 2 * LATENT, 2)
     reference = (prediction - target).square().flatten(1).mean(dim=1).mean()
     assert torch.allclose(ours, reference, rtol=1e-12, atol=0)
+
+
+def test_flux_times_shift_with_the_sample_size_as_its_scheduler_shifts_them(made):
+    """FluxPipeline's dynamic shift: mu from the sample's latent tokens (its calculate_shift),
+    and the scheduler's exponential time shift at mu equals the shift mmtrain applies."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    from mmtrain.models.hub.pipeline import flow_shift
+    from mmtrain.models.schedules import shift_flow_time
+
+    _, pipeline, _ = made
+    rule = flow_shift(pipeline)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(pipeline,
+                                                                          subfolder="scheduler")  # fmt: skip
+    c = scheduler.config
+    t = torch.linspace(0.01, 0.99, 50, dtype=torch.float64)
+    for tokens in (64, 256, 1024, 4096):
+        mu = calculate_shift(tokens, c.base_image_seq_len, c.max_image_seq_len, c.base_shift,
+                             c.max_shift)  # fmt: skip
+        theirs = scheduler.time_shift(mu, 1.0, t)
+        torch.testing.assert_close(shift_flow_time(t, rule.at(tokens)), theirs, rtol=1e-12,
+                                   atol=0)  # fmt: skip
+    assert rule.at(4096) > rule.at(256) > 1  # larger samples are pushed towards noise
 
 
 def test_init_alone_trains_and_lr_0_exports_the_pipeline_bitwise(made, tmp_path):
@@ -234,15 +257,16 @@ def test_activation_checkpointing_per_block_trains_the_same_weights(made, tmp_pa
 
 def test_a_pipeline_of_another_family_exits_2_naming_its_class(made, tmp_path, capsys):
     root, pipeline, latents = made
-    other = tmp_path / "wan"
+    other = tmp_path / "hunyuan"
     shutil.copytree(pipeline, other)
     config = json.loads((other / "transformer" / "config.json").read_text())
-    config["_class_name"] = "WanTransformer3DModel"
+    config["_class_name"] = "HunyuanVideoTransformer3DModel"
     (other / "transformer" / "config.json").write_text(json.dumps(config))
     capsys.readouterr()
-    assert main(["train", str(run_config(tmp_path, other, latents, "wan"))]) == 2
+    assert main(["train", str(run_config(tmp_path, other, latents, "hunyuan"))]) == 2
     err = capsys.readouterr().err
-    assert "WanTransformer3DModel" in err and "FluxTransformer2DModel (FluxPipeline)" in err
+    assert "HunyuanVideoTransformer3DModel" in err
+    assert "FluxTransformer2DModel (FluxPipeline), WanTransformer3DModel (WanPipeline)" in err
 
 
 def test_latents_of_another_pipelines_vae_are_refused_by_name(made, tmp_path, capsys):
@@ -260,39 +284,9 @@ def test_latents_of_another_pipelines_vae_are_refused_by_name(made, tmp_path, ca
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def _losses_on_ranks(rank: int, world: int, paths: list[str]) -> list[list[float]]:
-    return [[row["loss"] for row in train(load_config(path)).history] for path in paths]
-
-
 @pytest.mark.slow
 def test_fsdp_on_two_ranks_trains_what_ddp_trains(made, tmp_path):
     """FSDP2 (per block of both towers) on 2 gloo ranks trains what DDP on the same 2 ranks
-    trains: a denoiser draws its noise and timesteps per rank (train/diffusion.py), so the
-    data-parallel run it must equal is DDP's, not one process's. float64, AdamW's eps 1 so an
-    update is Lipschitz in its gradient (see test_hub_train_parallel.py); the losses agree to
-    1e-9, the weights to float32's rounding of their updates (diffusers' RMSNorm takes its
-    statistics in float32)."""
-    from dist_helpers import run_distributed
-
+    trains (pipeline_runs.py says how closely)."""
     _, pipeline, latents = made
-    settings = {"precision": "fp64", "eps": 1.0, "steps": 3, "batch_size": 4, "lr": 1e-2,
-                "micro_batch": 2}  # fmt: skip
-    paths = [
-        str(run_config(tmp_path, pipeline, latents, name, parallel=name, **settings))
-        for name in ("ddp", "fsdp")
-    ]
-    first, second = run_distributed(_losses_on_ranks, world_size=2, args=(paths,),
-                                    timeout_s=300)  # fmt: skip
-    assert first == second  # every rank logs the global loss
-    ddp, fsdp = first
-    torch.testing.assert_close(torch.tensor(fsdp), torch.tensor(ddp), rtol=1e-9, atol=0)
-    name = "transformer/diffusion_pytorch_model.safetensors"
-    source = load_file(pipeline / name)
-    want, got = load_file(tmp_path / "ddp" / name), load_file(tmp_path / "fsdp" / name)
-    assert got.keys() == want.keys()
-    moved = max((want[k] - v.double()).abs().max().item() for k, v in source.items())
-    assert moved > 1e-6  # the steps changed the weights far beyond the tolerance below
-    for key, value in want.items():
-        update = (value - source[key].double()).abs().max().item()
-        torch.testing.assert_close(got[key], value, rtol=1e-9, atol=1e-12 + 1e-6 * update,
-                                   msg=key)  # fmt: skip
+    check_fsdp_trains_what_ddp_trains(run_config, tmp_path, pipeline, latents)

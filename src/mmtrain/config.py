@@ -190,7 +190,10 @@ class DiffusionConfig:
 
     flow_matching: t in (0, 1) from `timesteps` (logit_normal: sigmoid of N(logit_mean,
     logit_std), SD3's default; uniform), then shifted towards noise by `shift` (SD3 / Open-Sora:
-    t' = shift t / (1 + (shift - 1) t); 1 = no shift; larger images and more frames want more).
+    t' = shift t / (1 + (shift - 1) t); 1 = no shift; larger images and more frames want more;
+    null, the default: the model's own, 1 for mmtrain's denoisers, the pipeline scheduler's for a
+    pipeline folder's transformer: Wan's `shift` / `flow_shift`, FLUX's resolution-dependent
+    exp(mu), models/hub/pipeline.py `FlowShift`).
     diffusion (DDPM): integer steps uniform in [0, ddpm_steps) of a linear beta schedule
     (beta_start .. beta_end, as DDPM and DiT); `min_snr` weights each step by min(SNR, gamma)
     over SNR (epsilon) or SNR + 1 (v), Hang et al. 2023; null: unweighted.
@@ -201,7 +204,7 @@ class DiffusionConfig:
     timesteps: str = "logit_normal"
     logit_mean: float = 0.0
     logit_std: float = 1.0
-    shift: float = 1.0
+    shift: float | None = None
     cfg_dropout: float = 0.1  # share of samples trained without their class ("no class")
     ddpm_steps: int = 1000
     beta_start: float = 1e-4
@@ -213,11 +216,15 @@ class DiffusionConfig:
     # train_dreambooth_lora_flux.py defaults to 3.5, many published runs pass 1.
     guidance: float = 1.0
 
+    def fixed_shift(self) -> float:
+        """The shift where it does not depend on the model (mmtrain's denoisers): 1 unless set."""
+        return 1.0 if self.shift is None else self.shift
+
     def validate(self, path: str = "train.diffusion") -> None:
         check_choice(f"{path}.timesteps", self.timesteps, ("logit_normal", "uniform"))
         if self.logit_std <= 0:
             raise FieldError(f"{path}.logit_std", f"must be positive, got {self.logit_std}")
-        if self.shift <= 0:
+        if self.shift is not None and self.shift <= 0:
             raise FieldError(f"{path}.shift", f"must be positive, got {self.shift}")
         if not 0.0 <= self.cfg_dropout < 1.0:
             raise FieldError(f"{path}.cfg_dropout", f"must be in [0, 1), got {self.cfg_dropout}")
@@ -586,9 +593,10 @@ def _check_tower_tuning(path: str, tower: TowerTrainConfig, ema: float | None) -
         raise FieldError(f"{path}.lora.targets", f"name at least one of {', '.join(LORA_TARGETS)}")
     for i, target in enumerate(lora.targets):
         check_choice(f"{path}.lora.targets[{i}]", target, LORA_TARGETS)
-    if ema is not None:
-        # The average would be of the frozen base too, and EMA copies hold no adapters.
-        raise FieldError("train.ema", f"is not supported with {path}.lora; set it to null")
+    if ema is not None and lora.quantize_base is not None:
+        # Not yet tried: the average of the adapters over an NF4 base, and its export.
+        raise FieldError("train.ema", f"is not supported with {path}.lora.quantize_base (QLoRA) "
+                         "yet; set it to null")  # fmt: skip
 
 
 QUANTIZE_BASES = ("nf4",)

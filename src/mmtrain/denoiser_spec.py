@@ -56,7 +56,9 @@ from mmtrain.structured import FieldError, check_choice, from_dict, to_dict
 PREDICTIONS = ("velocity", "epsilon", "v")
 ATTENTIONS = ("full", "factorised")  # a video DiT: every tube with every other, or in turns
 INPUTS = ("image", "video", "latent")  # the batch key of the clean sample
-ARCHITECTURES = ("dit", "mmdit")  # class-conditional DiT, or SD3's joint image-text MMDiT
+# class-conditional DiT, SD3's joint image-text MMDiT, or a DiT whose blocks cross-attend the
+# text (Wan 2.x: trained as diffusers' own class from its pipeline folder, models/hub/)
+ARCHITECTURES = ("dit", "mmdit", "cross_attention")
 QK_NORMS = ("none", "rms_norm")  # an MMDiT's per-head norm of q and k (SD3.5: rms_norm)
 MMDIT_ONLY = ("text_width", "pooled_width", "text_tokens", "pos_embed_max_size")
 TIMESTEP_FREQUENCIES = 256  # sinusoidal features of the timestep before its MLP (DiT's)
@@ -135,6 +137,9 @@ class DenoiserSpec:
         if self.is_mmdit():
             self._validate_mmdit(path)
             return
+        if self.architecture == "cross_attention":
+            self._validate_cross_attention(path)
+            return
         for name in (*MMDIT_ONLY, "qk_norm"):
             if getattr(self, name) != getattr(DenoiserSpec, name):
                 raise FieldError(f"{path}.{name}", "is for architecture mmdit (a DiT has no text)")
@@ -158,6 +163,21 @@ class DenoiserSpec:
                 f"{path}.pos_embed_max_size",
                 f"{self.pos_embed_max_size} is smaller than the sample's grid of {self.grid()}",
             )
+
+    def _validate_cross_attention(self, path: str) -> None:
+        for name in ("text_width", "text_tokens"):
+            if getattr(self, name) <= 0:
+                raise FieldError(f"{path}.{name}", f"a cross-attention DiT needs it positive, got "
+                                 f"{getattr(self, name)}")  # fmt: skip
+        refused = {
+            "pooled_width": (self.pooled_width, "a cross-attention DiT takes no pooled text"),
+            "num_classes": (self.num_classes, "a cross-attention DiT is conditioned on text"),
+            "learn_sigma": (self.learn_sigma, "a cross-attention DiT has no learned-sigma channels"),
+            "pos_embed_max_size": (self.pos_embed_max_size, "is an MMDiT's (SD3's)"),
+        }
+        for name, (bad, why) in refused.items():
+            if bad:
+                raise FieldError(f"{path}.{name}", why)
 
     # -- shapes
     def grid(self) -> int:
@@ -207,6 +227,17 @@ class DenoiserSpec:
 
     def is_mmdit(self) -> bool:
         return self.architecture == "mmdit"
+
+    def takes_text(self) -> bool:
+        """Conditioned on a text encoder's cached outputs (an MMDiT, a cross-attention DiT)."""
+        return self.architecture in ("mmdit", "cross_attention")
+
+    def text_members(self) -> tuple[str, ...]:
+        """The batch keys of the text it takes: the hidden states, and the pooled vector where
+        it takes one (an MMDiT; Wan's cross-attention takes the hidden states alone)."""
+        if not self.takes_text():
+            return ()
+        return ("text_hidden", "text_pooled") if self.pooled_width else ("text_hidden",)
 
     def position_grid(self) -> int:
         """Side of the fixed position grid the sample's positions are the centre of."""

@@ -297,4 +297,51 @@ DENOISER_FAMILIES = {
         text="CLIP-L + CLIP-G (77) and T5-XXL (256) hidden states in the joint attention, "
         "the pooled CLIPs (2048) in the conditioning",
     ),
+    # LTXPipeline: AutoencoderKLLTXVideo (patch 4 x 2^3 = 32x spatial, 2^3 = 8x temporal, 128
+    # channels), the transformer's patch 1 (latents packed 1 x 1 x 1 per token); T5-XXL's hidden
+    # states and mask (max_sequence_length 128); 161 x 512 x 704 by default.
+    "LTXVideoTransformer3DModel": DenoiserFamily(
+        pipeline="LTXPipeline",
+        temporal=8,
+        spatial=32,
+        latent_channels=128,
+        patch=1,
+        text_tokens=128,
+        frames=161,
+        height=512,
+        width=704,
+        text="T5-XXL hidden states (128 tokens) with their mask in every block's cross-attention",
+    ),
+    # CogVideoXPipeline: AutoencoderKLCogVideoX (2^(4 - 1) = 8x spatial, temporal_compression_ratio
+    # 4, 16 channels), patch 2; T5-XXL's hidden states (max_sequence_length 226); the
+    # transformer's sample_frames x sample_height x 8 x sample_width x 8, 49 x 480 x 720.
+    "CogVideoXTransformer3DModel": DenoiserFamily(
+        pipeline="CogVideoXPipeline",
+        temporal=4,
+        spatial=8,
+        latent_channels=16,
+        patch=2,
+        text_tokens=226,
+        frames=49,
+        height=480,
+        width=720,
+        text="T5-XXL hidden states (226 tokens) in the full attention beside the video tokens",
+    ),
+    # HunyuanVideoPipeline: AutoencoderKLHunyuanVideo (8x spatial, 4x temporal, 16 channels),
+    # patch 2 (1 in time); the Llama encoder's hidden states (max_sequence_length 256 after the
+    # prompt template's 95 tokens are cropped) with their mask, CLIP-L's pooled vector, the
+    # embedded guidance scale; 129 x 720 x 1280 by default.
+    "HunyuanVideoTransformer3DModel": DenoiserFamily(
+        pipeline="HunyuanVideoPipeline",
+        temporal=4,
+        spatial=8,
+        latent_channels=16,
+        patch=2,
+        text_tokens=256,
+        frames=129,
+        height=720,
+        width=1280,
+        text="Llama hidden states (256 tokens, refined) in the joint attention, CLIP-L's "
+        "pooled vector and the guidance scale in the conditioning",
+    ),
 }

@@ -46,10 +46,12 @@ def resolve_folder(source: str | Path, key: str = "init") -> Path:
         raise HubModelError(key, f"{text} holds no {HF_CONFIG_FILE}: not a model folder")
     if not is_hub_name(text):
         raise HubModelError(key, f"{text}: no such folder, and not a hub name (org/name)")
-    return _snapshot(text, key)
+    return snapshot(text, key)
 
 
-def _snapshot(name: str, key: str) -> Path:
+def snapshot(name: str, key: str) -> Path:
+    """The folder of hub name `name` in the Hugging Face cache (downloaded there when online
+    and HF_HUB_OFFLINE is unset); HubModelError naming `key` when it is not to be had."""
     try:
         import huggingface_hub
         from huggingface_hub import constants

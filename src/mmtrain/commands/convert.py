@@ -6,6 +6,7 @@
     mmtrain convert --to hf DIR --out HF_DIR
     mmtrain convert --from diffusers DIT_DIR|SD3_DIR --out DIR
     mmtrain convert --to diffusers DIR --out DIT_DIR|SD3_DIR|PIPELINE_DIR
+    mmtrain convert --to diffusers DIR --pipeline SOURCE_PIPELINE_DIR --out PIPELINE_DIR
 
 DIR holds spec.yaml + model.safetensors, or shards listed in model.safetensors.index.json past
 5 GB (what `mmtrain.load_model(DIR)` reads). `--to hf` reads DIR one tensor at a time and writes
@@ -26,7 +27,9 @@ does not fit the model's vocabulary (models/formats/hf_processor_files.py). DIT_
 `DiTTransformer2DModel` or SD3 `SD3Transformer2DModel` folder (config.json +
 diffusion_pytorch_model.safetensors, or shards); the denoiser lies under `towers.denoiser.*` (an SD3 folder's is an MMDiT). `--to diffusers` of a
 hub denoiser's run (`init: PIPELINE_DIR`, FLUX.1) copies the pipeline folder the run became
-(model_index.json, its components, a LoRA run's adapter/) to PIPELINE_DIR.
+(model_index.json, its components, a LoRA run's adapter/) to PIPELINE_DIR; `--pipeline` makes
+a DiT or MMDiT folder (SD3 trained as the native MMDiT) a whole pipeline folder: the pipeline it
+started from with the trained transformer.
 """
 
 from __future__ import annotations
@@ -76,6 +79,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--from, with --to it checks that the folder holds a model of this shape",
     )
     p.add_argument(
+        "--pipeline",
+        type=Path,
+        help="--to diffusers of a DiT or MMDiT (SD3) folder: the diffusers pipeline folder it "
+        "was started from (or whose encode-latents made its data); OUT becomes that pipeline "
+        "with the trained transformer (its VAE, text encoders, tokenizers and scheduler "
+        "copied), which DiffusionPipeline.from_pretrained runs",
+    )
+    p.add_argument(
         "--out",
         required=True,
         help="--from: the output folder; --to openclip: FILE.safetensors or FILE.pt; "
@@ -94,8 +105,12 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"--model is for openclip; with {folder_format}, config.json gives the model"
             )
+        if args.pipeline is not None and args.to_format != "diffusers":
+            raise UsageError("--pipeline goes with --to diffusers")
         if folder_format == "diffusers":
-            return _from_diffusers(source, out) if args.from_format else _to_diffusers(source, out)
+            if args.from_format:
+                return _from_diffusers(source, out)
+            return _to_diffusers(source, out, args.pipeline)
         return _from_hf(source, out) if args.from_format else _to_hf(source, out)
     if args.from_format:
         return _from_openclip(source, args.model, out)
@@ -183,6 +198,39 @@ def _copy_hub_folder(source: Path, out: Path) -> int:
     return 0
 
 
+def _into_pipeline(source: Path, pipeline: Path, out: Path) -> int:
+    """OUT as `pipeline` with the DiT / MMDiT of `source` as its transformer: the transformer
+    written by `--to diffusers`, every other component copied; refused when the pipeline's
+    transformer is of another class or shape (its config.json differs in a setting)."""
+    import json
+    import shutil
+
+    from mmtrain.models.hub.pipeline import TRANSFORMER_DIR, is_pipeline_folder
+    from mmtrain.train.export_hub_denoiser import copy_pipeline_components
+
+    if not is_pipeline_folder(pipeline):
+        raise UsageError(f"--pipeline {pipeline}: no model_index.json, not a pipeline folder")
+    staged = out / TRANSFORMER_DIR
+    if staged.exists():
+        shutil.rmtree(staged)
+    _to_diffusers(source, staged)
+    theirs_file = pipeline / TRANSFORMER_DIR / "config.json"
+    theirs = json.loads(theirs_file.read_text()) if theirs_file.is_file() else {}
+    ours = json.loads((staged / "config.json").read_text())
+    differ = sorted(k for k in ours if not k.startswith("_") and k in theirs and theirs[k] != ours[k])
+    if ours.get("_class_name") != theirs.get("_class_name") or differ:
+        shutil.rmtree(staged)
+        what = (f"holds a {theirs.get('_class_name')}" if not differ
+                else f"differs in {', '.join(differ)}")  # fmt: skip
+        raise UsageError(
+            f"--pipeline {pipeline}: its transformer {what}, {source} is a "
+            f"{ours.get('_class_name')} of another shape: give the pipeline it was started from"
+        )
+    copy_pipeline_components(pipeline, out)
+    print(f"wrote {out} (the pipeline {pipeline} with the transformer of {source})")
+    return 0
+
+
 def _copy_pipeline_folder(source: Path, out: Path) -> int:
     """A hub denoiser's run folder (train/export_hub_denoiser.py): model_index.json, every
     component folder and a LoRA run's adapter/, copied as they are (checkpoints, mmtrain's own
@@ -235,11 +283,15 @@ def _processor_files(source: Path, spec: ModelSpec):
     return extras
 
 
-def _to_diffusers(source: Path, out: Path) -> int:
+def _to_diffusers(source: Path, out: Path, pipeline: Path | None = None) -> int:
     from mmtrain.models.hub.pipeline import is_pipeline_folder
 
     if is_pipeline_folder(source):  # a hub denoiser's run folder is its pipeline already
+        if pipeline is not None:
+            raise UsageError(f"{source} is a pipeline folder already: --pipeline is not needed")
         return _copy_pipeline_folder(source, out)
+    if pipeline is not None:
+        return _into_pipeline(source, pipeline, out)
     from mmtrain.models.build import read_model_folder
     from mmtrain.models.formats.diffusers import DIT_CLASS, write_diffusers_dit
     from mmtrain.models.formats.diffusers_sd3 import SD3_CLASS

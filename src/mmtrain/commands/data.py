@@ -120,36 +120,65 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     latents = commands.add_parser(
         "encode-latents",
-        help="image shards -> latent shards for a latent denoiser (a VAE encodes each image once)",
+        help="image or clip shards -> latent shards for a latent denoiser (a VAE encodes each "
+        "sample once)",
         description="Encode every image of SHARDS with the diffusers AutoencoderKL in --vae into "
         "a float32 .npy latent (scaled as the denoiser sees it), copying the samples' other "
         "members (.cls, .json, .txt); --flip adds each mirror image as its own sample (key_flip). "
         "--text-encoder MODEL_DIR also stores each caption's text for an MMDiT "
         "(.text_hidden.npy, .text_pooled.npy; samples without a .txt caption are skipped). "
         "--pipeline DIR takes both from a diffusers pipeline folder: its vae/, and its own "
-        "encode_prompt for the captions (SD3: CLIP-L + CLIP-G + T5; FLUX.1: CLIP-L + T5).",
+        "encode_prompt for the captions (SD3: CLIP-L + CLIP-G + T5; FLUX.1: CLIP-L + T5; "
+        "Wan 2.1: UMT5). "
+        "Video: with a video VAE (a WanPipeline folder's AutoencoderKLWan, or such a folder as "
+        "--vae, run as diffusers' own class) each clip's first F frames are encoded, F every "
+        "frame that fits the VAE's 1 + k x T rule (T its scale_factor_temporal: 4 for Wan) or "
+        "--frames F; a clip shorter than --frames is refused by key. Frames are resized to "
+        "cover --size (square) or their --buckets FxHxW (the nearest aspect ratio among the "
+        "buckets whose frames the clip holds, then the most frames); images are 1-frame clips. "
+        "Each sample stores .latent.npy [C, 1 + (F-1)/T, H/8, W/8] (for Wan), the VAE's "
+        "latent mean normalised as WanPipeline un-normalises it: (z - latents_mean) / "
+        "latents_std; Wan's captions store .text_hidden.npy alone (no pooled vector). Train "
+        "with data.buckets of the latent shapes the command prints.",
     )
     latents.add_argument("shards", help="shard folder, .tar file, glob or brace pattern")
     source = latents.add_mutually_exclusive_group(required=True)
-    source.add_argument("--vae", metavar="VAE_DIR", help="an AutoencoderKL folder")
+    source.add_argument(
+        "--vae",
+        metavar="VAE_DIR",
+        help="an AutoencoderKL folder (images), or diffusers' AutoencoderKLWan (clips and images)",
+    )
     source.add_argument(
         "--pipeline",
         metavar="PIPELINE_DIR",
         help="a diffusers pipeline folder (model_index.json: StableDiffusion3Pipeline, "
-        "FluxPipeline): its VAE encodes the images, its text encoders the captions",
+        "FluxPipeline, WanPipeline): its VAE encodes the images or clips, its text encoders "
+        "the captions",
     )
     shape = latents.add_mutually_exclusive_group(required=True)
-    shape.add_argument("--size", type=count, help="image side before encoding (the square)")
+    shape.add_argument(
+        "--size", type=count, help="image or frame side before encoding (the square)"
+    )
     shape.add_argument(
         "--buckets",
         type=bucket_shapes,
         metavar="HxW,...",
         help="encode each image at its aspect-ratio bucket instead (pixel shapes, multiples of "
-        "the VAE's downscale): train with data.buckets of the latent shapes",
+        "the VAE's downscale; FxHxW for a video VAE, F frames by its rule): train with "
+        "data.buckets of the latent shapes",
+    )
+    latents.add_argument(
+        "--frames",
+        type=count,
+        metavar="F",
+        help="video VAE with --size: encode each clip's first F frames (1 + k x T; default: "
+        "every frame that fits)",
     )
     latents.add_argument("--out", required=True, help="the folder of the latent shards")
     latents.add_argument("--flip", action="store_true", help="also store each mirror image")
-    latents.add_argument("--batch-size", type=count, default=16, help="images per encode (16)")
+    latents.add_argument("--batch-size", type=count, default=None,
+                         help="samples per encode (default 16; clips through a video VAE: 1, "
+                         "and 16 captions)")  # fmt: skip
     latents.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when available)")
     latents.add_argument(
         "--text-encoder",
@@ -161,19 +190,39 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-sequence-length",
         type=count,
         metavar="N",
-        help="with --pipeline: T5's tokens a caption (default: the pipeline's encode_prompt's)",
+        help="with --pipeline: T5's (UMT5's) tokens a caption (default: the pipeline's own, "
+        "what it generates with: 256 for SD3, 512 for FLUX.1 and Wan)",
     )
     latents.set_defaults(func=run_encode_latents)
+
+
+IMAGES_PER_ENCODE = 16  # --batch-size's default for images and captions
+CLIPS_PER_ENCODE = 1  # and for clips: a clip's activations in the VAE are frames x an image's
 
 
 def run_encode_latents(args: argparse.Namespace) -> int:
     import torch
 
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.pipeline is not None:
+        _pipeline_class(args.pipeline)  # a folder of no supported pipeline: said first
+    flag = "--pipeline" if args.pipeline else "--vae"
+    vae_dir = str(Path(args.pipeline) / "vae") if args.pipeline else str(args.vae)
+    video = _video_vae(vae_dir, flag, device)
+    if video is not None:
+        return _encode_clips(args, video, vae_dir, device)
+    if args.frames is not None:
+        raise UsageError(f"--frames: {vae_dir} is an image VAE (AutoencoderKL); frames are a "
+                         "video VAE's (AutoencoderKLWan)")  # fmt: skip
+    return _encode_images(args, vae_dir, device)
+
+
+def _encode_images(args: argparse.Namespace, vae_dir: str, device: Any) -> int:
     from mmtrain.data.ingest.latents import encode_latent_shards
     from mmtrain.data.ingest.pipeline_encoders import component_identity
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    vae_dir, encoder, provenance, named = _encoders(args, device)
+    batch_size = args.batch_size or IMAGES_PER_ENCODE
+    encoder, provenance, named = _encoders(args, device, batch_size)
     vae = _vae(vae_dir, "--pipeline" if args.pipeline else "--vae", device)
     vae_identity = {"vae": component_identity(vae_dir)}
     provenance["components"] = {**vae_identity, **provenance.get("components", {})}
@@ -186,7 +235,7 @@ def run_encode_latents(args: argparse.Namespace) -> int:
         raise UsageError("--buckets: an image's buckets are HxW")
     try:
         counts = encode_latent_shards(args.shards, vae, args.out, size=args.size or 0,
-                                      flip=args.flip, batch_size=args.batch_size,
+                                      flip=args.flip, batch_size=batch_size,
                                       vae_name=vae_dir, text_encoder=encoder,
                                       buckets=args.buckets, provenance=provenance)  # fmt: skip
     except (FileNotFoundError, ValueError) as err:
@@ -202,20 +251,118 @@ def run_encode_latents(args: argparse.Namespace) -> int:
     if args.buckets is not None:
         print(f"train a denoiser on them with data.buckets: {latents}")
     if encoder is not None:
-        s = encoder.shape
-        print(f"with text [{s.text_tokens}, {s.text_width}] + pooled [{s.pooled_width}] from "
-              f"{named}: an MMDiT on them takes {s}")  # fmt: skip
+        print(_text_line(encoder, named))
     return 0
 
 
-def _encoders(args: argparse.Namespace, device: Any) -> tuple[str, Any, dict[str, Any], str]:
-    """(VAE folder, text encoder or None, what the manifest records of the pipeline and its
-    text encoders, the encoder's name) of --vae [--text-encoder] or of --pipeline."""
+def _encode_clips(args: argparse.Namespace, video: Any, vae_dir: str, device: Any) -> int:
+    """`encode-latents` through a video VAE: clips (images as 1-frame clips) -> video latents."""
+    from mmtrain.data.ingest.pipeline_encoders import component_identity
+    from mmtrain.data.ingest.video_latents import encode_video_latent_shards
+
+    _check_clip_shapes(args, video)
+    text_batch = args.batch_size or IMAGES_PER_ENCODE
+    encoder, provenance, named = _encoders(args, device, text_batch)
+    provenance["components"] = {"vae": component_identity(vae_dir),
+                                **provenance.get("components", {})}  # fmt: skip
+    try:
+        counts, shapes = encode_video_latent_shards(
+            args.shards, video, args.out, size=args.size or 0, frames=args.frames,
+            buckets=args.buckets, batch_size=args.batch_size or CLIPS_PER_ENCODE,
+            text_encoder=encoder, text_batch_size=text_batch, provenance=provenance,
+            vae_name=vae_dir)  # fmt: skip
+    except (FileNotFoundError, ValueError) as err:
+        raise UsageError(f"{args.shards}: {err}") from None
+    filled = [s["latent"] for s in shapes if s["samples"]]
+    skipped = f"{counts['skipped']} samples without a readable clip or image"
+    if encoder is not None:
+        skipped += f", {counts['no_caption']} without a readable .txt caption"
+    held = ", ".join(str([video.channels, *latent]) for latent in filled) or "(none)"
+    print(f"wrote {counts['samples']} latents {held} to {args.out} ({skipped} skipped)")
+    print(f"train a denoiser on them with data.buckets: {filled}")
+    if encoder is not None:
+        print(_text_line(encoder, named))
+    return 0
+
+
+def _check_clip_shapes(args: argparse.Namespace, video: Any) -> None:
+    """--size / --buckets / --frames against a video VAE's rule (UsageError naming the flag)."""
+    if args.flip:
+        raise UsageError("--flip: a mirrored clip moves the other way (and its caption's left "
+                         "and right with it); clips are encoded as they are")  # fmt: skip
+    if args.frames is not None:
+        if args.buckets is not None:
+            raise UsageError("--frames: with --buckets each bucket gives its clips' frames")
+        try:
+            video.check_frames(args.frames)
+        except ValueError as err:
+            raise UsageError(f"--frames {args.frames}: {err}") from None
+    sides = [args.size] if args.size is not None else []
+    for bucket in args.buckets or ():
+        if len(bucket) != 3:
+            raise UsageError("--buckets: a video VAE's buckets are FxHxW (frames x height x "
+                             f"width), got {'x'.join(map(str, bucket))}")  # fmt: skip
+        try:
+            video.check_frames(bucket[0])
+        except ValueError as err:
+            raise UsageError(f"--buckets {'x'.join(map(str, bucket))}: {err}") from None
+        sides += bucket[1:]
+    flag = "--size" if args.size is not None else "--buckets"
+    if any(side == 0 or side % video.spatial for side in sides):
+        raise UsageError(f"{flag}: sides must be positive multiples of the VAE's {video.spatial}x")
+
+
+def _text_line(encoder: Any, named: str) -> str:
+    """What the command says of the cached text and the denoiser that takes it."""
+    s = encoder.shape
+    if s.pooled_width:
+        return (f"with text [{s.text_tokens}, {s.text_width}] + pooled [{s.pooled_width}] from "
+                f"{named}: an MMDiT on them takes {s}")  # fmt: skip
+    return (f"with text [{s.text_tokens}, {s.text_width}] (no pooled vector) from {named}: a "
+            f"cross-attention denoiser on them takes {s}")  # fmt: skip
+
+
+def _pipeline_class(folder: str) -> str:
+    """The class of a pipeline folder of a supported family (UsageError otherwise)."""
+    from mmtrain.data.ingest.pipeline_encoders import PipelineFolderError, read_model_index
+
+    try:
+        return read_model_index(folder)[0]
+    except PipelineFolderError as err:
+        raise UsageError(f"--pipeline: {err}") from None
+
+
+def _video_vae(folder: str, flag: str, device: Any) -> Any:
+    """The video VAE of a diffusers VAE folder of a video class (diffusers' own class); None
+    for an AutoencoderKL folder (or none readable: mmtrain's reader says why); UsageError
+    naming any other class."""
+    from mmtrain.data.ingest.video_latents import (
+        VIDEO_VAES,
+        VideoVAEError,
+        load_video_vae,
+        vae_class_name,
+    )
+
+    name = vae_class_name(folder)
+    if name is None or name == "AutoencoderKL":
+        return None
+    if name not in VIDEO_VAES:
+        raise UsageError(f"{flag} {folder}: a {name}; mmtrain encodes with AutoencoderKL "
+                         f"(images) and {', '.join(VIDEO_VAES)} (clips and images)")  # fmt: skip
+    try:
+        return load_video_vae(folder, device=device)
+    except (OSError, VideoVAEError) as err:
+        raise UsageError(f"{flag} {folder}: {err}") from None
+
+
+def _encoders(args: argparse.Namespace, device: Any, batch_size: int) -> tuple[Any, dict, str]:
+    """(text encoder or None, what the manifest records of the pipeline and its text
+    encoders, the encoder's name) of --text-encoder or of --pipeline."""
     if args.pipeline is None:
         if args.max_sequence_length is not None:
             raise UsageError("--max-sequence-length: a pipeline's T5 length; give --pipeline")
-        encoder = _text_encoder(args.text_encoder, device, args.batch_size)
-        return str(args.vae), encoder, {}, str(args.text_encoder)
+        encoder = _text_encoder(args.text_encoder, device, batch_size)
+        return encoder, {}, str(args.text_encoder)
     if args.text_encoder is not None:
         raise UsageError("--text-encoder: --pipeline encodes captions with its own encoders")
     from mmtrain.data.ingest.pipeline_encoders import (
@@ -226,13 +373,13 @@ def _encoders(args: argparse.Namespace, device: Any) -> tuple[str, Any, dict[str
 
     folder = Path(args.pipeline)
     try:
-        encoder = load_pipeline_text_encoder(folder, device=device, batch_size=args.batch_size,
+        encoder = load_pipeline_text_encoder(folder, device=device, batch_size=batch_size,
                                              max_sequence_length=args.max_sequence_length)  # fmt: skip
     except PipelineFolderError as err:
         raise UsageError(f"--pipeline: {err}") from None
     provenance = {"pipeline": pipeline_identity(folder), "components": encoder.components}
     named = f"{encoder.class_name}'s encode_prompt ({encoder.family.names}, {folder})"
-    return str(folder / "vae"), encoder, provenance, named
+    return encoder, provenance, named
 
 
 def _vae(folder: str, flag: str, device: Any) -> Any:

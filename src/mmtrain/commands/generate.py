@@ -275,8 +275,9 @@ def _picture(path: Path) -> Any:
 
 def generate_with_pipeline(args: argparse.Namespace, folder: Path, device: Any) -> int:
     """Sample a pipeline folder (a hub denoiser's run, or its source) through the family's own
-    diffusers pipeline: `--num` PNGs per `--prompt` into `--out`, `--size` in latent positions
-    (the VAE's factor gives the pixels), `--cfg` the pipeline's guidance_scale (FLUX.1-dev's
+    diffusers pipeline: `--num` PNGs per `--prompt` into `--out` (a video pipeline, Wan: an MP4
+    each and a PNG of its first frame), `--size` in latent positions (HxW, TxHxW for video: the
+    VAE's factors give the pixels and frames), `--cfg` the pipeline's guidance_scale (FLUX.1-dev's
     embedded guidance)."""
     import diffusers
     import torch
@@ -284,24 +285,71 @@ def generate_with_pipeline(args: argparse.Namespace, folder: Path, device: Any) 
     if not args.prompt or args.out is None:
         raise UsageError(f"{folder} is a diffusers pipeline: give --prompt and --out DIR")
     pipe = diffusers.DiffusionPipeline.from_pretrained(str(folder)).to(device)
-    factor = int(getattr(pipe, "vae_scale_factor", 8))
-    size = {}
-    if args.size is not None:
-        if len(args.size) != 2:
-            raise UsageError(f"--size: {type(pipe).__name__} makes images (HxW)")
-        size = {"height": args.size[0] * factor, "width": args.size[1] * factor}
+    video = hasattr(pipe, "vae_scale_factor_temporal")
+    size = _pipeline_size(pipe, args.size, video)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     g = torch.Generator(device=device).manual_seed(args.seed)
     written = 0
     for p, prompt in enumerate(args.prompt):
+        if video:
+            text = _video_text(pipe, folder, prompt, args.cfg)
+            frames = pipe(num_videos_per_prompt=args.num, num_inference_steps=args.steps,
+                          guidance_scale=args.cfg, generator=g, output_type="np", **size,
+                          **text).frames  # fmt: skip
+            written += _write_clips(frames, out, f"prompt{p}")
+            continue
         images = pipe(prompt, num_images_per_prompt=args.num, num_inference_steps=args.steps,
                       guidance_scale=args.cfg, generator=g, **size).images  # fmt: skip
         for i, image in enumerate(images):
             image.save(out / f"prompt{p}_{i}.png")
             written += 1
-    print(f"wrote {written} images to {out} ({type(pipe).__name__})")
+    kind = "videos (MP4, first frame PNG)" if video else "images"
+    print(f"wrote {written} {kind} to {out} ({type(pipe).__name__})")
     return 0
+
+
+def _video_text(pipe: Any, folder: Path, prompt: str, cfg: float) -> dict[str, Any]:
+    """WanPipeline's text keywords for `prompt` at the caption length the run trained at (its
+    spec.yaml; the pipeline's default for a source folder)."""
+    from mmtrain.folders import SPEC_FILE
+    from mmtrain.models.hub.wan import wan_prompt
+    from mmtrain.spec import load_spec
+
+    tokens = None
+    if (folder / SPEC_FILE).is_file():
+        tokens = load_spec(str(folder / SPEC_FILE)).denoiser.text_tokens
+    return wan_prompt(pipe, prompt, tokens, cfg)
+
+
+def _pipeline_size(pipe: Any, size: tuple[int, ...] | None, video: bool) -> dict[str, int]:
+    """The pipeline's height / width (/ num_frames) keywords of `--size` in latent positions."""
+    if size is None:
+        return {}
+    if len(size) != (3 if video else 2):
+        kind = "videos (TxHxW)" if video else "images (HxW)"
+        raise UsageError(f"--size: {type(pipe).__name__} makes {kind}")
+    if not video:
+        factor = int(getattr(pipe, "vae_scale_factor", 8))
+        return {"height": size[0] * factor, "width": size[1] * factor}
+    space, time = int(pipe.vae_scale_factor_spatial), int(pipe.vae_scale_factor_temporal)
+    return {"num_frames": 1 + (size[0] - 1) * time, "height": size[1] * space,
+            "width": size[2] * space}  # fmt: skip
+
+
+def _write_clips(frames: Any, out: Path, stem: str, fps: int = 16) -> int:
+    """Write each clip of `frames` ([N, F, H, W, 3] in [0, 1]) as STEM_i.mp4 and its first frame
+    as STEM_i.png; returns how many."""
+    import numpy as np
+    from PIL import Image
+
+    from mmtrain.data.stream.media import encode_video
+
+    clips = (np.clip(np.asarray(frames), 0.0, 1.0) * 255).round().astype(np.uint8)
+    for i, clip in enumerate(clips):
+        (out / f"{stem}_{i}.mp4").write_bytes(encode_video(clip, fps=fps))
+        Image.fromarray(clip[0]).save(out / f"{stem}_{i}.png")
+    return len(clips)
 
 
 def generate_images(args: argparse.Namespace, model: Any, run_dir: Path) -> int:
@@ -524,17 +572,16 @@ def _cached_condition(args: argparse.Namespace, spec: Any) -> tuple[dict, list[s
         raise UsageError(f"--text-from {args.text_from}: {err}") from None
     if len(shards) < args.num:
         raise UsageError(f"--text-from {args.text_from}: {len(shards)} samples, --num {args.num}")
-    hidden, pooled, stems = [], [], []
+    texts, stems = [], []
     for i in range(args.num):
         key = shards.key(i)
         try:
-            h, p = cached_text(shards, i, spec.denoiser)
+            texts.append(cached_text(shards, i, spec.denoiser))
         except MediaError as err:
             raise UsageError(f"--text-from {args.text_from}: sample {key}: {err}") from None
-        hidden.append(h)
-        pooled.append(p)
         stems.append(f"text{i}_" + re.sub(r"[^\w.-]", "_", key))  # a key may hold a path
-    condition = {"text_hidden": torch.stack(hidden), "text_pooled": torch.stack(pooled)}
+    keys = spec.denoiser.text_members()
+    condition = {key: torch.stack([t[j] for t in texts]) for j, key in enumerate(keys)}
     return condition, stems, 1
 
 

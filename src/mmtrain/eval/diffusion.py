@@ -161,9 +161,9 @@ class DenoiserEvaluator:
             return None
         condition: dict[str, Tensor] = {}
         n_rows = 1
-        if d.is_mmdit():
+        if d.takes_text():
             texts = first_texts(self.shards, d, rows)
-            n_rows = texts[TEXT_POOLED].shape[0]
+            n_rows = texts[TEXT_HIDDEN].shape[0]
             condition = {k: v.repeat_interleave(per_class, 0) for k, v in texts.items()}
         elif d.num_classes:
             n_rows = min(rows, d.num_classes)
@@ -289,33 +289,33 @@ def image_features(extractor: nn.Module, images: Tensor, batch: int = 64) -> Ten
 
 
 def first_texts(shards: ShardSet, denoiser: DenoiserSpec, n: int) -> dict[str, Tensor]:
-    """The cached text ({"text_hidden": [k, L, W], "text_pooled": [k, P]}, float32) of the
-    first k <= n samples of `shards` that hold a readable one, in order."""
-    hidden, pooled = [], []
+    """The cached text ({"text_hidden": [k, L, W], and "text_pooled": [k, P] where the
+    denoiser takes it}, float32) of the first k <= n samples of `shards` that hold a readable
+    one, in order."""
+    found: list[tuple[Tensor, ...]] = []
     for index in range(len(shards)):
-        if len(pooled) == n:
+        if len(found) == n:
             break
         try:
-            h, p = cached_text(shards, index, denoiser)
+            found.append(cached_text(shards, index, denoiser))
         except MediaError:  # a corrupt sample, skipped as the loader skips it
             continue
-        hidden.append(h)
-        pooled.append(p)
-    if not pooled:
-        raise FieldError("data", f"no sample holds a readable .{TEXT_MEMBERS[TEXT_POOLED]}")
-    return {TEXT_HIDDEN: torch.stack(hidden), TEXT_POOLED: torch.stack(pooled)}
+    keys = denoiser.text_members()
+    if not found:
+        raise FieldError("data", f"no sample holds a readable .{TEXT_MEMBERS[keys[-1]]}")
+    return {key: torch.stack([texts[i] for texts in found]) for i, key in enumerate(keys)}
 
 
-def cached_text(shards: ShardSet, index: int, denoiser: DenoiserSpec) -> tuple[Tensor, Tensor]:
-    """Sample `index`'s text encoders' outputs, [text_tokens, text_width] and [pooled_width],
-    read and checked as training reads them (data/stream/denoiser_inputs.py); MediaError
-    when the sample has none or they do not fit the MMDiT."""
+def cached_text(shards: ShardSet, index: int, denoiser: DenoiserSpec) -> tuple[Tensor, ...]:
+    """Sample `index`'s text encoders' outputs, [text_tokens, text_width] (and [pooled_width]
+    where the denoiser takes a pooled vector), read and checked as training reads them
+    (data/stream/denoiser_inputs.py); MediaError when the sample has none or they do not fit."""
     sample = shards.read(index)
     shapes = {TEXT_HIDDEN: (denoiser.text_tokens, denoiser.text_width),
               TEXT_POOLED: (denoiser.pooled_width,)}  # fmt: skip
     return tuple(
         torch.from_numpy(_cached_text(sample, TEXT_MEMBERS[key], shapes[key]))
-        for key in (TEXT_HIDDEN, TEXT_POOLED)
+        for key in denoiser.text_members()
     )
 
 

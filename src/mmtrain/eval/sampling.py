@@ -35,8 +35,8 @@ Condition = Mapping[str, Tensor]
 
 def condition_keys(denoiser: DenoiserSpec) -> tuple[str, ...]:
     """The batch keys a denoiser is conditioned on (module docstring)."""
-    if denoiser.is_mmdit():
-        return (TEXT_HIDDEN, TEXT_POOLED)
+    if denoiser.takes_text():
+        return denoiser.text_members()
     return (CLASS,) if denoiser.num_classes else ()
 
 
@@ -48,8 +48,8 @@ def condition_of(denoiser: DenoiserSpec, batch: Condition) -> dict[str, Tensor]:
 def null_condition(denoiser: DenoiserSpec, condition: Condition) -> dict[str, Tensor]:
     """The unconditional branch of guidance: the "no class" id (`num_classes`), or the text
     zeroed, hidden states and pooled vector both, as the objective drops them in training."""
-    if denoiser.is_mmdit():
-        return {key: torch.zeros_like(condition[key]) for key in (TEXT_HIDDEN, TEXT_POOLED)}
+    if denoiser.takes_text():
+        return {key: torch.zeros_like(condition[key]) for key in denoiser.text_members()}
     if denoiser.num_classes:
         return {CLASS: torch.full_like(condition[CLASS], denoiser.num_classes)}
     return {}
@@ -89,7 +89,7 @@ def sample(
     predict = _guided(model, condition, cfg)
     with torch.no_grad():
         if flow:
-            return _flow(predict, x, steps, config.shift, heun=sampler == "heun")
+            return _flow(predict, x, steps, config.fixed_shift(), heun=sampler == "heun")
         return _ddim(predict, x, steps, ddpm_alphas_cumprod(config), d.prediction)
 
 
@@ -98,7 +98,7 @@ def _checked(d: DenoiserSpec, condition: Condition, n: int, param: Tensor) -> di
     its dtype); a ValueError naming what is missing, extra or of the wrong shape."""
     keys = condition_keys(d)
     if set(condition) != set(keys):
-        kind = "an MMDiT" if d.is_mmdit() else "a class-conditional DiT" if keys else "this DiT"
+        kind = "an MMDiT" if d.is_mmdit() else "a cross-attention DiT" if d.takes_text() else "a class-conditional DiT" if keys else "this DiT"
         wanted = " + ".join(map(repr, keys)) or "no condition"
         raise ValueError(f"{kind} samples with {wanted}; got {sorted(condition) or 'none'}")
     out = {}

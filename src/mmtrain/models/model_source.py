@@ -5,8 +5,6 @@ diffusers pipeline folder whose transformer trains as diffusers' class (models/h
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from mmtrain.model_sources import is_hub_name, is_model_folder
 from mmtrain.models.formats import hf
 from mmtrain.models.formats.hf_common import read_json
@@ -18,12 +16,13 @@ def load_model_spec(model: str | ModelSpec, key: str = "model") -> ModelSpec:
     if isinstance(model, ModelSpec):
         return model
     text = str(model)
-    from mmtrain.models.hub.pipeline import is_pipeline_folder
+    from mmtrain.models.hub.pipeline import resolve_pipeline
 
-    if is_pipeline_folder(text):  # a diffusers pipeline: its transformer as diffusers' class
+    pipeline = resolve_pipeline(text, key)
+    if pipeline is not None:  # a diffusers pipeline: its transformer as diffusers' class
         from mmtrain.models.hub.denoiser import hub_denoiser_spec_of
 
-        return hub_denoiser_spec_of(Path(text), text, key)
+        return hub_denoiser_spec_of(pipeline, str(pipeline), key)
     if not (is_model_folder(text) or is_hub_name(text)):
         return load_spec(text)
     from mmtrain.models.hub.model import hub_spec_of

@@ -184,7 +184,8 @@ def check_denoiser_class(name: str, folder: Path) -> None:
         raise FieldError(
             "--model",
             f"{folder / 'config.json'}: {name} is not a denoiser the planner traces yet; "
-            f"supported: {', '.join(DENOISER_FAMILIES)} (Wan 2.1 text-to-video, FLUX.1, SD3)",
+            f"supported: {', '.join(DENOISER_FAMILIES)} (Wan 2.1 text-to-video, FLUX.1, SD3, "
+            "LTX-Video, CogVideoX, HunyuanVideo)",
         )
 
 

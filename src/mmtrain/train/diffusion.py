@@ -25,6 +25,7 @@ uninterrupted run drew, and nothing depends on torch's global RNG or on the host
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +33,8 @@ from torch import nn
 
 from mmtrain.config import DiffusionConfig
 from mmtrain.losses import at_least_fp32
-from mmtrain.models.dit import CLASS, PREDICTION, TEXT_HIDDEN, TEXT_POOLED, TIMESTEP
+from mmtrain.models.dit import CLASS, PREDICTION, TEXT_HIDDEN, TIMESTEP
+from mmtrain.models.hub.pipeline import flow_shift
 from mmtrain.models.schedules import (
     FLOW_TIMESTEP_SCALE,
     ddpm_alphas_cumprod,
@@ -48,14 +50,17 @@ Batch = Mapping[str, torch.Tensor]
 GUIDANCE = "guidance"  # the batch key of a guidance-distilled denoiser's scale (models/hub)
 
 
-def flow_timesteps(n: int, config: DiffusionConfig, g: torch.Generator, device) -> torch.Tensor:
-    """t in (0, 1) per sample: logit-normal or uniform, then shifted (DiffusionConfig)."""
+def flow_timesteps(
+    n: int, config: DiffusionConfig, g: torch.Generator, device, shift: float | None = None
+) -> torch.Tensor:
+    """t in (0, 1) per sample: logit-normal or uniform, then shifted (DiffusionConfig's shift,
+    or `shift` where the model's own applies)."""
     if config.timesteps == "logit_normal":
         normal = torch.randn(n, generator=g, device=device)
         t = torch.sigmoid(config.logit_mean + config.logit_std * normal)
     else:
         t = torch.rand(n, generator=g, device=device)
-    return shift_flow_time(t, config.shift)
+    return shift_flow_time(t, config.fixed_shift() if shift is None else shift)
 
 
 def frame_change(error: torch.Tensor) -> torch.Tensor:
@@ -80,6 +85,11 @@ class DiffusionObjective:
         self.alphas_cumprod = None if self.flow else ddpm_alphas_cumprod(config)
         self.temporal = config.temporal_weight > 0
         self.guidance = spec.hub is not None and spec.hub.guidance
+        # A pipeline's transformer samples its times as its scheduler shifts them (FLUX: by
+        # the sample's size), unless train.diffusion.shift says otherwise.
+        self.pipeline_shift = None
+        if self.flow and spec.hub is not None and config.shift is None:
+            self.pipeline_shift = flow_shift(Path(spec.hub.source))
         if self.temporal and not spec.denoiser.is_video():
             raise FieldError(
                 "train.diffusion.temporal_weight",
@@ -102,22 +112,28 @@ class DiffusionObjective:
         n = x0.shape[0]
         noise = torch.randn(x0.shape, generator=g, device=x0.device, dtype=x0.dtype)
         if self.flow:
-            t = flow_timesteps(n, self.config, g, x0.device).to(x0.dtype)
+            shift = self._shift(x0)
+            t = flow_timesteps(n, self.config, g, x0.device, shift).to(x0.dtype)
             noisy, target = flow_pair(x0, noise, t)
             timestep, weight = t * FLOW_TIMESTEP_SCALE, torch.ones_like(t)
         else:
             noisy, target, timestep, weight = self._ddpm(x0, noise, g)
-        conditions = (CLASS, TEXT_HIDDEN, TEXT_POOLED)
+        conditions = (CLASS, *self.denoiser.text_members())
         out = {k: v for k, v in batch.items() if k != self.key and k not in conditions}
         out.update({self.key: noisy, TIMESTEP: timestep})
         if self.denoiser.num_classes:
             out[CLASS] = self._dropped(batch[CLASS], g)
-        if self.denoiser.is_mmdit():
+        if self.denoiser.takes_text():
             out.update(self._dropped_text(batch, g))
         if self.guidance:  # a guidance-distilled hub denoiser (FLUX.1-dev): the scale trained at
             out[GUIDANCE] = torch.full((n,), self.config.guidance, device=x0.device, dtype=x0.dtype)
         self.targets[j] = (target, weight)
         return out
+
+    def _shift(self, x0: torch.Tensor) -> float | None:
+        if self.pipeline_shift is None:
+            return None
+        return self.pipeline_shift.at(self.denoiser.tokens(x0.shape[2:]))
 
     def _ddpm(self, x0: torch.Tensor, noise: torch.Tensor, g: torch.Generator):
         n, steps_total = x0.shape[0], self.config.ddpm_steps
@@ -139,14 +155,17 @@ class DiffusionObjective:
 
     def _dropped_text(self, batch: Batch, g: torch.Generator) -> dict[str, torch.Tensor]:
         """The text of a share `cfg_dropout` of the samples zeroed, hidden states and pooled
-        vector together (one draw per sample, where a DiT draws its class dropout)."""
-        hidden, pooled = batch[TEXT_HIDDEN], batch[TEXT_POOLED]
-        keep = torch.rand(hidden.shape[0], generator=g, device=hidden.device)
+        vector (where the denoiser takes one) together (one draw per sample, where a DiT draws
+        its class dropout)."""
+        n = batch[TEXT_HIDDEN].shape[0]
+        keep = torch.rand(n, generator=g, device=batch[TEXT_HIDDEN].device)
         keep = keep >= self.config.cfg_dropout
-        return {
-            TEXT_HIDDEN: torch.where(keep[:, None, None], hidden, torch.zeros_like(hidden)),
-            TEXT_POOLED: torch.where(keep[:, None], pooled, torch.zeros_like(pooled)),
-        }
+        out = {}
+        for key in self.denoiser.text_members():
+            text = batch[key]
+            kept = keep.reshape(n, *(1,) * (text.dim() - 1))
+            out[key] = torch.where(kept, text, torch.zeros_like(text))
+        return out
 
     def reads(self, batch: Batch) -> set[str]:
         return {PREDICTION}

@@ -5,11 +5,10 @@ model. `init_strict` (default) refuses weights that leave a parameter at random 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from torch import nn
 
-from mmtrain.models.hub.pipeline import TRANSFORMER_DIR, is_pipeline_folder, transformer_class
+from mmtrain.models.hub.pipeline import TRANSFORMER_DIR, resolve_pipeline, transformer_class
 from mmtrain.train.init import InitError, InitReport
 from mmtrain.train.init_hub import copy_loaded
 
@@ -17,10 +16,11 @@ log = logging.getLogger(__name__)
 
 
 def load_init_hub_denoiser(model: nn.Module, init: str, strict: bool = True) -> InitReport:
-    """Fill `model.hf` (a HubDenoiser's diffusers module) from the pipeline folder `init`."""
-    if not isinstance(init, str) or not is_pipeline_folder(init):
+    """Fill `model.hf` (a HubDenoiser's diffusers module) from the pipeline folder `init` (or
+    the hub name of one in the Hugging Face cache)."""
+    folder = resolve_pipeline(init) if isinstance(init, str) else None
+    if folder is None:
         raise InitError("init", f"{init!r}: a hub denoiser starts from its pipeline folder")
-    folder = Path(init)
     name = transformer_class(folder)
     if name != type(model.hf).__name__:
         raise InitError(

@@ -608,20 +608,28 @@ class Trainer:
 
     def _export(self) -> None:
         """OUT/model.safetensors + spec.yaml (LoRA merged, adapters alone beside), gathered
-        and written one tensor at a time (train/export.py); EMA in OUT/ema."""
+        and written one tensor at a time (train/export.py); EMA in OUT/ema (a hub model's in its
+        library's format, as OUT is: a pipeline or transformers folder; a LoRA run's adapters
+        averaged)."""
+        self._write_model(self.out)
+        if self.ema is None:
+            return
+        (self.out / "ema").mkdir(exist_ok=True)
+        with self.ema.swapped(self.model):
+            self._write_model(self.out / "ema")
+
+    def _write_model(self, out: Path) -> None:
         if self.spec.hub is not None and self.spec.hub.is_denoiser():  # a diffusers pipeline
-            adapters = export_hub_denoiser(self.model, self.out, self.rank, self.lora_scale)
+            adapters = export_hub_denoiser(self.model, out, self.rank, self.lora_scale)
             if adapters:
-                write_denoiser_adapter(self.model, adapters, lora_towers(self.t), self.out)
+                write_denoiser_adapter(self.model, adapters, lora_towers(self.t), out)
         elif self.spec.hub is not None:  # the run folder becomes a transformers folder
-            adapters = export_hub_model(self.model, self.out, self.rank, self.lora_scale)
+            adapters = export_hub_model(self.model, out, self.rank, self.lora_scale)
             if adapters:
-                write_hub_adapter(self.model, adapters, lora_towers(self.t), self.out)
+                write_hub_adapter(self.model, adapters, lora_towers(self.t), out)
         else:
-            export_model(self.model, self.out, self.rank, self.lora_scale, lora_towers(self.t),
+            export_model(self.model, out, self.rank, self.lora_scale, lora_towers(self.t),
                          base_name=peft_base_name(self.config.init))  # fmt: skip
-        if self.ema is not None:
-            self.ema.export(self.model, self.out / "ema", self.rank)
 
     def _result(
         self, refused: dict[str, int], eval_report: dict[str, Any] | None = None

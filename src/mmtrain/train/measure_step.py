@@ -224,9 +224,10 @@ def denoiser_batch(
     out = {d.input: torch.randn(shape, generator=generator)}
     if d.num_classes:
         out[CLASS] = torch.randint(0, d.num_classes, (batch,), generator=generator)
-    if d.is_mmdit():
+    if d.takes_text():
         hidden = (batch, d.text_tokens, d.text_width)
         out[TEXT_HIDDEN] = torch.randn(hidden, generator=generator)
+    if d.pooled_width:
         out[TEXT_POOLED] = torch.randn(batch, d.pooled_width, generator=generator)
     return out
 

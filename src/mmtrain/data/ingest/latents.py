@@ -23,6 +23,9 @@ at its aspect-ratio bucket instead of the square: the rule of `data.buckets`
 so a latent denoiser trains on the latents with `data.buckets` of the latent shapes (each
 side / the downscale; a latent's bucket is its own shape). Images are encoded in batches of
 one bucket; the manifest lists the buckets and how many latents each holds.
+
+Clips, through a video VAE (Wan's AutoencoderKLWan), are video_latents.py's; it shares the
+batching and the caption stage here (`batches_of_one_shape`, `with_text`).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from mmtrain.models.vae import AutoencoderKL
 IMAGE_EXTENSIONS = set(MODALITY_EXTENSIONS["image"])
 
 
-def _npy(array: np.ndarray) -> bytes:
+def npy_bytes(array: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     np.save(buffer, array, allow_pickle=False)
     return buffer.getvalue()
@@ -91,13 +94,14 @@ def _refuse_video(sample: dict[str, Any], image: str | None, key: str) -> None:
     if image is None and clip is not None:
         raise ValueError(
             f"sample {key} holds a video clip (.{clip}) and no image: the VAE encodes images, "
-            "one at a time; video latents need a video VAE (Wan's AutoencoderKLWan), which "
-            "mmtrain does not read yet"
+            "one at a time; video latents need a video VAE: give --pipeline a WanPipeline "
+            "folder, or --vae a folder of diffusers' AutoencoderKLWan"
         )
 
 
-def _batches(items: Iterator, batch_size: int) -> Iterator[list]:
-    """Batches of images of one shape, in the order they fill up; the partial ones last."""
+def batches_of_one_shape(items: Iterator, batch_size: int) -> Iterator[list]:
+    """Batches of (key, payload, ...) items whose payloads (images, or the clips of
+    video_latents.py) have one `.shape`, in the order they fill up; the partial ones last."""
     pending: dict[tuple[int, ...], list] = {}
     for item in items:
         shape = tuple(item[1].shape)
@@ -139,10 +143,10 @@ def encode_latent_shards(
     items = _images(shards, transform, counts)
     if text_encoder is not None:
         counts["no_caption"] = 0
-        items = _with_text(items, text_encoder, batch_size, counts)
+        items = with_text(items, text_encoder, batch_size, counts)
     per_bucket: dict[str, int] = {}
     with ShardWriter(out) as writer:
-        for batch in _batches(items, batch_size):
+        for batch in batches_of_one_shape(items, batch_size):
             written = _write(writer, vae, batch, flip, param)
             counts["samples"] += written
             shape = "x".join(map(str, batch[0][1].shape[1:]))
@@ -168,23 +172,26 @@ def _write(writer: ShardWriter, vae: AutoencoderKL, batch: list, flip: bool, par
     for suffix, pixels in variants:
         latents = vae.to_diffusion(vae.encode_latent(pixels)).float().cpu().numpy()
         for (key, _, kept), latent in zip(batch, latents, strict=True):
-            writer.write({"__key__": key + suffix, "npy": _npy(latent), **kept})
+            writer.write({"__key__": key + suffix, "npy": npy_bytes(latent), **kept})
             written += 1
     return written
 
 
-def _with_text(
+def with_text(
     items: Iterator, encoder: TextEncoder | PipelineTextEncoder, batch_size: int, counts: dict
 ) -> Iterator:
-    """`items` with their caption's cached text members added to the members they copy,
-    captions encoded `batch_size` at a time; a sample without a readable `.txt` is skipped and
-    counted (an MMDiT trains on none of them: refusing it here beats a hole in the data)."""
+    """`items` ((key, payload, members to copy)) with their caption's cached text members
+    added to the members they copy, captions encoded `batch_size` at a time; a sample without a
+    readable `.txt` is skipped and counted (a text-conditioned denoiser trains on none of them:
+    refusing it here beats a hole in the data). The payload passes through untouched."""
     pending: list[tuple[str, torch.Tensor, dict, str]] = []
 
     def encoded() -> Iterator:
         hidden, pooled = encoder([caption for *_, caption in pending])
         for (key, image, kept, _), h, p in zip(pending, hidden, pooled, strict=True):
-            arrays = {"text_hidden.npy": _npy(h.numpy()), "text_pooled.npy": _npy(p.numpy())}
+            arrays = {"text_hidden.npy": npy_bytes(h.numpy())}
+            if encoder.shape.pooled_width:  # Wan's transformer takes none: no member
+                arrays["text_pooled.npy"] = npy_bytes(p.numpy())
             yield key, image, {**kept, **arrays}
 
     for key, image, kept in items:

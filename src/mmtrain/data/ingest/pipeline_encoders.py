@@ -12,10 +12,14 @@ the native MMDiT reads as `.text_hidden.npy` and `.text_pooled.npy` (data/ingest
   projected pooled embeddings side by side ([2048]).
 - FluxPipeline: T5's states [max_sequence_length, 4096] and CLIP-L's pooled output [768] (its
   `text_ids` are zeros the transformer's positions take, not data, and are not stored).
+- WanPipeline: UMT5's states [max_sequence_length, 4096], zero past the caption's tokens as Wan
+  pads them; Wan's transformer takes no pooled vector, so none is stored (pooled_width 0).
 
-Neither family's transformer takes an attention mask over the text (padding is attended as the
-pipeline attends it), so no mask is stored. The components are loaded in float32: the arrays
-are stored in float32, and the shape is the pipeline's own answer for an empty caption.
+No family's transformer takes an attention mask over the text (padding is attended as the
+pipeline attends it, Wan's zeros included), so no mask is stored. The components are loaded in
+float32: the arrays are stored in float32, and the shape is the pipeline's own answer for an
+empty caption. `max_sequence_length` defaults to what the pipeline generates with (its
+`__call__`'s default: 512 for Wan, whose encode_prompt alone would take 226).
 
 Each component's identity (its folder, class and the sha256 of its config.json; a tokenizer's,
 of its files) goes into the latent manifest, so latents and text features name what made them.
@@ -63,8 +67,9 @@ class PipelineFamily:
     names: str  # the encoders, as a reader knows them
     extra_prompts: int  # the prompt_2 (, prompt_3) arguments: None, the same caption
     hidden: int  # where encode_prompt's result holds the hidden states
-    pooled: int  # and the pooled vector
+    pooled: int | None  # and the pooled vector (None: the family's transformer takes none)
     keywords: tuple[tuple[str, Any], ...] = ()  # its other arguments, fixed
+    per_prompt: str = "num_images_per_prompt"  # encode_prompt's name of the copies a caption
 
 
 FAMILIES = {
@@ -84,6 +89,16 @@ FAMILIES = {
         extra_prompts=1,
         hidden=0,  # (prompt_embeds, pooled_prompt_embeds, text_ids)
         pooled=1,
+    ),
+    "WanPipeline": PipelineFamily(
+        text_encoders=("text_encoder",),
+        tokenizers=("tokenizer",),
+        names="UMT5",
+        extra_prompts=0,
+        hidden=0,  # (prompt_embeds, negative_prompt_embeds)
+        pooled=None,
+        keywords=(("do_classifier_free_guidance", False),),
+        per_prompt="num_videos_per_prompt",
     ),
 }
 
@@ -192,7 +207,7 @@ class PipelineTextEncoder:
 
     def __call__(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 CPU tensors [N, text_tokens, text_width] and [N, pooled_width] for `texts`,
-        `batch_size` at a time in order."""
+        `batch_size` at a time in order ([N, 0] for a family without a pooled vector)."""
         s = self.shape
         hidden = [torch.zeros(0, s.text_tokens, s.text_width)]
         pooled = [torch.zeros(0, s.pooled_width)]
@@ -208,10 +223,14 @@ class PipelineTextEncoder:
         keywords = dict(f.keywords)
         if self.max_sequence_length is not None:
             keywords["max_sequence_length"] = self.max_sequence_length
+        keywords[f.per_prompt] = 1
         device = next(getattr(self.pipe, f.text_encoders[0]).parameters()).device
         out = self.pipe.encode_prompt(texts, *([None] * f.extra_prompts), device=device,
-                                      num_images_per_prompt=1, **keywords)  # fmt: skip
-        return out[f.hidden].float().cpu(), out[f.pooled].float().cpu()
+                                      **keywords)  # fmt: skip
+        hidden = out[f.hidden].float().cpu()
+        if f.pooled is None:  # Wan: no pooled vector; an empty one keeps the interface
+            return hidden, hidden.new_zeros(hidden.shape[0], 0)
+        return hidden, out[f.pooled].float().cpu()
 
 
 def load_pipeline_text_encoder(
@@ -238,7 +257,7 @@ def load_pipeline_text_encoder(
                 f"no folder; give the whole pipeline folder"
             )
     pipeline_class = getattr(diffusers, class_name)
-    default = inspect.signature(pipeline_class.encode_prompt).parameters.get("max_sequence_length")
+    default = _default_sequence_length(pipeline_class)
     if max_sequence_length is not None and default is None:
         raise PipelineFolderError(f"{class_name}.encode_prompt takes no max_sequence_length")
     try:
@@ -248,5 +267,16 @@ def load_pipeline_text_encoder(
         raise PipelineFolderError(f"{folder}: {class_name} does not load ({err})") from None
     pipe.to(device)
     if max_sequence_length is None and default is not None:
-        max_sequence_length = default.default
+        max_sequence_length = default
     return PipelineTextEncoder(pipe, family, folder, class_name, max_sequence_length, batch_size)
+
+
+def _default_sequence_length(pipeline_class: type) -> int | None:
+    """The text length the pipeline generates with: its `__call__`'s max_sequence_length
+    default (what its transformer sees at inference), else encode_prompt's; None when it takes
+    none. (Wan's encode_prompt defaults to 226 while WanPipeline() encodes 512 tokens.)"""
+    for method in (pipeline_class.__call__, pipeline_class.encode_prompt):
+        parameter = inspect.signature(method).parameters.get("max_sequence_length")
+        if parameter is not None and isinstance(parameter.default, int):
+            return parameter.default
+    return None

@@ -4,9 +4,11 @@ Images are the centred square of the sample at the denoiser's `sample_size` (bic
 [-1, 1] (mean 0.5, std 0.5 per channel), flipped at random in training as DiT trains; a latent
 is a `.npy` (or `.latent.npy`) member holding exactly the denoiser's [C, H, W] (a VAE's
 encoding made beforehand). A DiT's class comes from `.cls` or the `.json` member's
-`label_field` (labels.py). An MMDiT's text is its text encoders' outputs, cached beside the
-latent as they are: `.text_hidden.npy` [text_tokens, text_width] and `.text_pooled.npy`
-[pooled_width] (float .npy arrays; their guidance dropout is the objective's).
+`label_field` (labels.py). A text-conditioned denoiser's text is its text encoders' outputs,
+cached beside the latent as they are: `.text_hidden.npy` [text_tokens, text_width] and, for an
+MMDiT, `.text_pooled.npy` [pooled_width] (float .npy arrays; their guidance dropout is the
+objective's). A cross-attention DiT (Wan) takes the hidden states alone: its video latent is
+[C, T, H, W] (`.latent.npy`, data/ingest/video_latents.py), and no pooled member is read.
 
 With `buckets` (data.buckets, buckets.py) a sample keeps its own shape class: an image is
 resized to cover its bucket and centre-cropped to it (flipped at random in training), a clip's
@@ -58,7 +60,8 @@ TEXT_MEMBERS = {"text_hidden": "text_hidden.npy", "text_pooled": "text_pooled.np
 class DenoiserDecoder:
     """A shard sample -> a denoiser's clean input and condition: "image" (the centred square at
     `sample_size`, in [-1, 1]; flipped at random in training) or "latent" (a `.npy` member of
-    the denoiser's [C, H, W]), and "class" when the denoiser is class-conditional. A video's
+    the denoiser's [C, (T,) H, W]), "class" when the denoiser is class-conditional, and the
+    cached text it takes (`text_members`: "text_hidden", and "text_pooled" for an MMDiT). A video's
     frames are spread over its clip, or with `video_stride` a window of every stride-th frame
     (`decode_video`'s `window`) at a random place in training, the middle in evaluation."""
 
@@ -108,13 +111,9 @@ class DenoiserDecoder:
             out = {"latent": torch.from_numpy(latent)}
         if d.num_classes:
             out["class"] = read_class(sample, d.num_classes, self.label_field, self.class_names)
-        if d.is_mmdit():
-            shapes = {
-                "text_hidden": (d.text_tokens, d.text_width),
-                "text_pooled": (d.pooled_width,),
-            }
-            for key, member in TEXT_MEMBERS.items():
-                out[key] = torch.from_numpy(_cached_text(sample, member, shapes[key]))
+        shapes = {"text_hidden": (d.text_tokens, d.text_width), "text_pooled": (d.pooled_width,)}
+        for key in d.text_members():
+            out[key] = torch.from_numpy(_cached_text(sample, TEXT_MEMBERS[key], shapes[key]))
         return out
 
     def _in_bucket(self, sample: dict[str, Any], rng: np.random.Generator) -> torch.Tensor:
@@ -184,8 +183,8 @@ def check_first_samples(
         where = f"data.train[{i}] ({source.shard_path(0).name}, sample {source.key(0)!r})"
         if d.input == "latent":
             _check_latent(sample, d, buckets, where)
-        if d.is_mmdit():
-            _check_text_features(sample, d, where)
+        if d.takes_text():
+            _check_text_features(sample, d, where, from_pipeline=spec.hub is not None)
 
 
 def _check_latent(sample: dict[str, Any], d: DenoiserSpec, buckets: Buckets | None,
@@ -222,7 +221,11 @@ def _check_latent(sample: dict[str, Any], d: DenoiserSpec, buckets: Buckets | No
     )
 
 
-def _check_text_features(sample: dict[str, Any], d: DenoiserSpec, where: str) -> None:
+def _check_text_features(sample: dict[str, Any], d: DenoiserSpec, where: str,
+                         from_pipeline: bool = False) -> None:  # fmt: skip
+    """The text members the denoiser reads against its spec's widths and length (FieldError
+    naming the field); `from_pipeline`: a hub model's spec, made from its pipeline folder, which
+    has no spec file to edit: the advice is to encode the captions again."""
     fields = {
         "text_hidden": (
             ("denoiser.text_tokens", "denoiser.text_width"),
@@ -230,7 +233,8 @@ def _check_text_features(sample: dict[str, Any], d: DenoiserSpec, where: str) ->
         ),
         "text_pooled": (("denoiser.pooled_width",), (d.pooled_width,)),
     }
-    for key, member in TEXT_MEMBERS.items():
+    for key in d.text_members():
+        member = TEXT_MEMBERS[key]
         if member not in sample:
             continue
         try:
@@ -242,16 +246,21 @@ def _check_text_features(sample: dict[str, Any], d: DenoiserSpec, where: str) ->
             continue
         wrong = [n for n, a, b in zip(names, shape, want, strict=False) if a != b] or [names[0]]
         if wrong[0] == "denoiser.text_tokens":  # the usual one: a spec converted elsewhere
+            again = (f"encode the captions again for {want[0]} tokens (`encode-latents "
+                     f"--max-sequence-length {want[0]}` with a pipeline)")  # fmt: skip
+            # A pipeline's transformer takes any caption length: a spec file may say another
+            # (a run folder's spec.yaml, edited, as `model:` beside `init: PIPELINE_DIR`).
+            where_set = ("a spec file of the pipeline's transformer given as `model:` beside "
+                         "`init:` (a run's spec.yaml is one)" if from_pipeline else "the spec")  # fmt: skip
+            fix = f"set denoiser.text_tokens: {shape[0]} in {where_set}, or {again}"
             raise FieldError(
                 wrong[0],
                 f"{where}: `mmtrain data encode-latents` wrote {shape[0]} text tokens a caption "
-                f"(.{member} {list(shape)}) and the spec's MMDiT takes {want[0]}; set "
-                f"denoiser.text_tokens: {shape[0]} in the spec, or encode the captions again "
-                f"for {want[0]} tokens",
+                f"(.{member} {list(shape)}) and the spec's denoiser takes {want[0]}; {fix}",
             )
         raise FieldError(
             wrong[0],
-            f"{where} holds .{member} of shape {list(shape)}, the spec's MMDiT takes "
+            f"{where} holds .{member} of shape {list(shape)}, the spec's denoiser takes "
             f"{list(want)} ({', '.join(names)}); features of another text encoder need a spec "
             "made for it, or encode the captions again with the spec's encoders",
         )
@@ -269,7 +278,7 @@ def _member(sample: dict[str, Any], modality: str) -> str:
 def _cached_text(sample: dict[str, Any], member: str, shape: tuple[int, ...]) -> np.ndarray:
     """A text encoder's cached output: a float .npy member of exactly `shape`, as float32."""
     if member not in sample:
-        raise MediaError(f"no .{member} member (an MMDiT reads its text encoders' outputs)")
+        raise MediaError(f"no .{member} member (the denoiser reads its text encoders' outputs)")
     try:
         array = np.load(io.BytesIO(sample[member]), allow_pickle=False)
     except MemoryError:
@@ -279,7 +288,9 @@ def _cached_text(sample: dict[str, Any], member: str, shape: tuple[int, ...]) ->
     if not isinstance(array, np.ndarray) or array.dtype.kind != "f":
         raise MediaError(f".{member} must be a float array, got {getattr(array, 'dtype', array)}")
     if tuple(array.shape) != shape:
-        raise MediaError(f".{member} of shape {list(array.shape)}, the MMDiT takes {list(shape)}")
+        raise MediaError(
+            f".{member} of shape {list(array.shape)}, the denoiser takes {list(shape)}"
+        )
     if not np.isfinite(array).all():
         raise MediaError(f".{member} holds non-finite values")
     return array.astype(np.float32)

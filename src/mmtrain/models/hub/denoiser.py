@@ -1,18 +1,13 @@
-"""A diffusers denoiser trained as it is: FLUX.1's FluxTransformer2DModel behind the protocol the
-loop talks to (the VLMs' HubModel counterpart for a pipeline folder).
+"""A diffusers denoiser trained as it is: the transformer of a pipeline folder (FLUX.1's
+FluxTransformer2DModel, Wan 2.x's WanTransformer3DModel) behind the protocol the loop talks to
+(the VLMs' HubModel counterpart for a pipeline folder).
 
 `HubDenoiser` holds diffusers' own module (`hf`, built from the pipeline's `transformer/`
 config) and gives the loop what a native denoiser gives it: `spec` (its `denoiser` describes
-the inputs the data and the flow-matching objective read: 16-channel latents, T5 hidden states,
-CLIP's pooled vector), `towers` (`denoiser`: the double-stream blocks and every part outside
-the blocks; `denoiser_single`: the single-stream blocks; the planner's names), and
-`forward(batch) -> {"prediction"}` in the layout of the latent, [B, C, H, W].
-
-The forward adapter does what FluxPipeline does around the transformer: the latent is packed
-2 x 2 into 4C-wide tokens (`_pack_latents`), each token gets its (0, row, column) position and
-each text token (0, 0, 0) (`_prepare_latent_image_ids`, `txt_ids`), the timestep goes in as
-t (mmtrain's objective feeds 1000 t; the transformer multiplies by 1000 itself), the guidance
-scale as it is (FLUX.1-dev's guidance embedding), and the packed prediction is unpacked.
+the inputs the data and the flow-matching objective read), `towers` (the planner's names) and
+`forward(batch) -> {"prediction"}` in the layout of the latent. What the family's pipeline does
+around its transformer (packing, positions, the timestep's scale) is the family's adapter:
+models/hub/flux.py, models/hub/wan.py.
 
 The state dict is the diffusers module's under `hf.` (train/export_hub_denoiser.py strips it):
 an export is `save_pretrained` of the same class into the pipeline's `transformer/`.
@@ -20,7 +15,8 @@ an export is `save_pretrained` of the same class into the pipeline's `transforme
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,48 +24,32 @@ import torch
 from torch import Tensor, nn
 
 from mmtrain.denoiser_spec import DenoiserSpec
-from mmtrain.hub_spec import DENOISER_FAMILIES, DENOISER_TOWERS, HubSpec
-from mmtrain.models.dit import PREDICTION, TEXT_HIDDEN, TEXT_POOLED, TIMESTEP
+from mmtrain.hub_spec import DENOISER_FAMILIES, HubSpec
+from mmtrain.model_sources import HubModelError
+from mmtrain.models.dit import PREDICTION
 from mmtrain.models.hub.denoiser_trace import build_denoiser, denoiser_config
+from mmtrain.models.hub.flux import flux_denoiser_fields, flux_predict, flux_towers
 from mmtrain.models.hub.pipeline import TRANSFORMER_DIR, transformer_class
 from mmtrain.models.hub.towers import HubTower
-from mmtrain.models.schedules import FLOW_TIMESTEP_SCALE
+from mmtrain.models.hub.wan import wan_denoiser_fields, wan_predict, wan_towers
 from mmtrain.spec import ModelSpec
 
-GUIDANCE = "guidance"  # the batch key of the guidance scale per sample (FLUX.1-dev)
 LATENT = "latent"
-PACK = 2  # FLUX packs 2 x 2 latent positions into one token
-# FluxPipeline's defaults: 128 x 128 latents (1024 pixels over the VAE's 8x), T5's 512 tokens.
-DEFAULT_LATENT_SIZE = 128
-# FLUX's blocks by LoRA target: the attention (both streams' q/k/v/out) and the MLPs (the
-# double blocks' `ff` / `ff_context`, the single blocks' `proj_mlp` and the `proj_out` that
-# maps attention and MLP together back to the width).
-FLUX_LORA_MODULES = {"attn": ("attn",), "mlp": ("ff", "ff_context", "proj_mlp", "proj_out")}
 
 
-class DenoiserTower(HubTower):
-    """A tower of a diffusers denoiser: its blocks' LoRA targets by diffusers' module names."""
+@dataclass(frozen=True)
+class DenoiserAdapter:
+    """What a family's pipeline does around its transformer, as mmtrain needs it."""
 
-    def lora_paths(self, block: nn.Module, target: str) -> list[str]:
-        heads = FLUX_LORA_MODULES[target]
-        return [
-            name
-            for name, module in block.named_modules()
-            if isinstance(module, nn.Linear) and name.split(".")[0] in heads
-        ]
+    towers: Callable[..., dict[str, HubTower]]  # (hf, prefix) -> the planner's towers
+    predict: Callable[[nn.Module, Mapping[str, Tensor], bool], Tensor]  # (hf, batch, guidance)
+    fields: Callable[[Mapping[str, Any]], dict[str, Any]]  # config -> DenoiserSpec fields
 
 
-def denoiser_towers(hf: nn.Module, prefix: str = "hf.") -> dict[str, DenoiserTower]:
-    """{"denoiser": the double-stream blocks with the embedders, norms and output projection,
-    "denoiser_single": the single-stream blocks} of a FluxTransformer2DModel."""
-    no_split = set(getattr(hf, "_no_split_modules", None) or ())
-    double = {n: m for n, m in hf.named_children() if n != "single_transformer_blocks"}
-    single = {"single_transformer_blocks": hf.single_transformer_blocks}
-    first, second = DENOISER_TOWERS
-    return {
-        first: DenoiserTower(first, double, no_split, prefix),
-        second: DenoiserTower(second, single, no_split, prefix),
-    }
+ADAPTERS = {
+    "FluxTransformer2DModel": DenoiserAdapter(flux_towers, flux_predict, flux_denoiser_fields),
+    "WanTransformer3DModel": DenoiserAdapter(wan_towers, wan_predict, wan_denoiser_fields),
+}
 
 
 class HubDenoiser(nn.Module):
@@ -78,62 +58,33 @@ class HubDenoiser(nn.Module):
         assert spec.hub is not None and spec.denoiser is not None
         self.spec = spec
         self.hf = hf
-        self._towers = denoiser_towers(hf)
+        self.adapter = ADAPTERS[spec.hub.architecture]
+        self._towers = self.adapter.towers(hf)
 
     @property
-    def towers(self) -> dict[str, DenoiserTower]:
+    def towers(self) -> dict[str, HubTower]:
         return self._towers
 
     def forward(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
         return {PREDICTION: self.predict(batch)}
 
     def predict(self, batch: Mapping[str, Tensor]) -> Tensor:
-        """The velocity [B, C, H, W] at the noisy `latent`, `timestep` (1000 t), the text's
-        `text_hidden` [B, L, D] and `text_pooled` [B, P], and `guidance` [B] (FLUX.1-dev)."""
-        latent = batch[LATENT]
-        b, c, h, w = latent.shape
-        text = batch[TEXT_HIDDEN]
-        guidance = batch.get(GUIDANCE) if self.spec.hub.guidance else None
-        packed = self.hf(
-            hidden_states=pack_latents(latent),
-            encoder_hidden_states=text,
-            pooled_projections=batch[TEXT_POOLED],
-            timestep=batch[TIMESTEP] / FLOW_TIMESTEP_SCALE,
-            img_ids=image_ids(h, w, latent.device, latent.dtype),
-            txt_ids=torch.zeros(text.shape[1], 3, device=latent.device, dtype=latent.dtype),
-            guidance=guidance,
-            return_dict=False,
-        )[0]
-        return unpack_latents(packed, c, h, w)
-
-
-def pack_latents(latent: Tensor) -> Tensor:
-    """[B, C, H, W] -> [B, (H/2)(W/2), 4C]: each 2 x 2 patch one token, channels outermost."""
-    b, c, h, w = latent.shape
-    x = latent.reshape(b, c, h // PACK, PACK, w // PACK, PACK).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // PACK) * (w // PACK), c * PACK * PACK)
-
-
-def unpack_latents(tokens: Tensor, c: int, h: int, w: int) -> Tensor:
-    b = tokens.shape[0]
-    x = tokens.reshape(b, h // PACK, w // PACK, c, PACK, PACK).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, c, h, w)
-
-
-def image_ids(h: int, w: int, device: Any, dtype: torch.dtype) -> Tensor:
-    """Each token's (0, row, column) in the packed grid, row-major, as FluxPipeline gives them."""
-    rows = torch.arange(h // PACK, device=device, dtype=dtype)
-    cols = torch.arange(w // PACK, device=device, dtype=dtype)
-    grid = torch.stack(torch.meshgrid(rows, cols, indexing="ij"), dim=-1).reshape(-1, 2)
-    return torch.cat([torch.zeros_like(grid[:, :1]), grid], dim=1)
+        """The velocity at the noisy `latent` ([B, C, H, W], or [B, C, T, H, W] for video)."""
+        return self.adapter.predict(self.hf, batch, self.spec.hub.guidance)
 
 
 def hub_denoiser_spec_of(folder: Path, source: str, key: str = "init") -> ModelSpec:
     """The spec of the pipeline folder's transformer: the class and its towers' parameters
-    (counted on a meta-device build) and, as a DenoiserSpec, what it takes and predicts."""
+    (counted on a meta-device build) and, as a DenoiserSpec, what it takes and predicts at the
+    pipeline's default sample (hub_spec.DENOISER_FAMILIES)."""
     transformer_class(folder, key)  # refuses a family not trained from its folder yet
     config = denoiser_config(folder / TRANSFORMER_DIR)
-    towers = denoiser_towers(build_denoiser(folder / TRANSFORMER_DIR, "meta"), prefix="")
+    adapter = ADAPTERS[config["_class_name"]]
+    try:
+        fields = adapter.fields(config)
+    except ValueError as err:
+        raise HubModelError(key, f"{folder / TRANSFORMER_DIR}: {err}") from None
+    towers = adapter.towers(build_denoiser(folder / TRANSFORMER_DIR, "meta"), prefix="")
     family = DENOISER_FAMILIES[config["_class_name"]]
     hub = HubSpec(
         source=source,
@@ -142,20 +93,14 @@ def hub_denoiser_spec_of(folder: Path, source: str, key: str = "init") -> ModelS
         tower_params={n: sum(p.numel() for p in t.parameters()) for n, t in towers.items()},
         guidance=bool(config.get("guidance_embeds", False)),
     )
-    heads, head_dim = int(config["num_attention_heads"]), int(config["attention_head_dim"])
+    latent = family.latent(family.frames, family.height, family.height)
     denoiser = DenoiserSpec(
-        sample_size=DEFAULT_LATENT_SIZE,
-        channels=int(config["in_channels"]) // (PACK * PACK),
-        patch_size=PACK,
-        width=heads * head_dim,
-        layers=int(config["num_layers"]) + int(config["num_single_layers"]),
-        heads=heads,
+        sample_size=latent[-1],
+        frames=latent[1] if family.temporal else 1,
         prediction="velocity",
         input=LATENT,
-        architecture="mmdit",
-        text_width=int(config["joint_attention_dim"]),
-        pooled_width=int(config["pooled_projection_dim"]),
         text_tokens=family.text_tokens,
+        **fields,
     )
     return ModelSpec(
         name=Path(source).name or source,

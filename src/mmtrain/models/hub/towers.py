@@ -36,10 +36,18 @@ class HubTower:
     INPUT_MODULES = INPUT_NAMES
 
     def __init__(
-        self, name: str, parts: dict[str, nn.Module], no_split: set[str], prefix: str = ""
+        self,
+        name: str,
+        parts: dict[str, nn.Module],
+        no_split: set[str],
+        prefix: str = "",
+        owner: nn.Module | None = None,
     ):
         self.name = name
         self.parts = parts  # qualified name in the model -> module
+        # The model itself where the tower also holds the parameters registered on it directly
+        # (Wan's output `scale_shift_table`), read at each call: FSDP replaces them.
+        self.owner = owner
         self.prefix = prefix  # the model's own name in its owner's state dict ("hf.")
         self.block_path, self.blocks = _blocks(parts, no_split)
         self.embed = _input_modules(parts, self.block_path)
@@ -77,6 +85,9 @@ class HubTower:
                 if id(param) not in seen:
                     seen.add(id(param))
                     yield f"out.{path}.{name}", param
+        if self.owner is not None:
+            for name, param in self.owner.named_parameters(recurse=False):
+                yield f"out.{name}", param
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for _, param in self.named_parameters():
