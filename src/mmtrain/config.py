@@ -243,6 +243,38 @@ class DiffusionConfig:
 
 
 @dataclass
+class DpoConfig:
+    """Preference tuning (`train.objective: dpo`, train/dpo.py): how a pair's log-probability
+    ratios against the reference become its loss.
+
+    sigmoid (Rafailov et al. 2023, DPO): -log sigmoid(beta m) with m the chosen's log-ratio minus
+    the rejected's, each log-ratio the policy's summed answer log-probs minus the reference's;
+    `label_smoothing` eps mixes in the flipped pair (cDPO: (1 - eps) of it, plus eps of
+    -log sigmoid(-beta m)). ipo (Azar et al. 2023): (m - 1 / (2 beta))^2.
+    """
+
+    beta: float = 0.1
+    loss: str = "sigmoid"
+    label_smoothing: float = 0.0
+    # The reference model: "adapters", the model with its LoRA adapters disabled (no second
+    # copy); "copy", a frozen copy of the model the run starts from (a full fine-tune);
+    # "auto": adapters when a tower has LoRA, else copy.
+    reference: str = "auto"
+
+    def validate(self, path: str = "train.dpo") -> None:
+        if not self.beta > 0:
+            raise FieldError(f"{path}.beta", f"must be positive, got {self.beta}")
+        check_choice(f"{path}.loss", self.loss, ("sigmoid", "ipo"))
+        check_choice(f"{path}.reference", self.reference, ("auto", "adapters", "copy"))
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise FieldError(
+                f"{path}.label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}"
+            )
+        if self.label_smoothing and self.loss != "sigmoid":
+            raise FieldError(f"{path}.label_smoothing", "is sigmoid DPO's (cDPO), not ipo's")
+
+
+@dataclass
 class TrainConfig:
     steps: int
     batch_size: int  # global: samples per optimizer step over all ranks
@@ -280,6 +312,10 @@ class TrainConfig:
     device: str = "auto"  # auto: cuda when available
     fusion_weight: float = 1.0  # weight of the fusion head's loss beside the contrastive loss
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)  # a denoiser's training
+    # A language model's objective: null, next-token on the assistant's answers (SFT); dpo,
+    # preference pairs (train.dpo; the data's samples are pairs: `chosen` and `rejected`).
+    objective: str | None = None
+    dpo: DpoConfig = field(default_factory=DpoConfig)
     # Progressive resolution: [[from_step, image_size], ...] for image and video towers and
     # [[from_step, frames], ...] for video towers; the model spec keeps the full size and the
     # position embeddings are interpolated (see mmtrain.train.resolution). Empty: full size.
@@ -430,6 +466,9 @@ class RunConfig:
             _at_least("train.micro_batch", t.micro_batch, 1)
         _at_least("train.fusion_weight", t.fusion_weight, 0.0)
         t.diffusion.validate()
+        if t.objective is not None:
+            check_choice("train.objective", t.objective, ("dpo",))
+        t.dpo.validate()
         _check_schedule("train.resolution_schedule", t.resolution_schedule)
         _check_schedule("train.frames_schedule", t.frames_schedule)
         _at_least("train.sequence_parallel", t.sequence_parallel, 1)

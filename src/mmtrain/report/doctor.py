@@ -20,6 +20,7 @@ from mmtrain.report.data_checks import corrupt_samples, refused_data, too_long_s
 from mmtrain.report.finding import Finding, config_value, steady_rows
 from mmtrain.report.layout_check import SEQUENCE_COLLECTIVES, sequence_groups_across_nodes
 from mmtrain.report.memory_check import memory
+from mmtrain.report.preference_check import preference_rewards
 from mmtrain.report.rundata import RunData
 from mmtrain.report.scaling import rank_balance
 from mmtrain.report.training_checks import (
@@ -63,6 +64,7 @@ def diagnose(run: RunData) -> list[Finding]:
         _non_finite,
         _loss_spikes,
         collapsed_learning_rate,
+        preference_rewards,
         clipped_gradients,
         short_warmup,
         tower_learning_rates,

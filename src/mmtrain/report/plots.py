@@ -340,6 +340,18 @@ def denoiser_plot(run: RunData) -> Plot:
     return Plot("denoiser", title, figure(lines, ylabel="mean squared error / FD"))
 
 
+def preference_plot(run: RunData) -> Plot:
+    """A DPO run's rewards by step (TRL's names): the chosen and rejected answers' rewards and
+    their margin, smoothed; a margin that falls back, or both rewards falling, is what
+    `mmtrain doctor` names."""
+    title = "Preference rewards (DPO)"
+    keys = ("rewards/margins", "rewards/chosen", "rewards/rejected")
+    lines = [Line(k.split("/", 1)[1], *run.series(k), smooth=True) for k in keys]
+    if not lines[0].values:
+        return _missing("preference", title, "no rewards/margins in metrics.jsonl")
+    return Plot("preference", title, figure(lines, ylabel="beta x log-ratio to the reference"))
+
+
 def _is_recall(key: str) -> bool:
     last = key.rsplit("/", 1)[-1]
     return last.startswith(("R@", "top")) or last in ("accuracy",)
@@ -356,9 +368,12 @@ PLOTS: tuple[Callable[[RunData], Plot], ...] = (
     memory_plot,
     eval_plot,
     denoiser_plot,
+    preference_plot,
 )
 # Charts of some runs only: drawn where the run has their data, else left out (no note).
-RUN_SPECIFIC = frozenset({logit_scale_plot, step_time_plot, eval_plot, denoiser_plot})
+RUN_SPECIFIC = frozenset(
+    {logit_scale_plot, step_time_plot, eval_plot, denoiser_plot, preference_plot}
+)
 
 
 def make_plots(run: RunData) -> list[Plot]:

@@ -45,6 +45,7 @@ from mmtrain.data.stream.labels import label_value, read_class
 from mmtrain.data.stream.loader import NoValidSamples, StreamingLoader
 from mmtrain.data.stream.media import MediaError
 from mmtrain.data.stream.order import apportion, mixing_schedule
+from mmtrain.data.stream.preference_batches import PairDecoder, collate_pairs
 from mmtrain.data.stream.processor_batches import ProcessorBatcher, ProcessorDecoder
 from mmtrain.data.stream.sample_sizes import bucket_ids
 from mmtrain.data.stream.tokenizer import Tokenizer, get_tokenizer
@@ -170,6 +171,7 @@ class TrainData:
             why = "not yet for hub models" if spec.hub is not None else "a decoder LM's"
             raise FieldError("data.balance", f"deals conversation samples by cost: {why}")
         self.conversations = _conversations(config, spec)
+        self.pairs = _pairs(config, spec)  # dpo: preference pairs, two rows each
         # What a refusal of every sample is told against (`_unfillable`).
         self.row_length = self.conversations.sequence_length if self.conversations else None
         self.native = spec.vision is not None
@@ -202,7 +204,7 @@ class TrainData:
         by_source = self.conversations is None and spec.denoiser is None
         towers = [source_towers(s, spec) for s in sources] if by_source else []
         if self.conversations is not None:
-            collate = self.conversations.collate(spec)
+            collate = self._collate(spec)
             costs = None
             if config.data.balance:
                 costs = sample_costs(sources, spec, self.conversations, config.data.tokenizer)
@@ -272,9 +274,10 @@ class TrainData:
 
     def _decoder(
         self, spec: ModelSpec, towers: Sequence[str] | None = None
-    ) -> TrainDecoder | ConversationDecoder | DenoiserDecoder:
+    ) -> TrainDecoder | ConversationDecoder | PairDecoder | DenoiserDecoder:
         if self.conversations is not None:
-            return self.conversations.decoder(spec, uint8=self.uint8_pixels)
+            decoder = self.conversations.decoder(spec, uint8=self.uint8_pixels)
+            return PairDecoder(decoder) if self.pairs else decoder
         if spec.denoiser is not None:
             return DenoiserDecoder(spec, self.label_field, self.class_names, self.uint8_pixels,
                                    video_stride=self.video_stride, buckets=self.buckets)  # fmt: skip
@@ -282,12 +285,20 @@ class TrainData:
             spec, self.tokenizer, self.label_field, self.class_names, towers, self.uint8_pixels
         )
 
+    def _collate(self, spec: ModelSpec) -> Any:
+        assert self.conversations is not None
+        if self.pairs:
+            return collate_pairs(spec, self.conversations)
+        return self.conversations.collate(spec)
+
     def pixel_normalisation(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """{batch key: (mean, inv_std) per channel} of the inputs that arrive as uint8 pixels,
         for `ImageTransform.to_float` on the device; {} when the workers normalise."""
         if not self.uint8_pixels:
             return {}
         decoder = self.loaders[0].decode
+        if isinstance(decoder, PairDecoder):  # both sides share the chosen side's inputs
+            decoder = decoder.decoder
         if isinstance(decoder, ProcessorDecoder):  # the folder's processor normalises itself
             return {}
         if isinstance(decoder, ConversationDecoder) and decoder.native is not None:
@@ -341,7 +352,7 @@ class TrainData:
             loader.close()  # the next iteration starts workers with the new decoder
             loader.decode = self._decoder(spec, towers)
             if self.conversations is not None:
-                loader.collate = self.conversations.collate(spec)
+                loader.collate = self._collate(spec)
         self.spec = spec
 
     def cache_stats(self) -> dict[str, float]:
@@ -427,6 +438,20 @@ def _unfillable(err: NoValidSamples, row_length: int | None, native: bool) -> Fi
         f"(they need up to {needed} positions; the largest input: {what}); give "
         f"data.sequence_length={needed} or more{budget}",
     )
+
+
+def _pairs(config: RunConfig, spec: ModelSpec) -> bool:
+    """Whether the run trains on preference pairs (train.objective: dpo), checked against
+    what this version lays out as pairs."""
+    if config.train.objective != "dpo":
+        return False
+    if spec.hub is not None:
+        raise FieldError("train.objective", "dpo for a hub model (a transformers folder trained "
+                         "as its own class) is not there yet; mmtrain's own language models "
+                         "and VLMs train with it")  # fmt: skip
+    if config.data.balance:
+        raise FieldError("data.balance", "is not there yet for dpo's pairs")
+    return True
 
 
 def _conversations(config: RunConfig, spec: ModelSpec) -> ConversationBatcher | None:

@@ -48,6 +48,7 @@ from mmtrain.train import parallel
 from mmtrain.train.checkpointer import Checkpointer
 from mmtrain.train.comm_timing import CommTimer
 from mmtrain.train.data import TrainData
+from mmtrain.train.dpo import uses_adapters
 from mmtrain.train.ema import Ema
 from mmtrain.train.export import copy_processor_files, export_model
 from mmtrain.train.export_hub import export_hub_model, write_hub_adapter
@@ -64,7 +65,7 @@ from mmtrain.train.metrics import (
     step_model_flops,
     throughput,
 )
-from mmtrain.train.model_setup import build_model, check_hub_settings
+from mmtrain.train.model_setup import build_model, build_reference, check_hub_settings
 from mmtrain.train.objectives import NextTokenObjective, objectives_for
 from mmtrain.train.optim import (
     apply_changed_settings,
@@ -211,10 +212,13 @@ class Trainer:
         # FSDP replaced the parameters by their shards: the optimizer comes after.
         self.optimizer = make_optimizer(model, t, env.device)
         self.scheduler = make_scheduler(self.optimizer, t)
+        reference = None  # DPO's frozen copy, where the reference is not the model's base
+        if t.objective == "dpo" and not uses_adapters(model, t.dpo):
+            reference = build_reference(config, spec, self.precision, env)
         self.objectives = objectives_for(
             model, spec, fusion_weight=t.fusion_weight, world_size=self.world,
             diffusion=t.diffusion, seed=config.seed, rank=self.data_rank,
-            sequence_parallel=sequence,
+            sequence_parallel=sequence, objective=t.objective, dpo=t.dpo, reference=reference,
         )  # fmt: skip
         self.ema = Ema(model, t.ema) if t.ema else None
         self.validator = (
@@ -380,7 +384,9 @@ class Trainer:
         """Hand the step's row to the recorder: device values stay on the device."""
         state, t = self.state, self.t
         flops = counts["flops"]
-        mean = {"loss": loss, **{f"loss/{k}": v for k, v in parts.items()}}
+        # A part named with its own "/" is a metric of its own (DPO's rewards/chosen, TRL's
+        # names), not a part of the loss.
+        mean = {"loss": loss, **{k if "/" in k else f"loss/{k}": v for k, v in parts.items()}}
         local = {"grad_norm": norm, **self._model_values()}
         host = {
             "lr": main_lr(self.optimizer.param_groups, self.spec),  # the main tower's

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import safetensors
@@ -106,6 +107,8 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._base(x)
+        if self.__dict__.get("_disabled"):  # the base model alone (`adapters_disabled`)
+            return y
         h = F.dropout(x, self.dropout, self.training) if self.dropout else x
         return y + self.scale * F.linear(F.linear(h, self.lora_a), self.lora_b)
 
@@ -218,6 +221,20 @@ def _wrap(
 def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:
     """Every LoraLinear of `model` by its qualified name (`towers.image.blocks.0.attn.qkv`)."""
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Inside the block every LoRA linear of `model` computes its frozen base alone (DPO's
+    reference model, train/dpo.py); the adapters are back after it."""
+    modules = list(lora_modules(model).values())
+    for module in modules:
+        object.__setattr__(module, "_disabled", True)
+    try:
+        yield
+    finally:
+        for module in modules:
+            object.__setattr__(module, "_disabled", False)
 
 
 def lora_scales(model: nn.Module) -> dict[str, float]:

@@ -330,3 +330,22 @@ def _copy_rows_from_whole(sharded: nn.Module, whole: nn.Module) -> None:
     buffers = dict(whole.named_buffers())
     for name, buffer in sharded.named_buffers():
         buffer.copy_(buffers[name])
+
+
+def build_reference(
+    config: RunConfig, spec: ModelSpec, precision: Precision, env: parallel.DistributedEnv
+) -> nn.Module:
+    """DPO's frozen reference for a full fine-tune (train.dpo.reference copy): the model the
+    run starts from (`init`, or the seed's random init: the same on a resume, whose `init`
+    hashes the resume check compares), without gradients, held in the compute dtype."""
+    if config.train.parallel == "fsdp" and (env.world_size > 1 or config.train.offload):
+        raise FieldError(
+            "train.dpo.reference",
+            "copy under FSDP (a whole frozen copy on every rank) is not there yet; use LoRA "
+            "(train.towers.text.lora) and reference adapters",
+        )
+    model = create_model(spec, seed=config.seed, dtype=frozen_dtype(precision))
+    if config.init is not None:
+        load_init(model, config.init, strict=config.init_strict)
+    model.requires_grad_(False)
+    return model.eval().to(env.device)

@@ -38,13 +38,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmtrain.config import DiffusionConfig
+from mmtrain.config import DiffusionConfig, DpoConfig
 from mmtrain.data.stream.chat_templates import IGNORE_INDEX
 from mmtrain.distributed import sum_tensor_over_ranks
 from mmtrain.losses import ContrastiveLoss, at_least_fp32
 from mmtrain.spec import ModelSpec
+from mmtrain.structured import FieldError
 from mmtrain.train.data import LABEL_KEY  # the fusion head's targets
 from mmtrain.train.diffusion import DiffusionObjective
+from mmtrain.train.dpo import DpoObjective
 
 LABELS_KEY = "labels"  # batch key of a decoder's next-token targets (aligned with "text")
 
@@ -249,13 +251,23 @@ def objectives_for(
     seed: int = 0,
     rank: int = 0,
     sequence_parallel: int = 1,
+    objective: str | None = None,
+    dpo: DpoConfig | None = None,
+    reference: nn.Module | None = None,
 ) -> list[Objective]:
     """The objectives a spec trains with: next-token for a decoder; flow matching or DDPM for
     a denoiser (`diffusion`: its settings; `seed`, `rank`: what its draws are seeded by, the
     data rank: a sequence-parallel group draws alike); `sequence_parallel`: ranks per row;
     otherwise contrastive over its pairs and/or the fusion head's loss."""
     if spec.is_language_model():  # a native decoder LM or a hub model
+        if objective == "dpo":
+            if sequence_parallel > 1:
+                raise FieldError("train.sequence_parallel", "is not there yet for dpo")
+            return [DpoObjective(model, dpo or DpoConfig(), world_size, reference)]
         return [NextTokenObjective(world_size, sequence_parallel)]
+    if objective is not None:
+        raise FieldError("train.objective", f"{objective} trains a language model; "
+                         f"{spec.name} is none")  # fmt: skip
     if spec.denoiser is not None:
         return [DiffusionObjective(spec, diffusion or DiffusionConfig(), seed=seed, rank=rank)]
     found: list[Objective] = []

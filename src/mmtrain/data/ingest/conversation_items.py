@@ -3,6 +3,7 @@
 Runs in the build's worker processes, called by `process.process_item` for the items of a
 `sources.ConversationSource`. The sample, as the VLM contract fixes it:
 `{key}.json` = {"id", "messages": [{"role", "content"}], "images": ["0.jpg", ...],
+"chosen" and "rejected" (a preference pair's answers; `messages` its prompt),
 "videos": ["v0.mp4", ...]} (plus "source", "image_sizes" ([width, height] per image),
 "video_sizes" ([frames, width, height, fps] per video) and the build's "sha256"), the images
 as members `{key}.0.jpg`, `{key}.1.png`, ... in the order of the `<image>` tags and the videos
@@ -65,7 +66,8 @@ def process_conversation(item: Item, opts: ProcessOptions) -> Outcome:
         raw_images = _read_files(images, "image")
         raw_videos = _read_files(videos, "video")
         messages = [{"role": turn.role, "content": turn.text} for turn in conv.turns]
-        text = json_bytes({"messages": messages})
+        pair = {"chosen": conv.chosen, "rejected": conv.rejected} if conv.is_preference() else {}
+        text = json_bytes({"messages": messages, **pair})
         numbered = [*_numbered("image", raw_images), *_numbered("video", raw_videos)]
         features = Features(sha256=content_sha256([("messages", text), *numbered]))
         image_members, image_sizes = {}, []
@@ -87,6 +89,7 @@ def process_conversation(item: Item, opts: ProcessOptions) -> Outcome:
     meta = {
         "id": conv.key,
         "messages": messages,
+        **pair,
         "images": list(image_members),
         "image_sizes": image_sizes,
         "videos": list(video_members),

@@ -484,9 +484,12 @@ def is_conversation_file(path: Path) -> bool:
 
 
 def _holds_conversations(fields: set[str], prompt_is_list: bool) -> bool:
-    """`conversations` or `messages`, or TRL's conversational `prompt` (a list of messages) and
-    `completion`; a prompt and completion as plain strings are a table's text columns."""
+    """`conversations` or `messages`, TRL's conversational `prompt` (a list of messages) and
+    `completion`, or TRL's preference `prompt` + `chosen` + `rejected` (a string prompt too); a
+    prompt and completion as plain strings are a table's text columns."""
     if {"conversations", "messages"} & fields:
+        return True
+    if {"prompt", "chosen", "rejected"} <= fields:  # TRL's preference pairs, either form
         return True
     return prompt_is_list and {"prompt", "completion"} <= fields
 

@@ -260,6 +260,22 @@ class ConversationDecoder:
         """Ids, labels and transformed images of one shard sample; raises `SkippedSample`
         (refused conversation) or `MediaError` (broken member)."""
         conv, images, videos = read_conversation(sample)
+        if conv.is_preference():
+            raise SkippedSample(
+                "preference_pair",
+                f"{conv.key}: a preference pair (chosen / rejected): train.objective: dpo trains "
+                "on it",
+            )
+        return self.encode_parsed(conv, images, videos, rng)
+
+    def encode_parsed(
+        self,
+        conv: Conversation,
+        images: list[bytes],
+        videos: list[bytes],
+        rng: np.random.Generator | None,
+    ) -> ConversationSample:
+        """`encode` of a conversation already read from its sample."""
         if self.native is not None:
             return self._encode_native(conv, images, videos)
         if images and self.image_transform is None:
@@ -273,6 +289,33 @@ class ConversationDecoder:
             pixels = self._images(conv.key, images, rng)
         return ConversationSample(encoded.input_ids, encoded.labels, images=pixels)
 
+    def encode_text(
+        self, conv: Conversation, images: list[bytes], videos: list[bytes]
+    ) -> EncodedSample:
+        """The ids and labels of a conversation with the placeholders its inputs take, without
+        decoding them (the other side of a preference pair shares the first side's inputs)."""
+        if self.native is None:
+            return self._encode(conv, Placeholders(self.image_token_id, self.image_length))
+        return self._encode(conv, self._marks(conv.key, self._measured(conv.key, images, videos)))
+
+    def _measured(self, key: str, images: list[bytes], videos: list[bytes]) -> Measured:
+        assert self.native is not None
+        try:
+            return self.native.measure(key, images, videos)
+        except BudgetExceeded as err:
+            raise SkippedSample("visual_budget", f"{key}: {err}") from None
+
+    def _marks(self, key: str, measured: Measured) -> Placeholders:
+        assert self.native is not None
+        image_tokens, video_tokens = measured.tokens(self.native.budget)
+        return Placeholders(
+            self.image_token_id,
+            video_token_id=self.video_token_id,
+            image_lengths=image_tokens,
+            video_lengths=video_tokens,
+            wrap=self.wrap,
+        )
+
     def _encode_native(
         self, conv: Conversation, images: list[bytes], videos: list[bytes]
     ) -> ConversationSample:
@@ -280,18 +323,9 @@ class ConversationDecoder:
         a sample that is kept. Native inputs are resized, never cropped or flipped: a page's
         text and a clip's layout are what the model learns to read."""
         assert self.native is not None
-        try:
-            measured = self.native.measure(conv.key, images, videos)
-        except BudgetExceeded as err:
-            raise SkippedSample("visual_budget", f"{conv.key}: {err}") from None
+        measured = self._measured(conv.key, images, videos)
         image_tokens, video_tokens = measured.tokens(self.native.budget)
-        marks = Placeholders(
-            self.image_token_id,
-            video_token_id=self.video_token_id,
-            image_lengths=image_tokens,
-            video_lengths=video_tokens,
-            wrap=self.wrap,
-        )
+        marks = self._marks(conv.key, measured)
         try:
             encoded = self._encode(conv, marks)
         except SkippedSample as err:
@@ -338,7 +372,11 @@ class ConversationDecoder:
         return torch.empty(0, t.channels, t.size, t.size, dtype=torch.uint8 if t.uint8 else None)
 
     def __call__(self, sample: dict[str, Any], rng: np.random.Generator) -> dict[str, torch.Tensor]:
-        encoded = self.encode(sample, rng)
+        return self.tensors(self.encode(sample, rng))
+
+    @staticmethod
+    def tensors(encoded: ConversationSample) -> dict[str, Any]:
+        """What `__call__` hands the loader for an encoded sample."""
         out = {
             "input_ids": torch.tensor(encoded.input_ids, dtype=torch.long),
             "labels": torch.tensor(encoded.labels, dtype=torch.long),

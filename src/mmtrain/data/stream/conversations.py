@@ -21,6 +21,14 @@ Three input formats, each a JSON list (`.json`), one record per line (`.jsonl`) 
 Videos come the same way: LLaVA's `video` (a path or a list), ShareGPT's `videos`, each
 referred to by one `<video>` tag; images and videos may be interleaved in any order.
 
+Preference pairs (DPO, `train.objective: dpo`) come in the same formats with a `chosen` and a
+`rejected` answer to the same prompt: TRL's standard `{"prompt": "...", "chosen": "...",
+"rejected": "...", "images": [...]}`, its conversational form (`prompt` a list of messages,
+`chosen` / `rejected` each a list of one assistant message), or LLaVA / ShareGPT turns that end
+with the user's turn plus `chosen` / `rejected` strings (RLAIF-V, LLaVA-RLHF). The prompt's
+turns become the conversation's turns and each answer the assistant's last turn of its side;
+a pair whose answers are equal (nothing to prefer), or with an empty side, is refused.
+
 Both become `Conversation(key, turns, images, videos)` with roles `system`, `user`,
 `assistant`. Each image is referred to by exactly one `<image>` tag in the text (the model
 splices the image there), so the number of tags must equal the number of images (and of
@@ -57,6 +65,7 @@ __all__ = [
     "read_conversations",
 ]
 
+PAIR = ("chosen", "rejected")  # a preference record's answers
 IMAGE_TAG = "<image>"
 VIDEO_TAG = "<video>"
 ROLES = ("system", "user", "assistant")
@@ -92,6 +101,18 @@ class Conversation:
     turns: list[Turn]
     images: list[str] = field(default_factory=list)
     videos: list[str] = field(default_factory=list)
+    # A preference pair: `turns` is the prompt (ending with the user's turn), these the two
+    # answers to it.
+    chosen: str | None = None
+    rejected: str | None = None
+
+    def is_preference(self) -> bool:
+        return self.chosen is not None
+
+    def answered(self, answer: str) -> Conversation:
+        """The prompt with `answer` as the assistant's last turn (one side of a pair)."""
+        return Conversation(self.key, [*self.turns, Turn("assistant", answer)], self.images,
+                            self.videos)  # fmt: skip
 
 
 class ConversationError(FieldError):
@@ -154,18 +175,62 @@ def parse_conversation(
     try:
         if not isinstance(record, dict):
             raise _Invalid("format", f"expected a JSON object, got {type(record).__name__}")
-        messages = _messages(record)
+        pair = _preference(record)
+        messages = _messages(record, preference=pair is not None)
         turns = [(message.where, message.turn) for message in messages]
         images = _files(record, messages, "image")
         videos = _files(record, messages, "video")
-        _check_roles(turns)
-        _check_texts(turns)
+        answers = [] if pair is None else [
+            (name, Turn("assistant", text)) for name, text in zip(PAIR, pair, strict=True)
+        ]
+        if pair is not None and turns[-1][1].role == "assistant":
+            raise _Invalid("roles", f"{turns[-1][0]}: a preference prompt ends with the user's "
+                           "turn; the answers to it are 'chosen' and 'rejected'")  # fmt: skip
+        _check_roles(turns + answers[:1])
+        _check_texts(turns + answers)
+        if pair is not None and pair[0] == pair[1]:
+            raise _Invalid("equal_answers", "'chosen' and 'rejected' are the same answer: the "
+                           "pair prefers nothing")  # fmt: skip
         _check_count(record, messages, images, "image")
         _check_count(record, messages, videos, "video")
     except _Invalid as err:
         where = origin or f"{Path(file).name}[{index}]"
         raise ConversationError(file, index, key, err.kind, err.reason, where) from None
-    return Conversation(key, [turn for _, turn in turns], images, videos)
+    chosen, rejected = pair or (None, None)
+    return Conversation(key, [turn for _, turn in turns], images, videos, chosen, rejected)
+
+
+def _preference(record: Any) -> tuple[str, str] | None:
+    """(chosen, rejected) answers of a preference record; None for a plain conversation."""
+    if not isinstance(record, dict):
+        return None
+    given = [name for name in PAIR if name in record]
+    if not given:
+        return None
+    if len(given) == 1:
+        other = PAIR[1 - PAIR.index(given[0])]
+        raise _Invalid("format", f"'{given[0]}' without '{other}': a preference pair needs both")
+    if "completion" in record:
+        raise _Invalid("format", "has 'completion' beside 'chosen' / 'rejected'; keep the pair")
+    return _answer(record["chosen"], "chosen"), _answer(record["rejected"], "rejected")
+
+
+def _answer(value: Any, name: str) -> str:
+    """One side's answer: a string, or TRL's conversational list of one assistant message."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and len(value) == 1:
+        message = _message(value[0], f"{name}[0]", "role", "content")
+        if message.turn.role != "assistant":
+            raise _Invalid("roles", f"{name}[0]: expected the assistant's answer, got "
+                           f"{message.turn.role}")  # fmt: skip
+        return message.turn.text
+    raise _Invalid(
+        "format",
+        f"'{name}': expected the answer as a string or a list of one assistant message (with "
+        "the shared prompt in 'prompt' or the turns; TRL's implicit-prompt form, whole "
+        "conversations per side, is not read)",
+    )
 
 
 def _key(record: Any, index: int) -> str:
@@ -175,10 +240,15 @@ def _key(record: Any, index: int) -> str:
     return str(index)
 
 
-def _messages(record: dict[str, Any]) -> list[_Message]:
-    """The record's turns in order, with the optional top-level system prompt first."""
-    lists = _message_lists(record)
-    messages = [
+def _messages(record: dict[str, Any], preference: bool = False) -> list[_Message]:
+    """The record's turns in order, with the optional top-level system prompt first (a
+    preference record's prompt may be TRL's plain string: one user turn)."""
+    if preference and isinstance(record.get("prompt"), str):
+        lists, messages = [], [_Message("prompt", Turn("user", record["prompt"]))]
+    else:
+        lists = _message_lists(record, preference)
+        messages = []
+    messages += [
         _message(item, f"{name}[{i}]", role_key, text_key)
         for name, role_key, text_key in lists
         for i, item in enumerate(record[name])
@@ -188,13 +258,15 @@ def _messages(record: dict[str, Any]) -> list[_Message]:
         if not isinstance(system, str):
             raise _Invalid("format", "'system' must be a string")
         if messages[0].turn.role == "system":
-            raise _Invalid("format", f"both 'system' and a system turn in '{lists[0][0]}'")
+            first = lists[0][0] if lists else "prompt"
+            raise _Invalid("format", f"both 'system' and a system turn in '{first}'")
         messages.insert(0, _Message("system", Turn("system", system)))
     return messages
 
 
-def _message_lists(record: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """(field, role key, text key) of each list of turns the record's format holds."""
+def _message_lists(record: dict[str, Any], preference: bool = False) -> list[tuple[str, str, str]]:
+    """(field, role key, text key) of each list of turns the record's format holds (of a
+    preference record: the prompt's turns, `prompt` needing no `completion`)."""
     formats = [name for name in ("conversations", "messages", "prompt") if name in record]
     if "completion" in record and "prompt" not in record:
         raise _Invalid("format", "'completion' without 'prompt' (TRL's prompt / completion)")
@@ -210,6 +282,8 @@ def _message_lists(record: dict[str, Any]) -> list[tuple[str, str, str]]:
         lists = [("conversations", "from", "value")]
     elif formats[0] == "messages":
         lists = [("messages", "role", "content")]
+    elif preference:
+        lists = [("prompt", "role", "content")]
     else:
         if "completion" not in record:
             raise _Invalid("format", "'prompt' without 'completion' (TRL's prompt / completion)")

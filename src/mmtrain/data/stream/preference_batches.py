@@ -1,0 +1,113 @@
+"""Preference-pair shards -> DPO micro-batches (train/dpo.py reads them).
+
+A pair sample (`mmtrain data build` of TRL / LLaVA preference records: data/stream/
+conversations.py) is its prompt's turns with a `chosen` and a `rejected` answer. `PairDecoder`
+encodes both sides with the run's chat template as two conversations, the prompt and one
+answer as the assistant's last turn, and keeps labels on that final answer only (a multi-turn
+prompt's earlier answers are context, not what the pair compares). The inputs (images, clips)
+are decoded once, for the chosen side, and shared by the rejected side: the same pixels, the
+same random crop.
+
+`collate_pairs` lays out n pairs as 2n padded rows, the chosen sides first and the rejected
+ones after them in the same order (what `DpoObjective` splits). Packing is not there yet for
+pairs (a pair's two rows must be found again by the loss), so `data.pack` is refused with dpo.
+
+A side whose final answer does not fit `data.sequence_length` whole is refused (counted as
+too long), never scored on a cut answer; a plain conversation in a dpo run is skipped and
+counted (`not_a_pair`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmtrain.data.stream.chat_templates import IGNORE_INDEX, EncodedSample
+from mmtrain.data.stream.conversation_batches import (
+    ConversationBatcher,
+    ConversationDecoder,
+    ConversationSample,
+    SkippedSample,
+    read_conversation,
+)
+from mmtrain.spec import ModelSpec
+from mmtrain.structured import FieldError
+
+REJECTED = "rejected_"  # prefix of the rejected side's tensors in a decoded pair
+
+
+def final_answer_labels(labels: list[int]) -> list[int]:
+    """`labels` with every target masked but the last run of targets (the final answer)."""
+    end = len(labels)
+    while end and labels[end - 1] == IGNORE_INDEX:
+        end -= 1
+    start = end
+    while start and labels[start - 1] != IGNORE_INDEX:
+        start -= 1
+    return [IGNORE_INDEX] * start + labels[start:]
+
+
+class PairDecoder:
+    """A pair sample -> both sides' tensors: the chosen side's as `ConversationDecoder` gives
+    them, the rejected side's ids, labels and spans under `rejected_`."""
+
+    def __init__(self, decoder: ConversationDecoder):
+        self.decoder = decoder
+
+    def __call__(self, sample: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+        conv, images, videos = read_conversation(sample)
+        if not conv.is_preference():
+            raise SkippedSample(
+                "not_a_pair", f"{conv.key}: a conversation, not a preference pair (dpo trains on "
+                "pairs: 'chosen' and 'rejected')",
+            )  # fmt: skip
+        assert conv.chosen is not None and conv.rejected is not None
+        chosen = self.decoder.encode_parsed(conv.answered(conv.chosen), images, videos, rng)
+        rejected = self.decoder.encode_text(conv.answered(conv.rejected), images, videos)
+        chosen = replace(chosen, labels=self._answer(conv.key, "chosen", chosen))
+        rejected = EncodedSample(rejected.input_ids, self._answer(conv.key, "rejected", rejected),
+                                 rejected.spans)  # fmt: skip
+        out = ConversationDecoder.tensors(chosen)
+        out[REJECTED + "input_ids"] = torch.tensor(rejected.input_ids, dtype=torch.long)
+        out[REJECTED + "labels"] = torch.tensor(rejected.labels, dtype=torch.long)
+        out[REJECTED + "spans"] = torch.tensor(rejected.spans, dtype=torch.long).reshape(-1, 2)
+        return out
+
+    def _answer(self, key: str, side: str, encoded: EncodedSample) -> list[int]:
+        if len(encoded.input_ids) >= self.decoder.max_length:
+            raise SkippedSample(
+                "truncated_no_targets",
+                f"{key}: the {side} side takes {self.decoder.max_length} ids or more, so its "
+                "answer may be cut; a pair is scored on whole answers (raise "
+                "data.sequence_length or shorten the pair)",
+            )
+        return final_answer_labels(list(encoded.labels))
+
+
+def pair_samples(out: dict[str, Any]) -> tuple[ConversationSample, ConversationSample]:
+    """(chosen, rejected) of a decoded pair, the rejected side sharing the chosen's inputs."""
+    chosen = ConversationDecoder.sample_of(out)
+    ids, labels = out[REJECTED + "input_ids"].tolist(), out[REJECTED + "labels"].tolist()
+    spans = tuple((int(i), int(n)) for i, n in out[REJECTED + "spans"].tolist())
+    rejected = ConversationSample(ids, labels, spans if chosen.visual is not None else (),
+                                  images=chosen.images, visual=chosen.visual)  # fmt: skip
+    return chosen, rejected
+
+
+def collate_pairs(spec: ModelSpec, batcher: ConversationBatcher) -> functools.partial:
+    """The streaming loader's collate of a dpo run: decoded pairs -> 2n rows, chosen first."""
+    if batcher.pack:
+        raise FieldError("data.pack", "is not there yet for dpo's pairs; set it to false")
+    return functools.partial(_collate, batcher, spec)
+
+
+def _collate(
+    batcher: ConversationBatcher, spec: ModelSpec, outputs: list[dict[str, Any]]
+) -> dict[str, torch.Tensor]:
+    # Module level, so the partial pickles into the loader's worker processes.
+    pairs = [pair_samples(out) for out in outputs]
+    return batcher.batch([c for c, _ in pairs] + [r for _, r in pairs], spec)
