@@ -303,3 +303,35 @@ def test_a_resumed_run_ends_bitwise_where_the_whole_run_ends(made):
     assert [r["loss"] for r in resumed.history] == [r["loss"] for r in whole.history][2:]
     a, b = (load_file(root / name / "lora.safetensors") for name in ("whole", "stopped"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _dpo_on_ranks(rank: int, world: int, path: str) -> list[float]:
+    from mmtrain.config import load_config
+    from mmtrain.train.loop import train
+
+    return [row["loss"] for row in train(load_config(path)).history]
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_ranks_trains_what_one_process_trains(made):
+    """A pair's loss is normalised by the step's pairs on all ranks, and the reference is each
+    rank's own (adapters disabled under FSDP2): 2 gloo ranks train what one process trains on
+    the same global batch (float64, AdamW's eps 1 so an update is Lipschitz in its gradient:
+    test_hub_train_parallel.py; losses to 1e-9, adapters to float64 rounding of their updates)."""
+    from safetensors.torch import load_file
+
+    from dist_helpers import run_distributed
+    from mmtrain.config import load_config
+    from mmtrain.train.loop import train
+
+    root, _ = made
+    settings = dict(steps=3, batch_size=8, micro_batch=2, precision="fp64", eps=1.0, lr=1e-2)
+    one = train(load_config(run_config(root, "one", **settings)))
+    path = str(run_config(root, "fsdp", parallel="fsdp", **settings))
+    first, second = run_distributed(_dpo_on_ranks, world_size=2, args=(path,), timeout_s=300)
+    assert first == second
+    want = [row["loss"] for row in one.history]
+    torch.testing.assert_close(torch.tensor(first), torch.tensor(want), rtol=1e-9, atol=0)
+    a, b = (load_file(root / name / "lora.safetensors") for name in ("one", "fsdp"))
+    for key, value in a.items():
+        torch.testing.assert_close(b[key], value, rtol=1e-9, atol=1e-12, msg=key)

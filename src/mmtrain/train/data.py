@@ -45,7 +45,11 @@ from mmtrain.data.stream.labels import label_value, read_class
 from mmtrain.data.stream.loader import NoValidSamples, StreamingLoader
 from mmtrain.data.stream.media import MediaError
 from mmtrain.data.stream.order import apportion, mixing_schedule
-from mmtrain.data.stream.preference_batches import PairDecoder, collate_pairs
+from mmtrain.data.stream.preference_batches import (
+    PairDecoder,
+    ProcessorPairDecoder,
+    collate_pairs,
+)
 from mmtrain.data.stream.processor_batches import ProcessorBatcher, ProcessorDecoder
 from mmtrain.data.stream.sample_sizes import bucket_ids
 from mmtrain.data.stream.tokenizer import Tokenizer, get_tokenizer
@@ -277,7 +281,11 @@ class TrainData:
     ) -> TrainDecoder | ConversationDecoder | PairDecoder | DenoiserDecoder:
         if self.conversations is not None:
             decoder = self.conversations.decoder(spec, uint8=self.uint8_pixels)
-            return PairDecoder(decoder) if self.pairs else decoder
+            if not self.pairs:
+                return decoder
+            if isinstance(decoder, ProcessorDecoder):
+                return ProcessorPairDecoder(decoder)
+            return PairDecoder(decoder)
         if spec.denoiser is not None:
             return DenoiserDecoder(spec, self.label_field, self.class_names, self.uint8_pixels,
                                    video_stride=self.video_stride, buckets=self.buckets)  # fmt: skip
@@ -297,7 +305,7 @@ class TrainData:
         if not self.uint8_pixels:
             return {}
         decoder = self.loaders[0].decode
-        if isinstance(decoder, PairDecoder):  # both sides share the chosen side's inputs
+        if isinstance(decoder, (PairDecoder, ProcessorPairDecoder)):  # one side's inputs
             decoder = decoder.decoder
         if isinstance(decoder, ProcessorDecoder):  # the folder's processor normalises itself
             return {}
@@ -445,10 +453,6 @@ def _pairs(config: RunConfig, spec: ModelSpec) -> bool:
     what this version lays out as pairs."""
     if config.train.objective != "dpo":
         return False
-    if spec.hub is not None:
-        raise FieldError("train.objective", "dpo for a hub model (a transformers folder trained "
-                         "as its own class) is not there yet; mmtrain's own language models "
-                         "and VLMs train with it")  # fmt: skip
     if config.data.balance:
         raise FieldError("data.balance", "is not there yet for dpo's pairs")
     return True

@@ -9,7 +9,10 @@ are decoded once, for the chosen side, and shared by the rejected side: the same
 same random crop.
 
 `collate_pairs` lays out n pairs as 2n padded rows, the chosen sides first and the rejected
-ones after them in the same order (what `DpoObjective` splits). Packing is not there yet for
+ones after them in the same order (what `DpoObjective` splits). A hub model's pairs
+(`ProcessorPairDecoder`) are the folder's processor's tensors of each side, made as its
+conversations are (data/stream/processor_batches.py; the processor is deterministic, so both
+sides hold the same pixels), collated by the processor path's own collate in the same order. Packing is not there yet for
 pairs (a pair's two rows must be found again by the loss), so `data.pack` is refused with dpo.
 
 A side whose final answer does not fit `data.sequence_length` whole is refused (counted as
@@ -34,6 +37,12 @@ from mmtrain.data.stream.conversation_batches import (
     SkippedSample,
     read_conversation,
 )
+from mmtrain.data.stream.conversations import Conversation
+from mmtrain.data.stream.processor_batches import (
+    ProcessorBatcher,
+    ProcessorDecoder,
+    collate_processed,
+)
 from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
 
@@ -51,6 +60,27 @@ def final_answer_labels(labels: list[int]) -> list[int]:
     return [IGNORE_INDEX] * start + labels[start:]
 
 
+def _pair(sample: dict[str, Any]) -> tuple[Conversation, list[bytes], list[bytes]]:
+    conv, images, videos = read_conversation(sample)
+    if not conv.is_preference():
+        raise SkippedSample(
+            "not_a_pair", f"{conv.key}: a conversation, not a preference pair (dpo trains on "
+            "pairs: 'chosen' and 'rejected')",
+        )  # fmt: skip
+    return conv, images, videos
+
+
+def _check_whole(key: str, side: str, length: int, limit: int) -> None:
+    """A side that reaches the row's limit may have lost the end of its answer: refused."""
+    if length >= limit:
+        raise SkippedSample(
+            "truncated_no_targets",
+            f"{key}: the {side} side takes {limit} positions or more, so its answer may be "
+            "cut; a pair is scored on whole answers (raise data.sequence_length or shorten the "
+            "pair)",
+        )
+
+
 class PairDecoder:
     """A pair sample -> both sides' tensors: the chosen side's as `ConversationDecoder` gives
     them, the rejected side's ids, labels and spans under `rejected_`."""
@@ -59,12 +89,7 @@ class PairDecoder:
         self.decoder = decoder
 
     def __call__(self, sample: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
-        conv, images, videos = read_conversation(sample)
-        if not conv.is_preference():
-            raise SkippedSample(
-                "not_a_pair", f"{conv.key}: a conversation, not a preference pair (dpo trains on "
-                "pairs: 'chosen' and 'rejected')",
-            )  # fmt: skip
+        conv, images, videos = _pair(sample)
         assert conv.chosen is not None and conv.rejected is not None
         chosen = self.decoder.encode_parsed(conv.answered(conv.chosen), images, videos, rng)
         rejected = self.decoder.encode_text(conv.answered(conv.rejected), images, videos)
@@ -78,14 +103,30 @@ class PairDecoder:
         return out
 
     def _answer(self, key: str, side: str, encoded: EncodedSample) -> list[int]:
-        if len(encoded.input_ids) >= self.decoder.max_length:
-            raise SkippedSample(
-                "truncated_no_targets",
-                f"{key}: the {side} side takes {self.decoder.max_length} ids or more, so its "
-                "answer may be cut; a pair is scored on whole answers (raise "
-                "data.sequence_length or shorten the pair)",
-            )
+        _check_whole(key, side, len(encoded.input_ids), self.decoder.max_length)
         return final_answer_labels(list(encoded.labels))
+
+
+class ProcessorPairDecoder:
+    """A pair sample -> both sides' processor tensors (batch of one each), the rejected side's
+    under `rejected_`, labels on each side's final answer."""
+
+    def __init__(self, decoder: ProcessorDecoder):
+        self.decoder = decoder
+
+    def __call__(self, sample: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+        conv, images, videos = _pair(sample)
+        out: dict[str, Any] = {}
+        for side, answer, prefix in (("chosen", conv.chosen, ""), ("rejected", conv.rejected,
+                                                                   REJECTED)):  # fmt: skip
+            assert answer is not None
+            encoded = self.decoder.encode_parsed(conv.answered(answer), images, videos)
+            ids = encoded["input_ids"]
+            _check_whole(conv.key, side, ids.shape[1], self.decoder.sequence_length)
+            labels = final_answer_labels(encoded["labels"][0].tolist())
+            encoded["labels"] = torch.tensor([labels], dtype=torch.long)
+            out.update({prefix + name: value for name, value in encoded.items()})
+        return out
 
 
 def pair_samples(out: dict[str, Any]) -> tuple[ConversationSample, ConversationSample]:
@@ -98,11 +139,22 @@ def pair_samples(out: dict[str, Any]) -> tuple[ConversationSample, ConversationS
     return chosen, rejected
 
 
-def collate_pairs(spec: ModelSpec, batcher: ConversationBatcher) -> functools.partial:
+def collate_pairs(
+    spec: ModelSpec, batcher: ConversationBatcher | ProcessorBatcher
+) -> functools.partial:
     """The streaming loader's collate of a dpo run: decoded pairs -> 2n rows, chosen first."""
     if batcher.pack:
         raise FieldError("data.pack", "is not there yet for dpo's pairs; set it to false")
+    if isinstance(batcher, ProcessorBatcher):
+        return functools.partial(_collate_processed, batcher.pad_id)
     return functools.partial(_collate, batcher, spec)
+
+
+def _collate_processed(pad_id: int, outputs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    chosen = [{k: v for k, v in out.items() if not k.startswith(REJECTED)} for out in outputs]
+    rejected = [{k[len(REJECTED) :]: v for k, v in out.items() if k.startswith(REJECTED)}
+                for out in outputs]  # fmt: skip
+    return collate_processed(chosen + rejected, pad_id)
 
 
 def _collate(

@@ -39,6 +39,7 @@ from PIL import Image
 from mmtrain.config import DataConfig
 from mmtrain.data.stream.chat_templates import IGNORE_INDEX
 from mmtrain.data.stream.conversation_batches import SkippedSample, read_conversation
+from mmtrain.data.stream.conversations import Conversation
 from mmtrain.data.stream.hf_processor import load_processor
 from mmtrain.data.stream.media import MediaError
 from mmtrain.model_sources import resolve_folder
@@ -95,6 +96,18 @@ class ProcessorDecoder:
 
     def __call__(self, sample: dict[str, Any], rng: np.random.Generator) -> dict[str, torch.Tensor]:
         conversation, images, videos = read_conversation(sample)
+        if conversation.is_preference():
+            raise SkippedSample(
+                "preference_pair",
+                f"{conversation.key}: a preference pair (chosen / rejected): train.objective: "
+                "dpo trains on it",
+            )
+        return self.encode_parsed(conversation, images, videos)
+
+    def encode_parsed(
+        self, conversation: Conversation, images: list[bytes], videos: list[bytes]
+    ) -> dict[str, torch.Tensor]:
+        """`__call__` of a conversation already read from its sample."""
         key = conversation.key
         if videos:
             raise SkippedSample("video", f"{key}: videos are not yet read for hub models")

@@ -1,0 +1,137 @@
+"""DPO for a hub model (a transformers folder trained as its own class, models/hub/): pairs
+made by the folder's own processor, a LoRA run that learns its pairs, and a full fine-tune
+whose loss and gradients (every parameter) equal TRL's DPOTrainer's on the same rows. The model
+is a tiny Qwen3-VL built by transformers (tests/hub_folders.py)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from mmtrain.cli import main
+from mmtrain.config import DataConfig, DpoConfig
+from mmtrain.data.storage.manifest import write_manifest
+from mmtrain.data.storage.shard_writer import ShardWriter
+from mmtrain.data.storage.shards import ShardSet
+from mmtrain.data.stream.chat_templates import IGNORE_INDEX
+from mmtrain.data.stream.preference_batches import ProcessorPairDecoder, collate_pairs
+from mmtrain.data.stream.processor_batches import ProcessorBatcher
+from mmtrain.train.dpo import DpoObjective
+
+transformers = pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).parent))
+from hub_folders import image, load_processor, make_folder  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """The tiny Qwen3-VL folder and 8 one-image pairs (a colour named right or wrong)."""
+    root = tmp_path_factory.mktemp("dpo-hub")
+    folder = make_folder("qwen3_vl", root)
+    (root / "shards").mkdir()
+    with ShardWriter(root / "shards", max_samples=4) as writer:
+        for i in range(8):
+            record = {"id": str(i), "images": ["0.png"],
+                      "messages": [{"role": "user", "content": "<image>describe the image"}],
+                      "chosen": "a red cat" if i % 2 else "a green dog",
+                      "rejected": "a blue cat"}  # fmt: skip
+            buffer = io.BytesIO()
+            image(i).save(buffer, format="PNG")
+            writer.write({"__key__": f"{i:09d}", "json": json.dumps(record),
+                          "0.png": buffer.getvalue()})  # fmt: skip
+    write_manifest(root / "shards", writer.shards, modalities=["image", "text"])
+    return root, folder
+
+
+def test_a_lora_run_learns_its_pairs_and_writes_its_adapter(made):
+    root, folder = made
+    config = {"init": str(folder), "data": {"train": str(root / "shards"), "sequence_length": 128},
+              "train": {"steps": 4, "batch_size": 4, "lr": 2e-2, "warmup_steps": 0,
+                        "precision": "fp32", "objective": "dpo", "dpo": {"beta": 0.5},
+                        "towers": {"text": {"lora": {"rank": 4}}}},
+              "metrics": {"tensorboard": False}, "out": str(root / "run")}  # fmt: skip
+    (root / "run.yaml").write_text(yaml.safe_dump(config))
+    assert main(["train", str(root / "run.yaml")]) == 0
+    rows = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "loss" in row]
+    assert steps[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)
+    assert steps[-1]["rewards/accuracies"] == 1.0 and steps[-1]["rewards/margins"] > 1.0
+    assert (root / "run" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_a_full_fine_tune_equals_trls_dpo_trainer(made):
+    """The policy (the folder's weights moved at random) against a frozen copy of the folder:
+    mmtrain's loss and every parameter's gradient equal DPOTrainer's on the same rows, the
+    reference's log-probs given to TRL from its own (fused-head) forward of the copy. TRL's
+    log-probs are float32, mmtrain's float64 here: equal to 1e-6. (TRL 1.16 scores a separate
+    `ref_model` through another path, whose log-probs of this model differ from its own
+    logits' by up to 0.1%: hence the reference given as precomputed log-probs.)"""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from mmtrain.models.hub.model import HubModel, hub_spec_of
+    from mmtrain.models.hub.source import model_class
+
+    root, folder = made
+    spec = hub_spec_of(folder, str(folder))
+    batcher = ProcessorBatcher(DataConfig(train=str(root / "shards"), sequence_length=128), spec)
+    decode = ProcessorPairDecoder(batcher.decoder(spec))
+    shards = ShardSet.open(root / "shards")
+    pairs = [decode(shards.read(i), np.random.default_rng(0)) for i in range(2)]
+    batch = collate_pairs(spec, batcher)(pairs)
+    batch = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+
+    def load():
+        return model_class(folder).from_pretrained(folder, dtype=torch.float64).eval()
+
+    reference, policy = load(), load()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.add_(0.02 * torch.randn(param.shape, generator=g, dtype=param.dtype))
+    their_policy, their_reference = copy.deepcopy(policy), copy.deepcopy(reference)
+
+    ours = HubModel(spec, policy)
+    config = DpoConfig(beta=0.5, reference="copy")
+    objective = DpoObjective(ours, config, reference=HubModel(spec, reference))
+    objective.prepare(ours, [batch], None)
+    loss = objective.loss(ours(objective.inputs(batch, 0)), batch, 0)
+    loss.backward()
+
+    args = trl.DPOConfig(output_dir=str(root / "trl"), beta=config.beta, loss_type=["sigmoid"],
+                         report_to=[], use_cpu=True)  # fmt: skip
+    data = datasets.Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}])
+
+    def trainer(model):
+        return trl.DPOTrainer(model=model, args=args, train_dataset=data,
+                              processing_class=load_processor(folder))  # fmt: skip
+
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    completion = (batch["labels"] != IGNORE_INDEX).long()
+    labels = inputs["input_ids"].masked_fill(completion == 0, IGNORE_INDEX)
+    with torch.no_grad():  # TRL's own log-probs of the reference
+        scored = trainer(their_reference).model(**inputs, labels=labels, fused_lm_head=True,
+                                                use_cache=False)  # fmt: skip
+    ref_logps = scored.log_probs[:, -(labels.shape[1] - 1) :].sum(dim=1)
+    theirs_trainer = trainer(their_policy)
+    theirs_trainer.precompute_ref_logps = True
+    n = ref_logps.shape[0] // 2
+    theirs = theirs_trainer.compute_loss(theirs_trainer.model, {
+        **inputs, "completion_mask": completion, "ref_chosen_logps": ref_logps[:n],
+        "ref_rejected_logps": ref_logps[n:]})  # fmt: skip
+    theirs.backward()
+    assert abs(loss.item() - theirs.item()) <= 1e-6 * max(1.0, abs(loss.item()))
+    mine = {name[len("hf.") :]: p.grad for name, p in ours.named_parameters()}
+    their = dict(theirs_trainer.model.named_parameters())
+    largest = max(g.abs().max().item() for g in mine.values() if g is not None)
+    assert mine.keys() == their.keys()
+    for name, grad in mine.items():
+        torch.testing.assert_close(grad, their[name].grad.double(), rtol=1e-6,
+                                   atol=1e-6 * largest, msg=name)  # fmt: skip
