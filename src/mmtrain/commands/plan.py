@@ -3,6 +3,8 @@
 Modes: a single strategy (default), `--recommend` (search and rank strategies), `--inference`
 (serving memory, KV cache, MIG), `--measure` (run one CPU training step and print what autograd
 really saved beside the prediction), `--workloads default|FILE` (the practitioners' table).
+A language model's plan is of next-token training (`--objective sft`) or of preference pairs
+(`--objective dpo`: a sample is a pair of rows; plan/preference.py).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from mmtrain.plan.hub import (
 )
 from mmtrain.plan.model import Rows, from_spec, native_rows
 from mmtrain.plan.native_vision import describe, parse_visual
+from mmtrain.plan.preference import OBJECTIVES, check_preference
+from mmtrain.plan.preference import describe as preference_note
 from mmtrain.plan.recommend import DEFAULT_DEADLINE_H
 from mmtrain.plan.workloads import load_model, load_workloads, workload_names
 from mmtrain.spec import ModelSpec, load_spec
@@ -123,9 +127,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel stages")
     p.add_argument("--ac", default="none", choices=AC_MODES, help="activation checkpointing")
     p.add_argument("--attention", default="flash", choices=ATTENTION)
-    p.add_argument("--micro-batch", type=count, default=1)
-    p.add_argument("--global-batch", type=count, default=None)
-    p.add_argument("--samples", type=count, default=0, help="samples to train (time and cost)")
+    p.add_argument(
+        "--objective",
+        default="sft",
+        choices=OBJECTIVES,
+        help="what a language model trains on, as train.objective: sft (next-token, the "
+        "default) or dpo (preference pairs: two rows a pair, the whole logits, the reference's "
+        "forward; --lora / --qlora make the reference the model without its adapters, else a "
+        "frozen copy). Under dpo, --micro-batch, --global-batch and --samples count PAIRS",
+    )
+    p.add_argument(
+        "--micro-batch", type=count, default=1, help="samples per GPU per forward (dpo: pairs)"
+    )
+    p.add_argument(
+        "--global-batch", type=count, default=None, help="samples per optimizer step (dpo: pairs)"
+    )
+    p.add_argument(
+        "--samples", type=count, default=0, help="samples to train (time and cost; dpo: pairs)"
+    )
     p.add_argument(
         "--price-per-gpu-hour",
         type=float,
@@ -379,6 +398,7 @@ def _config(args: argparse.Namespace) -> PlanConfig:
         network=args.network,
         sequence_parallel=args.sequence_parallel,
         sequence_parallel_attention=args.sequence_parallel_attention,
+        objective=args.objective,
     )
 
 
@@ -502,8 +522,28 @@ def _tower_counts(args: argparse.Namespace) -> tuple[dict[str, int], dict[str, i
     return parsed[0], parsed[1]
 
 
+def _check_objective_mode(args: argparse.Namespace) -> None:
+    """`--objective dpo` plans one training run of a language model; the modes that plan
+    something else (or measure a next-token step) refuse it, naming their flag."""
+    if args.objective != "dpo":
+        return
+    refusals = (
+        ("--inference", args.inference, "serving has no training objective"),
+        ("--measure", args.measure, "it runs one next-token step; a DPO step's FLOPs are "
+         "held to the plan by tests/test_plan_dpo.py"),
+        ("--data", args.data, "it counts conversation shards' lengths, not pairs' yet; give "
+         "the rows with --context (and --images)"),
+        ("--workloads", args.workloads, "the workload table plans next-token rows"),
+        ("--own", args.own or args.projects, "it prices next-token runs"),
+    )  # fmt: skip
+    for flag, given, why in refusals:
+        if given:
+            raise FieldError(flag, f"not with --objective dpo: {why}; plan without {flag}")
+
+
 def run(args: argparse.Namespace) -> int:
     catalog = load_catalog(args.hardware)
+    _check_objective_mode(args)
     if args.own or args.projects:
         return _own(args, catalog)
     if args.workloads:
@@ -526,6 +566,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         visual = _visual_inputs(args)
         model = _model(args, visual)
+    check_preference(model, _config(replace_gpu(args, args.gpu or "h100")))
     if args.recommend:
         return _recommend(args, model, _config(replace_gpu(args, "h100")), catalog)
     args = replace_gpu(args, args.gpu or "h100")
@@ -800,8 +841,9 @@ def _print_plan(plan: Plan, measured: dict | None, visual: dict | None = None) -
 
     console = Console()
     m, c, mem, t = plan.model, plan.config, plan.memory, plan.time
+    per = "row" if c.objective == "dpo" else "sample"  # a dpo sample is a pair of rows
     console.print(
-        f"[bold]{m.name}[/]: {m.params() / 1e6:,.1f}M params ({m.trainable_params() / 1e6:,.1f}M trainable), {m.forward_flops() / 1e9:,.2f} forward GFLOPs/sample, tokens {m.tokens_per_sample()}"
+        f"[bold]{m.name}[/]: {m.params() / 1e6:,.1f}M params ({m.trainable_params() / 1e6:,.1f}M trainable), {m.forward_flops() / 1e9:,.2f} forward GFLOPs/{per}, tokens {m.tokens_per_sample()}"
     )
     if visual:
         inputs = ", ".join(f"{_input_label(i)} ({i['tokens']:,} tokens)" for i in visual["inputs"])
@@ -810,9 +852,14 @@ def _print_plan(plan: Plan, measured: dict | None, visual: dict | None = None) -
             f"({visual['patches_per_row']:,} patches) + {visual['text_ids_per_row']:,} text ids "
             f"= {visual['positions_per_row']:,} positions"
         )
+    dpo = c.objective == "dpo"
+    unit = "pairs" if dpo else "samples"
+    pairs = f" pairs ({2 * c.micro_batch} rows a micro-batch)" if dpo else ""
     console.print(
-        f"{c.gpus} x {plan.gpu.name} ({plan.gpu.memory_usable_gib} GiB usable of {plan.gpu.memory_nominal_gb:g} GB nominal); {c.precision}, {c.optimizer}, {_layout(c)}, TP {c.tp}{' + SP' if c.sp else ''}, PP {c.pp}{_sequence_label(c)}, AC {c.ac}, {c.attention} attention; micro-batch {c.micro_batch} x DP {c.dp} x accumulation {c.accumulation} = global {c.effective_global_batch}"
+        f"{c.gpus} x {plan.gpu.name} ({plan.gpu.memory_usable_gib} GiB usable of {plan.gpu.memory_nominal_gb:g} GB nominal); {c.precision}, {c.optimizer}, {_layout(c)}, TP {c.tp}{' + SP' if c.sp else ''}, PP {c.pp}{_sequence_label(c)}, AC {c.ac}, {c.attention} attention; micro-batch {c.micro_batch} x DP {c.dp} x accumulation {c.accumulation} = global {c.effective_global_batch}{pairs}"
     )
+    if dpo:
+        console.print(preference_note(m, c))
     if plan.not_run_by_train:
         console.print(
             "[yellow]what-if[/]: not run by mmtrain train: "
@@ -833,6 +880,10 @@ def _print_plan(plan: Plan, measured: dict | None, visual: dict | None = None) -
         rows.append((f"activations: {name}", value))
     if mem.loss_bytes:  # contrastive logits; a language model's loss is in its text stack
         rows.append(("activations: loss", mem.loss_bytes))
+    if dpo:  # in its decoder's row above
+        rows.append(("  of which dpo's logits (held, log-softmax)", mem.logits_bytes))
+    if mem.reference_bytes:
+        rows.append(("dpo reference (frozen copy)", mem.reference_bytes))
     if mem.dequantized_bytes:
         rows.append(("dequantized NF4 weight (QLoRA)", mem.dequantized_bytes))
     rows += [
@@ -867,7 +918,7 @@ def _print_plan(plan: Plan, measured: dict | None, visual: dict | None = None) -
         _print_host(console, plan)
     offload = f", host copies exposed {t.offload_exposed_s:.3g}" if c.offload else ""
     console.print(
-        f"step {t.step_time_s:.4g} s (compute {t.compute_s:.4g}, TP comm {t.tp_comm_s:.3g}, DP comm {t.dp_comm_s:.3g} of which exposed {t.dp_exposed_s:.3g}{_sp_exposed(c, t)}{offload}, bubble {t.bubble_s:.3g}); {t.samples_per_s:,.4g} samples/s; MFU {t.mfu:.1%}"
+        f"step {t.step_time_s:.4g} s (compute {t.compute_s:.4g}, TP comm {t.tp_comm_s:.3g}, DP comm {t.dp_comm_s:.3g} of which exposed {t.dp_exposed_s:.3g}{_sp_exposed(c, t)}{offload}, bubble {t.bubble_s:.3g}); {t.samples_per_s:,.4g} {unit}/s; MFU {t.mfu:.1%}"
     )
     if c.sequence_parallel > 1:
         console.print(
@@ -882,7 +933,7 @@ def _print_plan(plan: Plan, measured: dict | None, visual: dict | None = None) -
     )
     if c.samples:
         console.print(
-            f"{c.samples:,} samples: {t.time_to_train_s / 3600:,.2f} h, {_usd(t.cost)} at {_price(t)}; --price-per-gpu-hour overrides"
+            f"{c.samples:,} {unit}: {t.time_to_train_s / 3600:,.2f} h, {_usd(t.cost)} at {_price(t)}; --price-per-gpu-hour overrides"
         )
     if measured:
         console.print(
@@ -1130,6 +1181,9 @@ def _recommend(args, model, cfg, catalog) -> int:
         )
     console = Console(width=max(Console().width, 160))
     console.print(table)
+    if cfg.objective == "dpo":
+        console.print("dpo: a sample is a preference pair (two rows): samples/s, --samples and "
+                      "--global-batch count pairs")  # fmt: skip
     console.print(rec.policy)
     console.print(prices)
     console.print(rec.explanation)

@@ -64,8 +64,9 @@ that runs in bf16 itself (`bf16-weights`: DeepSpeed bf16, FSDP2 with bf16 parame
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from mmtrain.plan import preference as pref
 from mmtrain.plan.model import FusionHead, PlanModel, Stack
 
 FP32 = 4
@@ -86,6 +87,9 @@ class ActivationOptions:
     dense_packed_mask: bool = False  # packed rows attend through a dense mask (the CPU's path)
     sequence_parallel: int = 1  # ranks splitting the sequence of the split stacks
     sp_attention: str = "all_to_all"  # their attention layout (resolved: all_to_all | ring)
+    # What the LM head's rows keep: "sft" the chunked next-token loss, "dpo" the whole logits
+    # and their log-softmax (plan/preference.py)
+    objective: str = "sft"
 
 
 def activation_options(
@@ -97,12 +101,13 @@ def activation_options(
     dense_packed_mask: bool = False,
     sequence_parallel: int = 1,
     sp_attention: str = "all_to_all",
+    objective: str = "sft",
 ) -> ActivationOptions:
     """Byte sizes for a precision mode (fp8 keeps 16-bit activations: its casts are transient)."""
     act, residual = (4, 4) if precision == "fp32" else (2, 2 if precision in BF16_MODEL else 4)
     return ActivationOptions(
         act, residual, attention, ac, tp, sp, False, dense_packed_mask,
-        sequence_parallel, sp_attention,
+        sequence_parallel, sp_attention, objective,
     )  # fmt: skip
 
 
@@ -420,8 +425,11 @@ def stack_activations(
     if stack.traced is not None:  # a hub model's tower: priced from its trace (plan/hub.py)
         from mmtrain.plan.hub import traced_activations
 
-        chunk = loss_chunk_bytes(stack, micro_batch, o) if stack.vocab else 0.0
-        return traced_activations(stack, micro_batch, o, chunk)
+        working = head_working_bytes(stack, micro_batch, o)
+        traced = traced_activations(stack, micro_batch, o, working)
+        if stack.vocab and o.objective == "dpo":
+            return replace(traced, logits_bytes=pref.logits_bytes(stack, micro_batch, o))
+        return traced
     working = layer_bytes(stack, micro_batch, ActivationOptions(**{**o.__dict__, "ac": "none"}))
     frozen = stack.mode == "frozen"
     if frozen and not input_grad:
@@ -472,11 +480,33 @@ def stack_activations(
         # the boolean [b, 1, s, s] mask is an input of every checkpointed block (kept once);
         # a split stack's attention kernel holds it instead (train/sequence_parallel.py)
         stem += micro_batch * stack.tokens**2
-    logits = _loss_bytes(stack, micro_batch, o) if stack.vocab else 0.0
+    logits = head_kept_bytes(stack, micro_batch, o)
+    if stack.vocab and o.objective == "dpo":  # the head's input: the stem counts the loss's
+        stem += pref.head_input_change(stack, micro_batch, o)
     recompute = working if o.ac != "none" else 0
-    if stack.vocab:  # the loss's chunk is live before any block is recomputed: the larger
-        recompute = max(recompute, loss_chunk_bytes(stack, micro_batch, o))
+    # the loss's working set is live before any block is recomputed: the larger
+    recompute = max(recompute, head_working_bytes(stack, micro_batch, o))
     return StackActivations(layers, stem, logits, recompute)
+
+
+def head_kept_bytes(stack: Stack, micro_batch: float, o: ActivationOptions) -> float:
+    """What the objective keeps at an LM head's rows until the backward (0 without a head): the
+    next-token loss its int64 targets, DPO the whole logits (plan/preference.py)."""
+    if not stack.vocab:
+        return 0.0
+    if o.objective == "dpo":
+        return pref.logits_bytes(stack, micro_batch, o)
+    return _loss_bytes(stack, micro_batch, o)
+
+
+def head_working_bytes(stack: Stack, micro_batch: float, o: ActivationOptions) -> float:
+    """The transient working set at an LM head (0 without one): one chunk of the next-token
+    loss, or DPO's fp32 gradients of the whole logits."""
+    if not stack.vocab:
+        return 0.0
+    if o.objective == "dpo":
+        return pref.logits_working_bytes(stack, micro_batch, o)
+    return loss_chunk_bytes(stack, micro_batch, o)
 
 
 def fusion_bytes(model: PlanModel, micro_batch: int, o: ActivationOptions) -> float:

@@ -63,6 +63,10 @@ all-gathers and the gradient shards copied out; what compute does not hide is on
 critical path (`offload_exposed_s`); the optimizer's step on the host is not timed. A QLoRA
 stack computes as a LoRA one (its weights are dequantized per matmul: memory traffic, not FLOPs).
 
+DPO (`--objective dpo`, plan/preference.py): a sample is a pair, two rows through the policy's
+forward and backward, plus the reference's forward over both rows (model FLOPs: a frozen
+model's forward); the step time and MFU count pairs.
+
 Sequence parallelism over N ranks: each rank computes 1/N of the split stacks' FLOPs (their
 tokens, attention included: T/N queries against all T keys) and all of the rest (vision
 towers and projector, which every rank of the group runs whole); the data-parallel gradient
@@ -78,6 +82,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from mmtrain.hardware import CURRENCY, GPU, Catalog, Interconnect, default_catalog
+from mmtrain.plan import preference as pref
 from mmtrain.plan.comm import (
     Traffic,
     all_gather_s,
@@ -241,6 +246,20 @@ def flops_per_sample(model: PlanModel, ac: str, sequence_parallel: int = 1) -> t
     return model_flops, hardware
 
 
+def objective_flops(
+    model: PlanModel, ac: str, sequence_parallel: int = 1, objective: str = "sft"
+) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) per sample of the plan: `flops_per_sample` for SFT; for a
+    DPO pair (plan/preference.py) its two rows' and the reference's forward over both rows,
+    which is model work (a frozen model's forward, as a frozen tower's) and recomputes
+    nothing (it runs without gradients)."""
+    model_flops, hardware = flops_per_sample(model, ac, sequence_parallel)
+    if objective != "dpo":
+        return model_flops, hardware
+    rows, reference = pref.ROWS_PER_PAIR, pref.reference_forward_flops(model)
+    return rows * model_flops + reference, rows * hardware + reference
+
+
 def efficiency(model: PlanModel, gpu: GPU, cfg: PlanConfig) -> Efficiency:
     """The fraction of `gpu`'s dense peak the plan's hardware FLOPs run at: `--mfu`, else the
     published figure of the model's workload family moved to `gpu` by MAMF (module docstring)."""
@@ -300,13 +319,13 @@ class TimeEstimate:
 
 def micro_compute_s(model: PlanModel, cfg: PlanConfig, gpu: GPU) -> float:
     """One micro-batch's compute on one GPU: TP splits each layer, PP the layers, SP the tokens."""
-    hw_flops = flops_per_sample(model, cfg.ac, cfg.sequence_parallel)[1]  # one rank's share
+    hw_flops = objective_flops(model, cfg.ac, cfg.sequence_parallel, cfg.objective)[1]  # a rank's
     rate = gpu.peak_flops(cfg.precision) * efficiency(model, gpu, cfg).fraction
     return hw_flops * cfg.micro_batch / (rate * cfg.tp * cfg.pp)
 
 
 def training_time(model: PlanModel, cfg: PlanConfig, gpu: GPU, catalog: Catalog) -> TimeEstimate:
-    model_flops = flops_per_sample(model, cfg.ac)[0]
+    model_flops = objective_flops(model, cfg.ac, objective=cfg.objective)[0]
     eff = efficiency(model, gpu, cfg)
     fraction = eff.fraction
     rate = gpu.peak_flops(cfg.precision) * fraction
@@ -316,19 +335,22 @@ def training_time(model: PlanModel, cfg: PlanConfig, gpu: GPU, catalog: Catalog)
     tp_link = group_link(catalog, gpu, cfg.tp, gpn, cfg.network)
     act_bytes = 4 if cfg.precision == "fp32" else 2
     tp_comm = 0.0
+    dpo = cfg.objective == "dpo"
+    rows = cfg.micro_batch * pref.rows_per_sample(cfg.objective)
     if cfg.tp > 1:
         per_layer = 6 if cfg.ac == "full" else 4
         for s in model.stacks:
             tokens = s.tokens / (cfg.sequence_parallel if s.sequence_split else 1)
-            size = cfg.micro_batch * s.per_sample * tokens * s.width * act_bytes
+            size = rows * s.per_sample * tokens * s.width * act_bytes
             calls = per_layer if s.mode != "frozen" else 2
+            calls += 2 if dpo else 0  # the reference's forward
             tp_comm += s.layers / cfg.pp * calls * all_reduce_s(size, cfg.tp, tp_link)
     dp_link = group_link(catalog, gpu, cfg.gpus, gpn, cfg.network)
     b = state_bytes(cfg.precision, cfg.optimizer, cfg.bytes_per_param)
     shard_params = model.trainable_params() / (cfg.tp * cfg.pp)
     grads = shard_params * min(b.grads, 4)
     weights = shard_params * b.weights
-    backward = micro_compute * 2 / 3
+    backward = micro_compute * 2 / 3 * _policy_share(model, cfg)
     ranks = cfg.shard_ranks  # gradients are reduced (and ZeRO shards) over dp x sp
     if cfg.zero == 0:
         dp_comm = all_reduce_s(grads, ranks, dp_link)
@@ -340,7 +362,9 @@ def training_time(model: PlanModel, cfg: PlanConfig, gpu: GPU, catalog: Catalog)
         exposed = max(0.0, rs - OVERLAP * backward) + ag
     else:  # ZeRO-3: gather weights for forward and backward, reduce-scatter grads, per micro-batch
         frozen = frozen_gathered_bytes(model, cfg.precision, cfg.shard_ranks) / (cfg.tp * cfg.pp)
-        per_micro = 2 * all_gather_s(weights + frozen, ranks, dp_link) + reduce_scatter_s(
+        # DPO's reference without adapters is the sharded model's forward: one more gather
+        gathers = 3 if dpo and pref.reference_kind(model) == "adapters" else 2
+        per_micro = gathers * all_gather_s(weights + frozen, ranks, dp_link) + reduce_scatter_s(
             grads, ranks, dp_link
         )
         dp_comm = m * per_micro
@@ -390,6 +414,15 @@ def training_time(model: PlanModel, cfg: PlanConfig, gpu: GPU, catalog: Catalog)
         dp_link=dp_link.key,
         sp_link=sp_link.key if cfg.sequence_parallel > 1 else "",
     )
+
+
+def _policy_share(model: PlanModel, cfg: PlanConfig) -> float:
+    """The share of a micro-batch's compute that is the policy's forward and backward (1 but
+    for DPO, whose reference's forward comes before them): what the backward share scales."""
+    if cfg.objective != "dpo":
+        return 1.0
+    total = objective_flops(model, cfg.ac, cfg.sequence_parallel, cfg.objective)[1]
+    return 1 - pref.reference_forward_flops(model) / total
 
 
 def sequence_comm(

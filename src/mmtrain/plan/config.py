@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mmtrain.plan.preference import OBJECTIVES
 from mmtrain.structured import FieldError, check_choice
 
 PRECISIONS = ("fp32", "bf16", "bf16-weights", "bf16-pure", "fp16", "fp8")
@@ -45,6 +46,8 @@ class PlanConfig:
     offload: FSDP2's CPUOffloadPolicy (train.offload): ZeRO-3 whose shards of weights,
     gradients and optimizer states live in host memory, on any number of GPUs (one included:
     FSDP2 over a group of one); plan/offload.py.
+    objective: sft (a sample is a row) or dpo (a sample is a preference pair of two rows, and
+    micro_batch, global_batch and samples count pairs; plan/preference.py).
     """
 
     gpu: str = "h100"
@@ -70,6 +73,9 @@ class PlanConfig:
     sequence_parallel_attention: str = "auto"  # auto | all_to_all | ring
     offload: bool = False  # FSDP2 CPU offload (train.offload): needs zero 3
     host_memory_gib: float | None = None  # a server's host memory; default: the catalog's
+    # sft: next-token training of one row a sample; dpo: preference pairs, two rows a sample
+    # (micro_batch, global_batch and samples count pairs; plan/preference.py)
+    objective: str = "sft"
 
     @property
     def dp(self) -> int:
@@ -108,6 +114,7 @@ class PlanConfig:
         check_choice("--optimizer", self.optimizer, OPTIMIZERS)
         check_choice("--ac", self.ac, AC_MODES)
         check_choice("--attention", self.attention, ATTENTION)
+        check_choice("--objective", self.objective, OBJECTIVES)
         if self.bytes_per_param not in BYTES_CONVENTIONS:
             raise FieldError(
                 "--bytes-per-param", f"{self.bytes_per_param} is not one of 16, 18, 20"

@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from mmtrain.hardware import GPU, Catalog
+from mmtrain.plan import preference as pref
 from mmtrain.plan import quantized as q
-from mmtrain.plan.compute import TimeEstimate, flops_per_sample, micro_compute_s, training_time
+from mmtrain.plan.compute import TimeEstimate, micro_compute_s, objective_flops, training_time
 from mmtrain.plan.config import PlanConfig
 from mmtrain.plan.memory import MemoryEstimate, nf4_shards, training_memory
 from mmtrain.plan.model import PlanModel
@@ -49,7 +50,7 @@ class Plan:
 
     @property
     def not_run_by_train(self) -> list[str]:
-        return not_run_by_train(self.config)
+        return not_run_by_train(self.config) + pref.not_run_by_train(self.model, self.config)
 
     @property
     def fits(self) -> bool:
@@ -57,7 +58,8 @@ class Plan:
         return self.memory.fits and (self.host is None or self.host.fits is not False)
 
     def to_dict(self) -> dict:
-        model_flops, hardware_flops = flops_per_sample(self.model, self.config.ac)
+        c = self.config
+        model_flops, hardware_flops = objective_flops(self.model, c.ac, objective=c.objective)
         return {
             "model": {
                 "name": self.model.name,
@@ -76,8 +78,10 @@ class Plan:
                     }
                     for s in self.model.stacks
                 },
-                "notes": list(self.model.notes) + quantize_notes(self.model, self.config),
+                "notes": list(self.model.notes) + quantize_notes(self.model, self.config)
+                + ([pref.describe(self.model, c)] if pref.is_dpo(c) else []),
             },
+            "objective": objective_summary(self.model, c, self.memory),
             "gpu": {
                 "key": self.gpu.key,
                 "name": self.gpu.name,
@@ -97,6 +101,21 @@ class Plan:
             "runs_in_mmtrain_train": not self.not_run_by_train,
             "not_run_by_train": self.not_run_by_train,
         }
+
+
+def objective_summary(model: PlanModel, cfg: PlanConfig, memory: MemoryEstimate) -> dict:
+    """What a sample of the plan is and, for DPO, what it adds (plan/preference.py)."""
+    if not pref.is_dpo(cfg):
+        return {"name": cfg.objective, "sample": "row", "rows_per_sample": 1}
+    return {
+        "name": "dpo",
+        "sample": "pair",  # micro_batch, global_batch, samples and samples_per_s count pairs
+        "rows_per_sample": pref.ROWS_PER_PAIR,
+        "reference": pref.reference_kind(model),
+        "reference_bytes": int(memory.reference_bytes),
+        "reference_forward_flops_per_sample": pref.reference_forward_flops(model),
+        "logits_bytes": int(memory.logits_bytes),
+    }
 
 
 def quantize_notes(model: PlanModel, cfg: PlanConfig) -> list[str]:
@@ -120,6 +139,7 @@ def make_plan(model: PlanModel, cfg: PlanConfig, catalog: Catalog) -> Plan:
         cfg = replace(cfg, gpus_per_node=gpu.gpus_per_node)
     heads = [s.heads for s in model.stacks if s.mode != "frozen" or cfg.tp > 1]
     cfg.validate(heads, model.split_heads())
+    pref.check_preference(model, cfg)
     if cfg.sequence_parallel > 1:  # the plan names the layout `auto` resolves to
         cfg = replace(cfg, sequence_parallel_attention=cfg.sp_attention(model.split_heads()))
     gpu.peak_flops(cfg.precision)  # raises for a precision the GPU lacks

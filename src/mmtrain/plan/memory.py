@@ -18,6 +18,8 @@ CUDA context, allocator fragmentation. Overheads, stated:
   unit's shards, and the device copy of one unit's reduce-scattered gradient shard.
 - QLoRA (plan/quantized.py): NF4 weights as torchao lays them out, gathered as they are held,
   and the largest of them dequantized to the compute dtype for one matmul at a time.
+- DPO (`--objective dpo`, plan/preference.py): two rows a pair, the whole logits at the LM
+  head, and, for a full fine-tune, the reference's frozen copy in the compute dtype.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from mmtrain.plan.config import PlanConfig
 from mmtrain.plan.fsdp_units import Unit, fsdp_units, host_param_bytes, unit_gathered
 from mmtrain.plan.model import PlanModel
 from mmtrain.plan.offload import grad_host_bytes
+from mmtrain.plan.preference import reference_bytes, rows_per_sample
 from mmtrain.plan.states import compute_dtype_bytes, frozen_model_bytes, shard, state_bytes
 
 MIB = 1024**2
@@ -67,6 +70,8 @@ class MemoryEstimate:
     loss_bytes: float = 0.0
     dequantized_bytes: float = 0.0  # QLoRA: the largest NF4 weight in the compute dtype
     offload: bool = False  # model states in host memory (their GPU share is 0)
+    reference_bytes: float = 0.0  # DPO's frozen reference copy (plan/preference.py)
+    logits_bytes: float = 0.0  # of the activations: what the LM head's rows keep (DPO: logits)
 
     @property
     def model_state_bytes(self) -> float:
@@ -82,6 +87,7 @@ class MemoryEstimate:
             self.model_state_bytes
             + self.activations_bytes
             + self.dequantized_bytes
+            + self.reference_bytes
             + self.overhead_bytes
         )
 
@@ -103,6 +109,8 @@ class MemoryEstimate:
             "recompute_bytes": int(self.recompute_bytes),
             "loss_bytes": int(self.loss_bytes),
             "dequantized_bytes": int(self.dequantized_bytes),
+            "reference_bytes": int(self.reference_bytes),
+            "logits_bytes": int(self.logits_bytes),
             "offload": self.offload,
             "activations_by_tower": {k: int(v) for k, v in self.activations_by_stack.items()},
             "comm_buffers_bytes": int(self.comm_buffers_bytes),
@@ -225,29 +233,33 @@ class _Activations:
     by_stack: tuple[tuple[str, float], ...]
     saved: float  # without the loss, which also depends on the data-parallel size
     recompute: float
+    logits: float = 0.0  # of `saved`: what the LM heads' rows keep
 
 
 @lru_cache(maxsize=8192)
 def _activations(
     model: PlanModel, o: ActivationOptions, micro_batch: int, pp: int, accumulation: int
 ) -> _Activations:
-    by_stack, saved, recompute = [], 0.0, 0.0
+    by_stack, saved, recompute, logits = [], 0.0, 0.0, 0.0
     for stack, input_grad in zip(model.stacks, model.input_grads(), strict=True):
         a = stack_activations(stack, micro_batch, o, pp, accumulation, input_grad)
         by_stack.append((stack.name, a.saved))
         saved += a.saved
+        logits += a.logits_bytes
         recompute = max(recompute, a.recompute_bytes)  # one layer at a time is recomputed
     if model.fusion is not None:
         by_stack.append((FUSION_HEAD, fusion_bytes(model, micro_batch, o)))
         saved += by_stack[-1][1]
-    return _Activations(tuple(by_stack), saved, recompute)
+    return _Activations(tuple(by_stack), saved, recompute, logits)
 
 
 def training_memory(
     model: PlanModel, cfg: PlanConfig, gpu: GPU | None, usable_bytes: float | None = None
 ) -> MemoryEstimate:
     """Per-GPU training memory for `model` under strategy `cfg` on `gpu` (None: CPU, no CUDA
-    context, `usable_bytes` given by the caller)."""
+    context, `usable_bytes` given by the caller). Under `--objective dpo` a sample is a pair:
+    its activations are those of two rows, with DPO's logits, and a full fine-tune holds the
+    reference's frozen copy (plan/preference.py)."""
     weights, grads, optimizer, convention = model_states(model, cfg)
     # On the CPU packed rows attend through a dense mask (models/attention.py's fallback).
     o = activation_options(
@@ -259,8 +271,10 @@ def training_memory(
         dense_packed_mask=gpu is None,
         sequence_parallel=cfg.sequence_parallel,
         sp_attention=cfg.sp_attention(model.split_heads()),
+        objective=cfg.objective,
     )
-    acts = _activations(model, o, cfg.micro_batch, cfg.pp, cfg.accumulation if cfg.pp > 1 else 1)
+    rows = cfg.micro_batch * rows_per_sample(cfg.objective)
+    acts = _activations(model, o, rows, cfg.pp, cfg.accumulation if cfg.pp > 1 else 1)
     saved, recompute = acts.saved, acts.recompute
     loss = contrastive_bytes(model, cfg.micro_batch, cfg.dp) + fusion_loss_bytes(
         model, cfg.micro_batch
@@ -287,4 +301,6 @@ def training_memory(
         loss_bytes=loss,
         dequantized_bytes=dequantized,
         offload=cfg.offload,
+        reference_bytes=reference_bytes(model, cfg),
+        logits_bytes=acts.logits,
     )

@@ -94,6 +94,7 @@ class Stack:
     rotary: bool = False  # q and k are rotated copies (rotary positions)
     document_mask: bool = False  # packed rows: an fp32 [b, 1, s, s] additive mask per layer
     logit_rows: int = 0  # rows of logits per sample (0: tokens); the loss scores rows - 1
+    tied_head: bool = False  # the LM head is the token embedding (frozen with the stem)
     # Diffusion transformers (dit.py): adaLN-Zero conditioning per block (see activations.py).
     adaln: bool = False
     # An MMDiT (mmdit.py): two streams of weights per block (the image's, the text's), and the
@@ -177,6 +178,11 @@ class Stack:
         if self.mode != "train":
             return self.fp32_params
         return self.stem_fp32_params if self.frozen_blocks is not None else 0
+
+    def head_trained(self) -> bool:
+        """Whether an LM head's weight gets a gradient: the stack trains, and partial freezing
+        did not freeze it with the stem (a tied head is the token embedding)."""
+        return self.mode == "train" and not (self.frozen_blocks is not None and self.tied_head)
 
     def trained_layer_share(self) -> float:
         """Share of the blocks that train (partial freezing leaves the first ones out)."""
@@ -577,6 +583,7 @@ def decoder_stack(spec: ModelSpec, rows: Rows, name: str = "text") -> Stack:
         rotary=True,
         document_mask=rows.packed,
         logit_rows=text,
+        tied_head=d.tie_embeddings,
         source=f"decoder of {spec.name}",
     )
 

@@ -39,6 +39,7 @@ from mmtrain.plan.activations import BF16_MODEL
 from mmtrain.plan.config import PlanConfig
 from mmtrain.plan.fsdp_units import Unit, fsdp_units, host_param_bytes, trained_param_bytes
 from mmtrain.plan.model import PlanModel
+from mmtrain.plan.preference import reference_kind
 from mmtrain.plan.states import state_bytes
 from mmtrain.structured import FieldError
 
@@ -181,7 +182,11 @@ def host_estimate(
     grads = trained * grad_host_bytes(cfg.precision)
     optimizer = trained * optimizer_host_bytes(cfg.precision, cfg.optimizer, cfg.bytes_per_param)
     pinned = sum(u.count * _pinned(u, cfg.precision, shards) for u in units)
-    h2d_micro = sum(u.count * u.gathers * host_param_bytes(u, cfg.precision) for u in units)
+    # DPO's reference without adapters is one more forward of the offloaded model
+    extra = 1 if cfg.objective == "dpo" and reference_kind(model) == "adapters" else 0
+    h2d_micro = sum(
+        u.count * (u.gathers + extra) * host_param_bytes(u, cfg.precision) for u in units
+    )
     h2d_micro /= shards
     d2h_micro = grads
     rate = link.bytes_per_s()

@@ -31,7 +31,9 @@ collectives, plus host copies and a host optimizer step); sequence parallel N at
 the same way and there is no pipeline (`_halves_alike`).
 Sequence parallelism (1, 2, 4, 8 ranks within a node) is tried only for models with a stack it
 splits (a decoder, a denoiser), so every other model's search is unchanged: it is what lets rows
-too long for one GPU's activations fit.
+too long for one GPU's activations fit. A DPO plan (`--objective dpo`) searches neither
+sequence parallelism nor, for a full fine-tune (a frozen reference copy), FSDP over several
+ranks or CPU offload: the trainer runs neither with dpo (plan/preference.py).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from mmtrain.hardware import GPU, Catalog
+from mmtrain.plan import preference as pref
 from mmtrain.plan.config import PlanConfig
 from mmtrain.plan.estimate import Plan, make_plan
 from mmtrain.plan.memory import CUDA_CONTEXT_BYTES, model_states, training_memory
@@ -142,7 +145,10 @@ def _search(
             for zero, offload in layouts(count):
                 cfg = replace(base, gpus=count, tp=1, zero=zero, offload=offload, micro_batch=1,
                               sequence_parallel=sp)  # fmt: skip
-                states = sum(model_states(model, cfg)[:3]) + CUDA_CONTEXT_BYTES
+                if pref.not_run_by_train(model, cfg):
+                    continue  # DPO's frozen copy under FSDP: the trainer refuses it
+                states = sum(model_states(model, cfg)[:3]) + pref.reference_bytes(model, cfg)
+                states += CUDA_CONTEXT_BYTES
                 if states > biggest:
                     continue
                 lighter: dict[str, int] = {}  # gpu -> micro-batch a lighter AC mode reached
@@ -193,7 +199,7 @@ def _sequence_sizes(model: PlanModel, base: PlanConfig, count: int) -> list[int]
     `--sequence-parallel-attention all_to_all`, only where SP divides every split stack's
     heads."""
     split = model.split_heads()
-    sizes = SP_SIZES if split else (1,)
+    sizes = SP_SIZES if split and not pref.is_dpo(base) else (1,)  # dpo: rows are not split
     if base.sequence_parallel_attention == "all_to_all":
         sizes = tuple(n for n in sizes if all(h % n == 0 for h in split))
     return [n for n in sizes if n <= count and count % n == 0]
