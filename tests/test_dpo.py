@@ -131,7 +131,7 @@ def test_a_pair_is_two_rows_scored_on_their_answers_chosen_first(made):
 
 
 # ----------------------------------------------------------------------------- parity
-def _trl_trainer(root: Path, linears, adapters, loss: str, beta: float):
+def _trl_trainer(root: Path, linears, adapters, loss: str, beta: float, sft_weight: float):
     """TRL's DPOTrainer over the tiny Qwen2 in float64 with a new LoRA adapter (so its
     reference is the base model, as mmtrain's) holding mmtrain's adapter weights."""
     datasets = pytest.importorskip("datasets")
@@ -141,8 +141,11 @@ def _trl_trainer(root: Path, linears, adapters, loss: str, beta: float):
     modules = [module for linear in linears for module, _ in linear.modules]
     rank = adapters[f"{linears[0].ours}.lora_a"].shape[0]
     config = peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=modules)
-    args = trl.DPOConfig(output_dir=str(root / "trl"), beta=beta, loss_type=[loss],
-                         report_to=[], use_cpu=True)  # fmt: skip
+    terms = {"loss_type": [loss], "loss_weights": [1.0]}
+    if sft_weight:  # RPO: TRL's "sft" term beside the pairs' loss
+        terms = {"loss_type": [loss, "sft"], "loss_weights": [1.0, sft_weight]}
+    args = trl.DPOConfig(output_dir=str(root / "trl"), beta=beta, report_to=[], use_cpu=True,
+                         **terms)  # fmt: skip
     data = datasets.Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}])
     tok = transformers.AutoTokenizer.from_pretrained(root / "hf")
     trainer = trl.DPOTrainer(model=base, args=args, train_dataset=data, processing_class=tok,
@@ -152,8 +155,8 @@ def _trl_trainer(root: Path, linears, adapters, loss: str, beta: float):
     return trainer
 
 
-@pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
-def test_the_loss_and_gradients_equal_trls_dpo_trainer(made, loss):
+@pytest.mark.parametrize(("loss", "sft_weight"), [("sigmoid", 0.0), ("ipo", 0.0), ("sigmoid", 0.7)])
+def test_the_loss_and_gradients_equal_trls_dpo_trainer(made, loss, sft_weight):
     """On the same rows and LoRA weights (B random, so the policy differs from the base
     reference), mmtrain's loss and its adapters' gradients equal DPOTrainer's. TRL computes
     the log-probs in float32 (its fused head) while mmtrain's run in float64 here: the bound
@@ -169,14 +172,14 @@ def test_the_loss_and_gradients_equal_trls_dpo_trainer(made, loss):
         for name, param in model.named_parameters():
             if name.endswith("lora_b"):
                 param.copy_(0.05 * torch.randn(param.shape, generator=g, dtype=param.dtype))
-    config = DpoConfig(beta=0.5, loss=loss)
+    config = DpoConfig(beta=0.5, loss=loss, sft_weight=sft_weight)
     objective = DpoObjective(model, config)
     objective.prepare(model, [batch], None)
     ours = objective.loss(model(objective.inputs(batch, 0)), batch, 0)
     ours.backward()
     adapters = lora_state_dict(model)
     linears = adapted_linears(spec, adapters)
-    trainer = _trl_trainer(root, linears, adapters, loss, config.beta)
+    trainer = _trl_trainer(root, linears, adapters, loss, config.beta, sft_weight)
     inputs = {"input_ids": batch["text"], "attention_mask": batch["attention_mask"].long(),
               "completion_mask": (batch["labels"] != IGNORE_INDEX).long()}  # fmt: skip
     trainer.model.train()

@@ -256,6 +256,10 @@ class DpoConfig:
     beta: float = 0.1
     loss: str = "sigmoid"
     label_smoothing: float = 0.0
+    # RPO (Pang et al. 2024; TRL's loss_type ["sigmoid", "sft"]): this weight times the
+    # next-token loss of the chosen answers, which holds their likelihood up where DPO alone
+    # lets it fall with the rejected answers' (likelihood displacement).
+    sft_weight: float = 0.0
     # The reference model: "adapters", the model with its LoRA adapters disabled (no second
     # copy); "copy", a frozen copy of the model the run starts from (a full fine-tune);
     # "auto": adapters when a tower has LoRA, else copy.
@@ -266,6 +270,8 @@ class DpoConfig:
             raise FieldError(f"{path}.beta", f"must be positive, got {self.beta}")
         check_choice(f"{path}.loss", self.loss, ("sigmoid", "ipo"))
         check_choice(f"{path}.reference", self.reference, ("auto", "adapters", "copy"))
+        if self.sft_weight < 0:
+            raise FieldError(f"{path}.sft_weight", f"must be 0 or more, got {self.sft_weight}")
         if not 0.0 <= self.label_smoothing < 0.5:
             raise FieldError(
                 f"{path}.label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}"

@@ -11,7 +11,9 @@ before it), in float32 at least. Against a reference model the pair's margin is
 and its loss -log sigmoid(beta m) (sigmoid; with label smoothing eps, (1 - eps) of it plus eps
 of -log sigmoid(-beta m): cDPO) or (m' - 1 / (2 beta))^2 (ipo, m' the margin of the log-ratios
 averaged over each side's answer tokens, as TRL's DPOTrainer computes it, which its authors
-confirmed is the paper's); train.dpo (config.DpoConfig).
+confirmed is the paper's); train.dpo (config.DpoConfig). With `sft_weight` w, w times the
+chosen answers' next-token loss is added (RPO): their summed negative log-probs over the
+step's chosen answer tokens (all micro-batches and ranks), TRL's "sft" term.
 
 The loss of the step is the mean over the step's pairs: every micro-batch on every rank adds
 its pairs' losses divided by the pairs of the whole step (counted in `prepare`, one all-reduce),
@@ -118,6 +120,9 @@ class DpoObjective:
         local = sum(b[LABELS_KEY].shape[0] // 2 for b in micro_batches)
         device = micro_batches[0][LABELS_KEY].device
         self.pairs = sum_tensor_over_ranks(torch.tensor(local, device=device))
+        chosen = sum(answer_tokens(b[LABELS_KEY])[: b[LABELS_KEY].shape[0] // 2].sum()
+                     for b in micro_batches)  # fmt: skip
+        self.chosen_tokens = sum_tensor_over_ranks(torch.as_tensor(chosen, device=device))
         self.reference = [self._reference(trained, b, precision) for b in micro_batches]
         self.total: torch.Tensor | None = None
         self.sums: dict[str, torch.Tensor] = {}
@@ -148,6 +153,10 @@ class DpoObjective:
         )
         n = losses.shape[0]
         share = losses.sum() / self.pairs.clamp(min=1)
+        if self.config.sft_weight:
+            nll = -policy[:n].sum() / self.chosen_tokens.clamp(min=1)
+            self._add("nll/chosen", nll.detach().double())  # the chosen answers' next-token loss
+            share = share + self.config.sft_weight * nll
         self._add("", share.detach().double())
         parts = {"rewards/chosen": chosen, "rewards/rejected": rejected,
                  "rewards/margins": chosen - rejected,

@@ -361,7 +361,7 @@ class Trainer:
             keys += self.data.last_keys
         flops = step_model_flops(
             step_spec, micro_batches, self.part_modes, batch_size=self.t.batch_size,
-            world=self.data_world,
+            world=self.data_world, reference_forward=self.t.objective == "dpo",
         )  # fmt: skip
         counts: dict[str, Any] = {"flops": flops}
         if step_spec.decoder is not None and self.data_world > 1:

@@ -140,12 +140,14 @@ def step_model_flops(
     batch_size: int,
     world: int,
     recompute: Sequence[str] = (),
+    reference_forward: bool = False,
 ) -> int:
     """Model FLOPs of one optimizer step over all ranks (what MFU divides by the peak).
     A language model counts the positions and images of this rank's micro-batches and scales
-    by the ranks; a denoiser counts `batch_size` (global) samples of the step's shape (shape
-    buckets: one per step, the same on every rank); other models `batch_size` samples of the
-    spec's inputs."""
+    by the ranks (`reference_forward`: DPO's reference adds one more forward of the same
+    rows, as the planner counts it); a denoiser counts `batch_size` (global) samples of the
+    step's shape (shape buckets: one per step, the same on every rank); other models
+    `batch_size` samples of the spec's inputs."""
     if step_spec.hub is not None:  # counted by the planner's trace, not per step yet
         return 0
     if step_spec.denoiser is not None and micro_batches:
@@ -160,7 +162,8 @@ def step_model_flops(
     for batch in micro_batches:
         for part, flops in language_model_forward_flops(step_spec, batch).items():
             forward[part] = forward.get(part, 0) + flops
-    return model_train_flops(step_spec, forward, modes, recompute) * world
+    reference = sum(forward.values()) if reference_forward else 0
+    return int(model_train_flops(step_spec, forward, modes, recompute) + reference) * world
 
 
 def detect_peak_flops(device: torch.device, precision: str) -> float | None:
