@@ -232,17 +232,26 @@ def run_vlm_dpo(args: argparse.Namespace) -> int:
     """`--vlm-dpo`: SFT then DPO of the document reader (`mmtrain.quickstart.vlm_dpo`)."""
     from mmtrain.quickstart.vlm_dpo import VlmDpoConfig, run_vlm_dpo
 
-    for name, value in (("--modalities", args.modalities), ("--clip", args.clip),
-                        ("--clip-steps", args.clip_steps), ("--limit", args.limit),
-                        ("--minutes", args.minutes)):  # fmt: skip
-        if value is not None:
-            raise UsageError(f"{name} does not go with --vlm-dpo")
-    given = {"out": args.out, "steps": args.steps, "batch_size": args.batch_size}
-    config = VlmDpoConfig(**{name: value for name, value in given.items() if value is not None})
+    return _standalone_demo(args, "--vlm-dpo", VlmDpoConfig, run_vlm_dpo, vlm_dpo_summary,
+                            ("out", "steps", "batch_size"))  # fmt: skip
+
+
+def _standalone_demo(
+    args: argparse.Namespace, flag: str, make_config, run_demo, summarise, settings: tuple
+) -> int:
+    """A demo that takes no CLIP and no emoji: the flags it does not read refused, its config
+    from the `settings` given, its run with progress lines, its summary."""
+    names = {"modalities": "--modalities", "clip": "--clip", "clip_steps": "--clip-steps",
+             "limit": "--limit", "minutes": "--minutes"}  # fmt: skip
+    for name, shown in names.items():
+        if name not in settings and getattr(args, name) is not None:
+            raise UsageError(f"{shown} does not go with {flag}")
+    given = {name: getattr(args, name) for name in settings}
+    config = make_config(**{name: value for name, value in given.items() if value is not None})
     config.validate()
     progress = _Progress()
-    result = run_vlm_dpo(config, on_phase=progress.phase, on_step=progress.step)
-    print(vlm_dpo_summary(result))
+    result = run_demo(config, on_phase=progress.phase, on_step=progress.step)
+    print(summarise(result))
     return 0
 
 
@@ -270,18 +279,8 @@ def run_video(args: argparse.Namespace) -> int:
     (`mmtrain.quickstart.video_diffusion`)."""
     from mmtrain.quickstart.video_diffusion import VideoDemoConfig, run_video_demo
 
-    for name, value in (("--modalities", args.modalities), ("--clip", args.clip),
-                        ("--clip-steps", args.clip_steps), ("--limit", args.limit)):  # fmt: skip
-        if value is not None:
-            raise UsageError(f"{name} does not go with --video")
-    given = {"out": args.out, "steps": args.steps, "minutes": args.minutes,
-             "batch_size": args.batch_size}  # fmt: skip
-    config = VideoDemoConfig(**{name: value for name, value in given.items() if value is not None})
-    config.validate()
-    progress = _Progress()
-    result = run_video_demo(config, on_phase=progress.phase, on_step=progress.step)
-    print(video_summary(result))
-    return 0
+    return _standalone_demo(args, "--video", VideoDemoConfig, run_video_demo, video_summary,
+                            ("out", "steps", "minutes", "batch_size"))  # fmt: skip
 
 
 def video_summary(result: Any) -> str:
