@@ -28,7 +28,9 @@ A hub model's text tower is priced from its next-token trace (plan/hub.py): what
 counted outside its blocks (the head's input and the targets among it) stays as traced, and the
 logits term comes on top of it (its head's input is not adjusted as a native head's is).
 
-What the trainer does not run with dpo is refused (packed rows, sequence parallelism) or, for
+What is not planned for dpo yet is refused (packed rows: the trainer packs a native model's
+pairs, but the planner lays them out padded; sequence parallelism, which the trainer refuses
+with dpo) or, for
 a plan that is a what-if anyway, named (`not_run_by_train`): a frozen copy under FSDP over
 several ranks or with CPU offload.
 """
@@ -65,8 +67,8 @@ def scored_stack(model: PlanModel) -> Stack | None:
 
 def check_preference(model: PlanModel, cfg: PlanConfig) -> None:
     """FieldError naming the flag for what DPO cannot plan: a model without a language model's
-    head, packed rows (a pair's rows must be found again by the loss: data.pack is refused
-    with dpo) and sequence parallelism (train.sequence_parallel is refused with dpo)."""
+    head, packed rows (not planned for pairs yet) and sequence parallelism
+    (train.sequence_parallel is refused with dpo)."""
     if not is_dpo(cfg):
         return
     stack = scored_stack(model)
@@ -80,8 +82,8 @@ def check_preference(model: PlanModel, cfg: PlanConfig) -> None:
     if stack.document_mask:
         raise FieldError(
             "--packed",
-            "dpo lays each pair out as two padded rows (the trainer refuses data.pack with "
-            "dpo); plan without --packed",
+            "the planner lays each pair out as two padded rows (packed pairs are not planned "
+            "yet); plan without --packed",
         )
     if cfg.sequence_parallel > 1:
         raise FieldError(

@@ -1,10 +1,11 @@
 """Direct preference optimisation (`train.objective: dpo`): a language model learns from pairs
 of answers to one prompt, the chosen one over the rejected one (Rafailov et al. 2023).
 
-Each micro-batch holds its pairs as rows, the chosen answers first and the rejected ones after
-them in the same order (data/stream/preference_batches.py), labels on each side's final answer
-only. A row's log-probability is the sum over its answer tokens of log p(token | everything
-before it), in float32 at least. Against a reference model the pair's margin is
+Each micro-batch holds its pairs' sides as samples, the chosen answers first and the rejected
+ones after them in the same order (data/stream/preference_batches.py), labels on each side's
+final answer only: one sample a row, or packed several to a row (`document_ids`: each
+position's sample), with `pairs` their count. A side's log-probability is the sum over its
+answer tokens of log p(token | everything before it), in float32 at least. Against a reference model the pair's margin is
 
     m = (log pi(chosen) - log ref(chosen)) - (log pi(rejected) - log ref(rejected))
 
@@ -48,24 +49,49 @@ from mmtrain.structured import FieldError
 from mmtrain.train.lora import adapters_disabled, lora_modules
 
 LABELS_KEY = "labels"
+PAIRS_KEY = "pairs"  # the micro-batch's pairs (a packed batch's rows do not say)
+DOCUMENTS_KEY = "document_ids"
 Batch = Mapping[str, torch.Tensor]
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
            "logps/chosen", "logps/rejected")  # fmt: skip
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[R]: per row, the sum of log p(labels[t + 1] | logits[t]) over its targets (labels
-    aligned with the ids, -100 where nothing is scored), the log-softmax in float32 at least."""
+def sequence_logps(
+    logits: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor | None = None,
+    samples: int | None = None,
+) -> torch.Tensor:
+    """Per sample, the sum of log p(labels[t + 1] | logits[t]) over its targets (labels aligned
+    with the ids, -100 where nothing is scored), the log-softmax in float32 at least: [R], a
+    sample a row, or [`samples`] of packed rows (`documents`: each position's sample)."""
     targets = labels[:, 1:]
     scores = at_least_fp32(logits[:, :-1]).log_softmax(dim=-1)
     scored = targets != IGNORE_INDEX
     picked = scores.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (picked * scored).sum(dim=1)
+    return per_sample(picked * scored, documents, samples)
 
 
-def answer_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """[R]: the tokens each row's log-prob sums over."""
-    return (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
+def per_sample(
+    values: torch.Tensor, documents: torch.Tensor | None, samples: int | None
+) -> torch.Tensor:
+    """`values` [R, T - 1] (one per target position) summed per sample: per row, or by the
+    sample of each target (`documents[:, 1:]`) into [samples]."""
+    if documents is None:
+        return values.sum(dim=1)
+    owner = documents[:, 1:].clamp(min=0).reshape(-1)  # padding scores nothing: any owner
+    out = torch.zeros(samples, dtype=values.dtype, device=values.device)
+    return out.index_add(0, owner, values.reshape(-1))
+
+
+def answer_tokens(
+    labels: torch.Tensor, documents: torch.Tensor | None = None, samples: int | None = None
+) -> torch.Tensor:
+    """The tokens each sample's log-prob sums over (per row, or per sample of packed rows)."""
+    return per_sample((labels[:, 1:] != IGNORE_INDEX).long(), documents, samples)
+
+
+def batch_pairs(batch: Batch) -> int:
+    """The pairs of a micro-batch: its `pairs` (a host int), or half its rows."""
+    return int(batch[PAIRS_KEY]) if PAIRS_KEY in batch else batch[LABELS_KEY].shape[0] // 2
 
 
 def pair_losses(
@@ -117,11 +143,10 @@ class DpoObjective:
     def prepare(
         self, trained: nn.Module, micro_batches: Sequence[Batch], precision: Any, step: int = 0
     ) -> None:
-        local = sum(b[LABELS_KEY].shape[0] // 2 for b in micro_batches)
+        local = sum(batch_pairs(b) for b in micro_batches)
         device = micro_batches[0][LABELS_KEY].device
         self.pairs = sum_tensor_over_ranks(torch.tensor(local, device=device))
-        chosen = sum(answer_tokens(b[LABELS_KEY])[: b[LABELS_KEY].shape[0] // 2].sum()
-                     for b in micro_batches)  # fmt: skip
+        chosen = sum(self._tokens(b)[: batch_pairs(b)].sum() for b in micro_batches)
         self.chosen_tokens = sum_tensor_over_ranks(torch.as_tensor(chosen, device=device))
         self.reference = [self._reference(trained, b, precision) for b in micro_batches]
         self.total: torch.Tensor | None = None
@@ -136,20 +161,28 @@ class DpoObjective:
         else:
             with adapters_disabled(trained), autocast:
                 logits = trained(self.inputs(batch, 0))["logits"]
-        return sequence_logps(logits, batch[LABELS_KEY]).float()
+        return self._logps(logits, batch).float()
+
+    def _logps(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+        documents = batch.get(DOCUMENTS_KEY) if PAIRS_KEY in batch else None
+        return sequence_logps(logits, batch[LABELS_KEY], documents, 2 * batch_pairs(batch))
+
+    def _tokens(self, batch: Batch) -> torch.Tensor:
+        documents = batch.get(DOCUMENTS_KEY) if PAIRS_KEY in batch else None
+        return answer_tokens(batch[LABELS_KEY], documents, 2 * batch_pairs(batch))
 
     def inputs(self, batch: Batch, j: int) -> Batch:
-        """The model's input without the labels: it returns the logits the log-probs need."""
-        return {k: v for k, v in batch.items() if k != LABELS_KEY}
+        """The model's input without the labels (it returns the logits the log-probs need)
+        and the pair count."""
+        return {k: v for k, v in batch.items() if k not in (LABELS_KEY, PAIRS_KEY)}
 
     def reads(self, batch: Batch) -> set[str]:
         return {"logits"}
 
     def loss(self, out: Mapping[str, torch.Tensor], batch: Batch, j: int) -> torch.Tensor:
-        policy = sequence_logps(out["logits"], batch[LABELS_KEY])
-        labels = batch[LABELS_KEY]
+        policy = self._logps(out["logits"], batch)
         losses, chosen, rejected = pair_losses(
-            policy, self.reference[j], answer_tokens(labels), self.config
+            policy, self.reference[j], self._tokens(batch), self.config
         )
         n = losses.shape[0]
         share = losses.sum() / self.pairs.clamp(min=1)

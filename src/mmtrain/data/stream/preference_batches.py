@@ -8,12 +8,13 @@ prompt's earlier answers are context, not what the pair compares). The inputs (i
 are decoded once, for the chosen side, and shared by the rejected side: the same pixels, the
 same random crop.
 
-`collate_pairs` lays out n pairs as 2n padded rows, the chosen sides first and the rejected
-ones after them in the same order (what `DpoObjective` splits). A hub model's pairs
+`collate_pairs` lays out n pairs as 2n samples, the chosen sides first and the rejected ones
+after them in the same order (what `DpoObjective` splits): one to a row, or packed (`data.pack`:
+`document_ids` give each position's sample, `pairs` their count). A hub model's pairs
 (`ProcessorPairDecoder`) are the folder's processor's tensors of each side, made as its
 conversations are (data/stream/processor_batches.py; the processor is deterministic, so both
-sides hold the same pixels), collated by the processor path's own collate in the same order. Packing is not there yet for
-pairs (a pair's two rows must be found again by the loss), so `data.pack` is refused with dpo.
+sides hold the same pixels), collated by the processor path's own collate in the same order,
+one to a row (not packed yet: `data.pack` is refused).
 
 A side whose final answer does not fit `data.sequence_length` whole is refused (counted as
 too long), never scored on a cut answer; a plain conversation in a dpo run is skipped and
@@ -47,6 +48,7 @@ from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
 
 REJECTED = "rejected_"  # prefix of the rejected side's tensors in a decoded pair
+PAIRS = "pairs"  # the batch key of its pair count, an int (train/dpo.py's PAIRS_KEY)
 
 
 def final_answer_labels(labels: list[int]) -> list[int]:
@@ -143,9 +145,10 @@ def collate_pairs(
     spec: ModelSpec, batcher: ConversationBatcher | ProcessorBatcher
 ) -> functools.partial:
     """The streaming loader's collate of a dpo run: decoded pairs -> 2n rows, chosen first."""
-    if batcher.pack:
-        raise FieldError("data.pack", "is not there yet for dpo's pairs; set it to false")
     if isinstance(batcher, ProcessorBatcher):
+        if batcher.pack:
+            raise FieldError("data.pack", "is not there yet for a hub model's pairs; set it "
+                             "to false")  # fmt: skip
         return functools.partial(_collate_processed, batcher.pad_id)
     return functools.partial(_collate, batcher, spec)
 
@@ -162,4 +165,6 @@ def _collate(
 ) -> dict[str, torch.Tensor]:
     # Module level, so the partial pickles into the loader's worker processes.
     pairs = [pair_samples(out) for out in outputs]
-    return batcher.batch([c for c, _ in pairs] + [r for _, r in pairs], spec)
+    batch = batcher.batch([c for c, _ in pairs] + [r for _, r in pairs], spec)
+    batch[PAIRS] = len(pairs)  # a host int: the loss reads it without a device sync
+    return batch
