@@ -354,3 +354,15 @@ def test_packed_pairs_train_what_padded_pairs_train(made):
         runs[pack] = [row["loss"] for row in train(config).history]
     torch.testing.assert_close(torch.tensor(runs[True]), torch.tensor(runs[False]), rtol=1e-9,
                                atol=0)  # fmt: skip
+
+
+def test_activation_checkpointing_trains_the_same_adapters(made):
+    """The reference's forward runs without gradients through the checkpointed blocks too."""
+    from safetensors.torch import load_file
+
+    root, _ = made
+    towers = {"text": {"lora": {"rank": 4}, "activation_checkpointing": True}}
+    assert main(["train", str(run_config(root, "plain", steps=3))]) == 0
+    assert main(["train", str(run_config(root, "ac", steps=3, towers=towers))]) == 0
+    a, b = (load_file(root / name / "lora.safetensors") for name in ("plain", "ac"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
