@@ -280,8 +280,7 @@ def test_a_full_fine_tune_takes_a_frozen_copy_as_its_reference(made):
 @pytest.mark.parametrize(
     ("train", "field", "words"),
     [({"towers": {}, "dpo": {"reference": "adapters"}}, "train.dpo.reference", "no LoRA"),
-     ({"objective": None}, None, "preference_pair"),
-     ({"parallel": "fsdp", "offload": True, "towers": {}}, "train.dpo.reference", "FSDP")],
+     ({"objective": None}, None, "preference_pair")],
 )  # fmt: skip
 def test_what_this_version_lacks_exits_2_by_name(made, capsys, train, field, words):
     root, _ = made
@@ -316,7 +315,8 @@ def _dpo_on_ranks(rank: int, world: int, path: str) -> list[float]:
 
 
 @pytest.mark.slow
-def test_fsdp_on_two_ranks_trains_what_one_process_trains(made):
+@pytest.mark.parametrize("towers", [None, {}], ids=["lora", "full-with-a-frozen-copy"])
+def test_fsdp_on_two_ranks_trains_what_one_process_trains(made, towers):
     """A pair's loss is normalised by the step's pairs on all ranks, and the reference is each
     rank's own (adapters disabled under FSDP2): 2 gloo ranks train what one process trains on
     the same global batch (float64, AdamW's eps 1 so an update is Lipschitz in its gradient:
@@ -329,13 +329,17 @@ def test_fsdp_on_two_ranks_trains_what_one_process_trains(made):
 
     root, _ = made
     settings = dict(steps=3, batch_size=8, micro_batch=2, precision="fp64", eps=1.0, lr=1e-2)
-    one = train(load_config(run_config(root, "one", **settings)))
-    path = str(run_config(root, "fsdp", parallel="fsdp", **settings))
+    if towers is not None:
+        settings["towers"] = towers
+    name = "lora" if towers is None else "full"
+    one = train(load_config(run_config(root, f"one-{name}", **settings)))
+    path = str(run_config(root, f"fsdp-{name}", parallel="fsdp", **settings))
     first, second = run_distributed(_dpo_on_ranks, world_size=2, args=(path,), timeout_s=300)
     assert first == second
     want = [row["loss"] for row in one.history]
     torch.testing.assert_close(torch.tensor(first), torch.tensor(want), rtol=1e-9, atol=0)
-    a, b = (load_file(root / name / "lora.safetensors") for name in ("one", "fsdp"))
+    weights = "lora.safetensors" if towers is None else "model.safetensors"
+    a, b = (load_file(root / f"{run}-{name}" / weights) for run in ("one", "fsdp"))
     for key, value in a.items():
         torch.testing.assert_close(b[key], value, rtol=1e-9, atol=1e-12, msg=key)
 

@@ -50,7 +50,7 @@ class Plan:
 
     @property
     def not_run_by_train(self) -> list[str]:
-        return not_run_by_train(self.config) + pref.not_run_by_train(self.model, self.config)
+        return not_run_by_train(self.config)
 
     @property
     def fits(self) -> bool:

@@ -31,8 +31,8 @@ logits term comes on top of it (its head's input is not adjusted as a native hea
 What is not planned for dpo yet is refused (packed rows: the trainer packs a native model's
 pairs, but the planner lays them out padded; sequence parallelism, which the trainer refuses
 with dpo) or, for
-a plan that is a what-if anyway, named (`not_run_by_train`): a frozen copy under FSDP over
-several ranks or with CPU offload.
+a plan that is a what-if anyway, named. A frozen copy under FSDP is sharded as the policy is
+(`reference_bytes`).
 """
 
 from __future__ import annotations
@@ -106,12 +106,17 @@ def reference_weight_bytes(precision: str) -> int:
 
 
 def reference_bytes(model: PlanModel, cfg: PlanConfig) -> float:
-    """The frozen copy's weights on one GPU (0 with adapters, or for SFT): the whole model on
-    every rank (no ZeRO sharding: the trainer builds it outside FSDP), divided by TP x PP for a
-    what-if that splits the layers."""
+    """The frozen copy's weights on one GPU (0 with adapters, or for SFT): the whole model, or
+    under ZeRO-3 (FSDP2, train/model_setup.py `build_reference`: sharded as the policy is) its
+    shard (in host memory with offload: 0 here), divided by TP x PP for a what-if that splits
+    the layers. The block a sharded copy gathers for its forward is transient, gone before the
+    policy's activations peak."""
     if not is_dpo(cfg) or reference_kind(model) != "copy":
         return 0.0
-    return model.params() * reference_weight_bytes(cfg.precision) / (cfg.tp * cfg.pp)
+    whole = model.params() * reference_weight_bytes(cfg.precision) / (cfg.tp * cfg.pp)
+    if cfg.zero == 3:
+        return 0.0 if cfg.offload else whole / cfg.shard_ranks
+    return whole
 
 
 def reference_forward_flops(model: PlanModel) -> float:
@@ -153,16 +158,6 @@ def logits_working_bytes(stack: Stack, rows: float, o: ActivationOptions) -> flo
     output and of its input, live together (in the forward, a 16-bit run's fp32 copy of the
     logits is one such tensor: less)."""
     return 2 * rows * (logit_rows(stack) - 1) * stack.vocab * FP32 / o.tp
-
-
-def not_run_by_train(model: PlanModel, cfg: PlanConfig) -> list[str]:
-    """What of a DPO plan the trainer does not run: a frozen copy as the reference under FSDP
-    over several ranks, or with CPU offload (train/model_setup.py refuses it)."""
-    if not is_dpo(cfg) or reference_kind(model) != "copy":
-        return []
-    if cfg.zero == 3 and (cfg.shard_ranks > 1 or cfg.offload):
-        return ["dpo's frozen reference copy under FSDP (use --lora: reference adapters)"]
-    return []
 
 
 def describe(model: PlanModel, cfg: PlanConfig) -> str:

@@ -31,9 +31,8 @@ collectives, plus host copies and a host optimizer step); sequence parallel N at
 the same way and there is no pipeline (`_halves_alike`).
 Sequence parallelism (1, 2, 4, 8 ranks within a node) is tried only for models with a stack it
 splits (a decoder, a denoiser), so every other model's search is unchanged: it is what lets rows
-too long for one GPU's activations fit. A DPO plan (`--objective dpo`) searches neither
-sequence parallelism nor, for a full fine-tune (a frozen reference copy), FSDP over several
-ranks or CPU offload: the trainer runs neither with dpo (plan/preference.py).
+too long for one GPU's activations fit. A DPO plan (`--objective dpo`) searches no sequence
+parallelism: the trainer does not run it with dpo (plan/preference.py).
 """
 
 from __future__ import annotations
@@ -145,8 +144,6 @@ def _search(
             for zero, offload in layouts(count):
                 cfg = replace(base, gpus=count, tp=1, zero=zero, offload=offload, micro_batch=1,
                               sequence_parallel=sp)  # fmt: skip
-                if pref.not_run_by_train(model, cfg):
-                    continue  # DPO's frozen copy under FSDP: the trainer refuses it
                 states = sum(model_states(model, cfg)[:3]) + pref.reference_bytes(model, cfg)
                 states += CUDA_CONTEXT_BYTES
                 if states > biggest:

@@ -337,15 +337,16 @@ def build_reference(
 ) -> nn.Module:
     """DPO's frozen reference for a full fine-tune (train.dpo.reference copy): the model the
     run starts from (`init`, or the seed's random init: the same on a resume, whose `init`
-    hashes the resume check compares), without gradients, held in the compute dtype."""
-    if config.train.parallel == "fsdp" and (env.world_size > 1 or config.train.offload):
-        raise FieldError(
-            "train.dpo.reference",
-            "copy under FSDP (a whole frozen copy on every rank) is not there yet; use LoRA "
-            "(train.towers.text.lora) and reference adapters",
-        )
+    hashes the resume check compares), without gradients, held in the compute dtype. Under
+    FSDP it is sharded as the policy is (each rank keeps its shards, a block gathered at a
+    time in its forward); each rank reads the whole model into host memory first."""
+    t = config.train
     model = create_model(spec, seed=config.seed, dtype=frozen_dtype(precision))
     if config.init is not None:
         load_init(model, config.init, strict=config.init_strict)
     model.requires_grad_(False)
-    return model.eval().to(env.device)
+    model.eval()
+    if t.parallel == "fsdp" and (env.world_size > 1 or t.offload):
+        model.to(torch.device("cpu") if t.offload else env.device)
+        return parallel.apply_fsdp(model, t.precision, offload=t.offload)
+    return model.to(env.device)
