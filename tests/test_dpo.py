@@ -370,3 +370,24 @@ def test_activation_checkpointing_trains_the_same_adapters(made):
     assert main(["train", str(run_config(root, "ac", steps=3, towers=towers))]) == 0
     a, b = (load_file(root / name / "lora.safetensors") for name in ("plain", "ac"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_runs_planned_memory_is_a_dpo_plan(made):
+    """The plan record a run writes (what `mmtrain doctor` compares the measured peak with)
+    plans two rows a pair with the whole logits, and a full fine-tune's frozen copy (fp32
+    here: 4 bytes a parameter)."""
+    import dataclasses
+
+    from mmtrain.config import load_config
+    from mmtrain.train.metrics import planned_memory
+
+    root, spec = made
+    dpo = load_config(run_config(root, "planned", towers={}, precision="fp32"))
+    sft = dataclasses.replace(dpo, train=dataclasses.replace(dpo.train, objective=None))
+    plans = [planned_memory(spec, c, world_size=1, recompute=[], device=torch.device("cpu"))
+             for c in (dpo, sft)]  # fmt: skip
+    params = spec.params()
+    states = [p["predicted_model_state_bytes"] for p in plans]
+    assert states[0] - states[1] == pytest.approx(4 * params, abs=1)
+    acts = [p["predicted_activations_bytes"] for p in plans]
+    assert acts[0] > 2 * acts[1]  # twice the rows, plus the whole logits

@@ -322,6 +322,8 @@ def planned_memory(
     (`train.towers.NAME.activation_checkpointing`, planned as "full" for those towers).
     `allocated_bytes` (model states + activations + communication buffers) is what CUDA's
     `max_memory_allocated` measures; `total_bytes` adds the CUDA context and fragmentation.
+    A DPO run (train.objective dpo) is planned as `mmtrain plan --objective dpo` plans it: two
+    rows a pair with the whole logits, and a full fine-tune's frozen reference copy.
     """
     from mmtrain.plan.activations import activation_options, contrastive_bytes, stack_activations
     from mmtrain.plan.config import PlanConfig
@@ -334,6 +336,7 @@ def planned_memory(
         nf4_shards,
     )
     from mmtrain.plan.model import from_spec
+    from mmtrain.plan.preference import reference_bytes, rows_per_sample
 
     plan_model = _planned_model(from_spec(spec, _planned_rows(spec, config)), spec, config)
     sequence = config.train.sequence_parallel
@@ -350,13 +353,16 @@ def planned_memory(
         offload=offload,
         sequence_parallel=sequence,
         sequence_parallel_attention=config.train.sequence_parallel_attention,
+        objective=config.train.objective or "sft",
     )
     weights, grads, optimizer, convention = model_states(plan_model, cfg)
+    rows = micro * rows_per_sample(cfg.objective)  # a DPO pair is two rows
     # Packed rows attend through flex attention on CUDA, through a dense mask elsewhere
     # (models/attention.py): the planner counts the mask where it exists.
     options = activation_options(
         precision, "flash", "none", 1, False, dense_packed_mask=device.type != "cuda",
         sequence_parallel=sequence, sp_attention=cfg.sp_attention(plan_model.split_heads()),
+        objective=cfg.objective,
     )  # fmt: skip
     saved = recompute_bytes = 0.0
     by_tower = {}
@@ -364,7 +370,7 @@ def planned_memory(
     for stack, input_grad in zip(plan_model.stacks, plan_model.input_grads(), strict=True):
         mode = "full" if stack.name in recompute else "none"
         options_here = dataclasses.replace(options, ac=mode)
-        a = stack_activations(stack, micro, options_here, input_grad=input_grad)
+        a = stack_activations(stack, rows, options_here, input_grad=input_grad)
         by_tower[stack.name] = int(a.saved)
         saved += a.saved
         recompute_bytes = max(recompute_bytes, a.recompute_bytes)  # one block at a time
@@ -373,7 +379,7 @@ def planned_memory(
     # QLoRA: the NF4 weight dequantised for its matmul (0 without a quantised base)
     buffers += dequantized_working_set(plan_model, precision, 1, nf4_shards(cfg))
     activations = saved + recompute_bytes
-    model_state = weights + grads + optimizer
+    model_state = weights + grads + optimizer + reference_bytes(plan_model, cfg)
     allocated = model_state + activations + buffers
     on_gpu = device.type == "cuda"
     overhead = (CUDA_CONTEXT_BYTES + FRAGMENTATION * (activations + buffers)) if on_gpu else 0.0
