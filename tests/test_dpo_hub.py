@@ -86,7 +86,8 @@ def test_a_full_fine_tune_equals_trls_dpo_trainer(made):
     shards = ShardSet.open(root / "shards")
     pairs = [decode(shards.read(i), np.random.default_rng(0)) for i in range(2)]
     batch = collate_pairs(spec, batcher)(pairs)
-    batch = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+    batch = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
+             for k, v in batch.items()}  # fmt: skip
 
     def load():
         return model_class(folder).from_pretrained(folder, dtype=torch.float64).eval()
@@ -113,7 +114,7 @@ def test_a_full_fine_tune_equals_trls_dpo_trainer(made):
         return trl.DPOTrainer(model=model, args=args, train_dataset=data,
                               processing_class=load_processor(folder))  # fmt: skip
 
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "pairs")}
     completion = (batch["labels"] != IGNORE_INDEX).long()
     labels = inputs["input_ids"].masked_fill(completion == 0, IGNORE_INDEX)
     with torch.no_grad():  # TRL's own log-probs of the reference
@@ -135,3 +136,23 @@ def test_a_full_fine_tune_equals_trls_dpo_trainer(made):
     for name, grad in mine.items():
         torch.testing.assert_close(grad, their[name].grad.double(), rtol=1e-6,
                                    atol=1e-6 * largest, msg=name)  # fmt: skip
+
+
+def test_packed_pairs_train_what_padded_pairs_train(made):
+    """A hub model's packed rows (`data.pack`): each side's log-prob summed by its sample
+    (`sample_ids`); the run equals the padded one (float64: losses to 1e-9)."""
+    from mmtrain.config import config_from_dict
+    from mmtrain.train.loop import train
+
+    root, folder = made
+    losses = {}
+    for pack in (False, True):
+        config = {"init": str(folder),
+                  "data": {"train": str(root / "shards"), "sequence_length": 128, "pack": pack},
+                  "train": {"steps": 2, "batch_size": 4, "lr": 1e-2, "warmup_steps": 0,
+                            "precision": "fp64", "objective": "dpo",
+                            "towers": {"text": {"lora": {"rank": 4}}}},
+                  "metrics": {"tensorboard": False}, "out": str(root / f"pack-{pack}")}  # fmt: skip
+        losses[pack] = [row["loss"] for row in train(config_from_dict(config)).history]
+    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]),
+                               rtol=1e-9, atol=0)  # fmt: skip

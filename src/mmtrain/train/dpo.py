@@ -50,7 +50,9 @@ from mmtrain.train.lora import adapters_disabled, lora_modules
 
 LABELS_KEY = "labels"
 PAIRS_KEY = "pairs"  # the micro-batch's pairs (a packed batch's rows do not say)
-DOCUMENTS_KEY = "document_ids"
+DOCUMENTS_KEY = "document_ids"  # a native packed batch's positions' samples
+SAMPLES_KEY = "sample_ids"  # a hub model's (its document_ids number a row's samples)
+NOT_MODEL_INPUTS = (LABELS_KEY, PAIRS_KEY, SAMPLES_KEY)
 Batch = Mapping[str, torch.Tensor]
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
            "logps/chosen", "logps/rejected")  # fmt: skip
@@ -87,6 +89,13 @@ def answer_tokens(
 ) -> torch.Tensor:
     """The tokens each sample's log-prob sums over (per row, or per sample of packed rows)."""
     return per_sample((labels[:, 1:] != IGNORE_INDEX).long(), documents, samples)
+
+
+def _owners(batch: Batch) -> torch.Tensor | None:
+    """Each position's sample in a packed micro-batch; None when a row is one sample."""
+    if PAIRS_KEY not in batch:
+        return None
+    return batch.get(SAMPLES_KEY, batch.get(DOCUMENTS_KEY))
 
 
 def batch_pairs(batch: Batch) -> int:
@@ -164,17 +173,15 @@ class DpoObjective:
         return self._logps(logits, batch).float()
 
     def _logps(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-        documents = batch.get(DOCUMENTS_KEY) if PAIRS_KEY in batch else None
-        return sequence_logps(logits, batch[LABELS_KEY], documents, 2 * batch_pairs(batch))
+        return sequence_logps(logits, batch[LABELS_KEY], _owners(batch), 2 * batch_pairs(batch))
 
     def _tokens(self, batch: Batch) -> torch.Tensor:
-        documents = batch.get(DOCUMENTS_KEY) if PAIRS_KEY in batch else None
-        return answer_tokens(batch[LABELS_KEY], documents, 2 * batch_pairs(batch))
+        return answer_tokens(batch[LABELS_KEY], _owners(batch), 2 * batch_pairs(batch))
 
     def inputs(self, batch: Batch, j: int) -> Batch:
         """The model's input without the labels (it returns the logits the log-probs need)
         and the pair count."""
-        return {k: v for k, v in batch.items() if k not in (LABELS_KEY, PAIRS_KEY)}
+        return {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}
 
     def reads(self, batch: Batch) -> set[str]:
         return {"logits"}

@@ -14,7 +14,8 @@ after them in the same order (what `DpoObjective` splits): one to a row, or pack
 (`ProcessorPairDecoder`) are the folder's processor's tensors of each side, made as its
 conversations are (data/stream/processor_batches.py; the processor is deterministic, so both
 sides hold the same pixels), collated by the processor path's own collate in the same order,
-one to a row (not packed yet: `data.pack` is refused).
+padded or packed (the processor path's `document_ids` number a row's samples, so a packed
+batch also carries `sample_ids`: each position's sample in the micro-batch).
 
 A side whose final answer does not fit `data.sequence_length` whole is refused (counted as
 too long), never scored on a cut answer; a plain conversation in a dpo run is skipped and
@@ -42,13 +43,14 @@ from mmtrain.data.stream.conversations import Conversation
 from mmtrain.data.stream.processor_batches import (
     ProcessorBatcher,
     ProcessorDecoder,
+    collate_packed,
     collate_processed,
 )
 from mmtrain.spec import ModelSpec
-from mmtrain.structured import FieldError
 
 REJECTED = "rejected_"  # prefix of the rejected side's tensors in a decoded pair
 PAIRS = "pairs"  # the batch key of its pair count, an int (train/dpo.py's PAIRS_KEY)
+SAMPLE_IDS = "sample_ids"  # a hub model's packed positions' samples (train/dpo.py's)
 
 
 def final_answer_labels(labels: list[int]) -> list[int]:
@@ -146,18 +148,26 @@ def collate_pairs(
 ) -> functools.partial:
     """The streaming loader's collate of a dpo run: decoded pairs -> 2n rows, chosen first."""
     if isinstance(batcher, ProcessorBatcher):
-        if batcher.pack:
-            raise FieldError("data.pack", "is not there yet for a hub model's pairs; set it "
-                             "to false")  # fmt: skip
-        return functools.partial(_collate_processed, batcher.pad_id)
+        row_length = batcher.sequence_length if batcher.pack else None
+        return functools.partial(_collate_processed, batcher.pad_id, row_length)
     return functools.partial(_collate, batcher, spec)
 
 
-def _collate_processed(pad_id: int, outputs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+def _collate_processed(
+    pad_id: int, row_length: int | None, outputs: list[dict[str, Any]]
+) -> dict[str, Any]:
     chosen = [{k: v for k, v in out.items() if not k.startswith(REJECTED)} for out in outputs]
     rejected = [{k[len(REJECTED) :]: v for k, v in out.items() if k.startswith(REJECTED)}
                 for out in outputs]  # fmt: skip
-    return collate_processed(chosen + rejected, pad_id)
+    samples = chosen + rejected
+    if row_length is None:
+        batch: dict[str, Any] = collate_processed(samples, pad_id)
+    else:
+        for index, sample in enumerate(samples):  # padding's 0 owns no target
+            sample[SAMPLE_IDS] = torch.full_like(sample["input_ids"], index)
+        batch = collate_packed(samples, pad_id, row_length)
+    batch[PAIRS] = len(outputs)
+    return batch
 
 
 def _collate(
