@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -293,19 +292,11 @@ def _kept_bytes(model: torch.nn.Module, run) -> int:
     """What `run()` leaves held for the backward: the storages autograd saved that its graph
     still holds (parameters aside, as train/measure_step.py counts them) and the storages of
     the tensors `run` returns (the step's output it keeps until the backward is over)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, tuple[int, StorageWeakRef]] = {}
+    from mmtrain.train.measure_step import held_storages, saved_storages
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if ptr not in params and (ptr not in saved or saved[ptr][1].expired()):
-            saved[ptr] = (st.nbytes(), StorageWeakRef(st))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_storages(model) as saved:
         held = run()
-    kept = {ptr: n for ptr, (n, ref) in saved.items() if not ref.expired()}
+    kept = held_storages(saved)
     for t in held:
         kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(kept.values())

@@ -28,10 +28,13 @@ with --measure, so the planner itself stays torch-free.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from mmtrain.config import DiffusionConfig, LoraConfig, TowerTrainConfig, TrainConfig
@@ -250,6 +253,31 @@ def _storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
+@contextmanager
+def saved_storages(model: nn.Module) -> Iterator[dict[int, tuple[int, StorageWeakRef]]]:
+    """The storages autograd saves inside the block, parameters aside, by address: their bytes
+    and a weak reference, which tells whether the graph still holds one at the end (a node
+    whose output needs no gradient is dropped with what it saved, e.g. a checkpointed sub-block
+    without gradient, and its memory may be reused at that address)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, tuple[int, StorageWeakRef]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in params and (ptr not in saved or saved[ptr][1].expired()):
+            saved[ptr] = (st.nbytes(), StorageWeakRef(st))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved
+
+
+def held_storages(saved: dict[int, tuple[int, StorageWeakRef]]) -> dict[int, int]:
+    """The bytes of each storage of `saved_storages` the graph still holds, by address."""
+    return {ptr: n for ptr, (n, ref) in saved.items() if not ref.expired()}
+
+
 def measure_training_step(
     model_name: str | ModelSpec,
     plan: Plan,
@@ -318,20 +346,7 @@ def measure_training_step(
         objective.prepare(None, [batch], None, 0)
     else:
         batch = random_batch(spec, plan.config.micro_batch, generator)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    # By storage; a weak reference tells whether the graph still holds it at the end of the
-    # forward (a node whose output needs no gradient is dropped with what it saved, e.g. a
-    # checkpointed sub-block without gradient, and its memory may be reused at that address).
-    saved: dict[int, tuple[int, StorageWeakRef]] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if ptr not in params and (ptr not in saved or saved[ptr][1].expired()):
-            saved[ptr] = (st.nbytes(), StorageWeakRef(st))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_storages(model) as saved:
         if spec.is_generator():  # the objective's noisy input, timesteps and classes
             out = model(objective.inputs(batch, 0))
             loss = objective.loss(out, batch, 0)
@@ -341,7 +356,7 @@ def measure_training_step(
         else:
             out = model(batch)
             loss = _loss(spec, model, out, generator)
-    activations = sum(n for n, ref in saved.values() if not ref.expired())
+    activations = sum(held_storages(saved).values())
     # The prediction for this very step: planned for the CPU, where packed rows keep a dense
     # mask that flex attention on the plan's GPU does not (models/attention.py).
     cpu = training_memory(plan.model, plan.config, None)
