@@ -114,6 +114,20 @@ def pair_batch(root: Path, spec, n: int) -> dict:
     return collate_pairs(spec, batcher)(outs)
 
 
+def test_a_pairs_cost_for_data_balance_is_its_two_rows(made):
+    """data.balance deals a step's pairs by their forward FLOPs: both rows at their lengths."""
+    from mmtrain.train.sample_costs import sample_costs
+
+    root, spec = made
+    data = DataConfig(train=str(root / "shards"), tokenizer=str(root / "hf"),
+                      chat_template=str(root / "hf"), sequence_length=64)  # fmt: skip
+    costs = sample_costs([ShardSet.open(root / "shards")], spec, ConversationBatcher(data, spec),
+                         str(root / "hf"))  # fmt: skip
+    batch = pair_batch(root, spec, 1)
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    assert costs[0] == sum(spec.sequence_flops_by_part(lengths, 0).values()) > 0
+
+
 def test_a_pair_is_two_rows_scored_on_their_answers_chosen_first(made):
     root, spec = made
     batch = pair_batch(root, spec, 3)
@@ -128,6 +142,29 @@ def test_a_pair_is_two_rows_scored_on_their_answers_chosen_first(made):
         prompt = tok.decode(ids[: int((labels != IGNORE_INDEX).nonzero()[0])].tolist())
         assert f"Say {row % 3}." in prompt
     assert final_answer_labels([-100, 5, 6, -100, -100, 7, 8, -100]) == [-100] * 5 + [7, 8, -100]
+
+
+def test_log_probs_by_token_equal_those_of_the_whole_logits(made):
+    """mmtrain's own model scores each target's NLL, its head a chunk of positions at a time
+    (no whole logits); the per-side sums and their gradients equal those read from the whole
+    logits (float64: equal up to rounding), with chunks smaller than a row."""
+    from mmtrain.train.dpo import batch_logps, model_inputs
+
+    root, spec = made
+    batch = pair_batch(root, spec, 3)
+    model = create_model(spec, dtype=torch.float64)
+    load_init(model, str(root / "hf"))
+    model.loss_chunk_rows = 7
+    sums, grads = [], []
+    for by_token in (True, False):
+        model.zero_grad()
+        logps = batch_logps(model(model_inputs(batch, by_token)), batch)
+        (logps * torch.arange(1.0, 7.0, dtype=logps.dtype)).sum().backward()
+        sums.append(logps.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    torch.testing.assert_close(sums[0], sums[1], rtol=1e-12, atol=0)
+    for name, grad in grads[1].items():
+        torch.testing.assert_close(grads[0][name], grad, rtol=1e-9, atol=1e-12, msg=name)
 
 
 # ----------------------------------------------------------------------------- parity
@@ -206,10 +243,10 @@ def _lora():
 
 
 # ----------------------------------------------------------------------------- runs
-def run_config(root: Path, name: str, **train) -> Path:
+def run_config(root: Path, name: str, data: dict | None = None, **train) -> Path:
     config = {"model": str(root / "spec.json"), "init": str(root / "hf"),
               "data": {"train": str(root / "shards"), "tokenizer": str(root / "hf"),
-                       "chat_template": str(root / "hf"), "sequence_length": 64},
+                       "chat_template": str(root / "hf"), "sequence_length": 64, **(data or {})},
               "train": {"steps": 12, "batch_size": 8, "lr": 2e-2, "warmup_steps": 0,
                         "objective": "dpo", "dpo": {"beta": 0.5},
                         "towers": {"text": {"lora": {"rank": 4}}}, **train},
@@ -269,12 +306,119 @@ def test_doctor_names_a_collapsing_margin_and_rewards_that_both_fall(tmp_path):
 
 def test_a_full_fine_tune_takes_a_frozen_copy_as_its_reference(made):
     root, _ = made
-    config = run_config(root, "full", towers={}, steps=3, lr=1e-3)
+    config = run_config(root, "full", towers={}, steps=3, lr=1e-3, dpo={"reference": "copy"})
     assert main(["train", str(config)]) == 0
     rows = [json.loads(line) for line in (root / "full" / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "loss" in row]
     assert steps[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)  # the copy is the start
     assert steps[-1]["rewards/margins"] > 0  # and the policy moves away from it
+
+
+def _losses(result) -> list[float]:
+    return [row["loss"] for row in result.history]
+
+
+def test_a_full_fine_tunes_reference_is_scored_once_and_trains_as_the_copy_does(made):
+    """auto: the 8 pairs scored once before the first step and stored beside the run; 3
+    epochs of them train what the frozen copy's forward at every step trains (float64: the
+    stored values differ from the copy's by the rounding of other paddings, losses to
+    1e-9); a resume reads them back without scoring again."""
+    from mmtrain.config import load_config
+    from mmtrain.train.loop import train
+    from mmtrain.train.reference_cache import COMPLETE_FILE, FOLDER
+
+    root, _ = made
+    settings = dict(towers={}, steps=4, lr=1e-3, precision="fp64", batch_size=6)
+    runs = {}
+    for reference in ("copy", "auto"):
+        path = run_config(root, f"ref-{reference}", dpo={"reference": reference}, **settings)
+        runs[reference] = _losses(train(load_config(path)))
+    torch.testing.assert_close(torch.tensor(runs["auto"]), torch.tensor(runs["copy"]),
+                               rtol=1e-9, atol=0)  # fmt: skip
+    folder = root / "ref-auto" / FOLDER
+    assert json.loads((folder / COMPLETE_FILE).read_text())["pairs"] == len(PAIRS)
+    assert not (root / "ref-copy" / FOLDER).exists()
+
+    stopped = load_config(run_config(root, "ref-stopped", dpo={"reference": "cache"},
+                                     **settings), ["checkpoint.every_steps=2"])  # fmt: skip
+    train(stopped, halt_after_step=3)
+    parts = {p.name: p.stat().st_mtime_ns for p in (root / "ref-stopped" / FOLDER).iterdir()}
+    resumed = train(stopped)
+    assert resumed.resumed_from == 2 and _losses(resumed) == runs["auto"][2:]
+    assert {p.name: p.stat().st_mtime_ns for p in (root / "ref-stopped" / FOLDER).iterdir()} == parts
+    (root / "ref-stopped" / FOLDER / COMPLETE_FILE).unlink()  # lost: it cannot be scored again
+    code = main(["train", str(root / "ref-stopped.yaml"), "train.steps=5"])
+    assert code == 2
+
+
+def test_auto_picks_the_reference_the_run_can_trust(made):
+    """One stored score cannot follow a pair whose crop changes at each read (a LLaVA-style
+    model's train transform): auto takes a frozen copy there, and cache asked is refused.
+    The model without its adapters is the reference only where nothing else trains."""
+    from mmtrain.structured import FieldError
+    from mmtrain.train.dpo import reference_mode
+
+    _, spec = made
+    model = create_model(spec)
+    assert reference_mode(model, DpoConfig(), inputs_vary=False) == "cache"
+    assert reference_mode(model, DpoConfig(), inputs_vary=True) == "copy"
+    with pytest.raises(FieldError, match="cropped and flipped at random"):
+        reference_mode(model, DpoConfig(reference="cache"), inputs_vary=True)
+    apply_lora(model, {"text": _lora()}, seed=1)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.endswith(("lora_a", "lora_b")))
+    assert reference_mode(model, DpoConfig(), inputs_vary=True) == "adapters"
+    # Trained beside the adapters, a norm would stay trained in "the model without them".
+    next(p for n, p in model.named_parameters() if "norm" in n).requires_grad_(True)
+    assert reference_mode(model, DpoConfig(), inputs_vary=False) == "cache"
+    with pytest.raises(FieldError, match="besides the LoRA adapters"):
+        reference_mode(model, DpoConfig(reference="adapters"))
+
+
+def _pair_batches(count: int, per_batch: int = 2, fail_at: int | None = None):
+    for b in range(count):
+        if b == fail_at:
+            raise RuntimeError("the node went away")
+        index = list(range(b * per_batch, (b + 1) * per_batch))
+        yield {"__index__": index, "__key__": [str(i) for i in index]}
+
+
+def test_a_stopped_pass_goes_on_from_its_parts_and_another_runs_pass_starts_anew(tmp_path):
+    """A pass over 10 micro-batches of 2 pairs, a part every 2 micro-batches, stops while
+    reading the 8th: parts hold the first 6, so the next pass scores the 7th (scored, but its
+    part never written) to the 10th; a pass of another identity deletes those parts and
+    scores all 10."""
+    from mmtrain.train.reference_cache import ReferencePass
+
+    scored = []
+
+    def score(batch):  # chosen -i, rejected -i - 0.5 for pair sample i
+        scored.append(batch["__test__"])
+        chosen = -torch.tensor(batch["__test__"], dtype=torch.float64)
+        return torch.cat([chosen, chosen - 0.5])
+
+    def batches(fail_at=None):
+        for batch in _pair_batches(10, fail_at=fail_at):
+            batch["__test__"] = list(batch["__index__"])
+            yield batch
+
+    identity = {"model": "m.json", "sources": ["abc"]}
+    store = ReferencePass(tmp_path, identity, samples=20, rank=0, barrier=lambda: None,
+                          part_batches=2)  # fmt: skip
+    with pytest.raises(RuntimeError, match="went away"):
+        store.run(batches(fail_at=7), score)
+    assert len(scored) == 7 and not store.complete()
+    scored.clear()
+    values = store.run(batches(), score).values
+    assert [b[0] // 2 for b in scored] == [6, 7, 8, 9]
+    assert store.complete() and np.array_equal(values[:, 0], -np.arange(20.0))
+    assert np.array_equal(values[:, 1], -np.arange(20.0) - 0.5)
+    scored.clear()
+    other = ReferencePass(tmp_path, {**identity, "sources": ["changed"]}, samples=20, rank=0,
+                          barrier=lambda: None, part_batches=2)  # fmt: skip
+    assert not other.complete()
+    other.run(batches(), score)
+    assert len(scored) == 10
 
 
 @pytest.mark.parametrize(
@@ -315,12 +459,19 @@ def _dpo_on_ranks(rank: int, world: int, path: str) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("towers", [None, {}], ids=["lora", "full-with-a-frozen-copy"])
-def test_fsdp_on_two_ranks_trains_what_one_process_trains(made, towers):
+@pytest.mark.parametrize(
+    ("towers", "reference", "balance"),
+    [(None, "auto", False), ({}, "copy", False), ({}, "cache", False), (None, "auto", True)],
+    ids=["lora", "full-with-a-frozen-copy", "full-with-cached-log-probs", "lora-balanced"],
+)  # fmt: skip
+def test_fsdp_on_two_ranks_trains_what_one_process_trains(made, towers, reference, balance):
     """A pair's loss is normalised by the step's pairs on all ranks, and the reference is each
-    rank's own (adapters disabled under FSDP2): 2 gloo ranks train what one process trains on
-    the same global batch (float64, AdamW's eps 1 so an update is Lipschitz in its gradient:
-    test_hub_train_parallel.py; losses to 1e-9, adapters to float64 rounding of their updates)."""
+    rank's own (adapters disabled under FSDP2, a sharded copy, or the pairs each rank scored
+    before the first step, read by both); with data.balance the step's pairs are dealt to
+    the ranks by their cost (both sides' rows, the inputs once): 2 gloo ranks train what one
+    process trains on the same global batch (float64, AdamW's eps 1 so an update is Lipschitz
+    in its gradient: test_hub_train_parallel.py; losses to 1e-9, weights to float64 rounding
+    of their updates)."""
     from safetensors.torch import load_file
 
     from dist_helpers import run_distributed
@@ -328,12 +479,14 @@ def test_fsdp_on_two_ranks_trains_what_one_process_trains(made, towers):
     from mmtrain.train.loop import train
 
     root, _ = made
-    settings = dict(steps=3, batch_size=8, micro_batch=2, precision="fp64", eps=1.0, lr=1e-2)
+    settings = dict(steps=3, batch_size=8, micro_batch=2, precision="fp64", eps=1.0, lr=1e-2,
+                    dpo={"beta": 0.5, "reference": reference})  # fmt: skip
     if towers is not None:
         settings["towers"] = towers
-    name = "lora" if towers is None else "full"
-    one = train(load_config(run_config(root, f"one-{name}", **settings)))
-    path = str(run_config(root, f"fsdp-{name}", parallel="fsdp", **settings))
+    name = ("lora" if towers is None else f"full-{reference}") + ("-balanced" * balance)
+    data = {"balance": balance}
+    one = train(load_config(run_config(root, f"one-{name}", data, **settings)))
+    path = str(run_config(root, f"fsdp-{name}", data, parallel="fsdp", **settings))
     first, second = run_distributed(_dpo_on_ranks, world_size=2, args=(path,), timeout_s=300)
     assert first == second
     want = [row["loss"] for row in one.history]
@@ -374,20 +527,24 @@ def test_activation_checkpointing_trains_the_same_adapters(made):
 
 def test_the_runs_planned_memory_is_a_dpo_plan(made):
     """The plan record a run writes (what `mmtrain doctor` compares the measured peak with)
-    plans two rows a pair with the whole logits, and a full fine-tune's frozen copy (fp32
-    here: 4 bytes a parameter)."""
+    plans two rows a pair, and a full fine-tune's frozen copy (fp32
+    here: 4 bytes a parameter) where it takes one, none where its log-probs are cached."""
     import dataclasses
 
     from mmtrain.config import load_config
     from mmtrain.train.metrics import planned_memory
 
     root, spec = made
-    dpo = load_config(run_config(root, "planned", towers={}, precision="fp32"))
+    dpo = load_config(run_config(root, "planned", towers={}, precision="fp32",
+                                 dpo={"reference": "copy"}))  # fmt: skip
     sft = dataclasses.replace(dpo, train=dataclasses.replace(dpo.train, objective=None))
+    cached = dataclasses.replace(dpo, train=dataclasses.replace(
+        dpo.train, dpo=dataclasses.replace(dpo.train.dpo, reference="cache")))  # fmt: skip
     plans = [planned_memory(spec, c, world_size=1, recompute=[], device=torch.device("cpu"))
-             for c in (dpo, sft)]  # fmt: skip
+             for c in (dpo, sft, cached)]  # fmt: skip
     params = spec.params()
     states = [p["predicted_model_state_bytes"] for p in plans]
     assert states[0] - states[1] == pytest.approx(4 * params, abs=1)
+    assert states[2] == states[1]
     acts = [p["predicted_activations_bytes"] for p in plans]
-    assert acts[0] > 2 * acts[1]  # twice the rows, plus the whole logits
+    assert acts[0] > 2 * acts[1]  # twice the rows, plus each target's NLL

@@ -67,6 +67,47 @@ def test_a_lora_run_learns_its_pairs_and_writes_its_adapter(made):
     assert (root / "run" / "adapter" / "adapter_config.json").is_file()
 
 
+def _pairs_in_float64(root: Path, folder: Path, pairs: int = 2):
+    """The hub spec and a micro-batch of the first `pairs` pairs, made by the folder's own
+    processor, its pixels in float64."""
+    from mmtrain.models.hub.model import hub_spec_of
+
+    spec = hub_spec_of(folder, str(folder))
+    batcher = ProcessorBatcher(DataConfig(train=str(root / "shards"), sequence_length=128), spec)
+    decode = ProcessorPairDecoder(batcher.decoder(spec))
+    shards = ShardSet.open(root / "shards")
+    batch = collate_pairs(spec, batcher)([decode(shards.read(i), np.random.default_rng(0))
+                                          for i in range(pairs)])  # fmt: skip
+    return spec, {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
+                  for k, v in batch.items()}  # fmt: skip
+
+
+def test_a_hub_models_log_probs_by_token_equal_its_logits(made):
+    """A hub model's DPO log-probs come from its inner model's hidden state through the head a
+    chunk of positions at a time (no whole logits): equal, with their gradients, to those of
+    the class's own logits (float64: equal up to rounding)."""
+    from mmtrain.models.hub.model import HubModel
+    from mmtrain.models.hub.source import model_class
+    from mmtrain.train.dpo import batch_logps, model_inputs, scores_by_token
+
+    root, folder = made
+    spec, batch = _pairs_in_float64(root, folder)
+    model = HubModel(spec, model_class(folder).from_pretrained(folder, dtype=torch.float64),
+                     loss_chunk_rows=5)  # fmt: skip
+    assert scores_by_token(model)
+    sums, grads = [], []
+    for by_token in (True, False):
+        model.zero_grad()
+        logps = batch_logps(model(model_inputs(batch, by_token)), batch)
+        (logps * torch.arange(1.0, 5.0, dtype=logps.dtype)).sum().backward()
+        sums.append(logps.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(sums[0], sums[1], rtol=1e-12, atol=0)
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[1].items():
+        torch.testing.assert_close(grads[0][name], grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
 def test_a_full_fine_tune_equals_trls_dpo_trainer(made):
     """The policy (the folder's weights moved at random) against a frozen copy of the folder:
     mmtrain's loss and every parameter's gradient equal DPOTrainer's on the same rows, the
@@ -76,18 +117,11 @@ def test_a_full_fine_tune_equals_trls_dpo_trainer(made):
     logits' by up to 0.1%: hence the reference given as precomputed log-probs.)"""
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
-    from mmtrain.models.hub.model import HubModel, hub_spec_of
+    from mmtrain.models.hub.model import HubModel
     from mmtrain.models.hub.source import model_class
 
     root, folder = made
-    spec = hub_spec_of(folder, str(folder))
-    batcher = ProcessorBatcher(DataConfig(train=str(root / "shards"), sequence_length=128), spec)
-    decode = ProcessorPairDecoder(batcher.decoder(spec))
-    shards = ShardSet.open(root / "shards")
-    pairs = [decode(shards.read(i), np.random.default_rng(0)) for i in range(2)]
-    batch = collate_pairs(spec, batcher)(pairs)
-    batch = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
-             for k, v in batch.items()}  # fmt: skip
+    spec, batch = _pairs_in_float64(root, folder)
 
     def load():
         return model_class(folder).from_pretrained(folder, dtype=torch.float64).eval()

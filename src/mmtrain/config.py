@@ -261,15 +261,18 @@ class DpoConfig:
     # lets it fall with the rejected answers' (likelihood displacement).
     sft_weight: float = 0.0
     # The reference model: "adapters", the model with its LoRA adapters disabled (no second
-    # copy); "copy", a frozen copy of the model the run starts from (a full fine-tune);
-    # "auto": adapters when a tower has LoRA, else copy.
+    # copy); "cache", the log-probs of every training pair scored once by the model the run
+    # starts from, before the first step, and stored beside the run (train/reference_cache.py:
+    # no copy in memory, no reference forward a step); "copy", a frozen copy of that model;
+    # "auto": adapters when a tower has LoRA, else cache (copy where the images are randomly
+    # cropped, which one stored score cannot follow).
     reference: str = "auto"
 
     def validate(self, path: str = "train.dpo") -> None:
         if not self.beta > 0:
             raise FieldError(f"{path}.beta", f"must be positive, got {self.beta}")
         check_choice(f"{path}.loss", self.loss, ("sigmoid", "ipo"))
-        check_choice(f"{path}.reference", self.reference, ("auto", "adapters", "copy"))
+        check_choice(f"{path}.reference", self.reference, ("auto", "adapters", "cache", "copy"))
         if self.sft_weight < 0:
             raise FieldError(f"{path}.sft_weight", f"must be 0 or more, got {self.sft_weight}")
         if not 0.0 <= self.label_smoothing < 0.5:

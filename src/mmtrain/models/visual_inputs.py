@@ -35,6 +35,10 @@ from mmtrain.spec import VisionTokens
 
 IMAGES, VIDEOS = "image", "video"  # batch keys: lists of [3, H, W] / [T, 3, H, W] tensors
 VIDEO_FPS = "video_fps"  # per clip, the frame rate its frames were sampled at (Qwen2.5-VL time)
+# Host lists: for each image / clip placeholder in reading order, the batch's input it takes,
+# where samples share inputs (a preference pair's two sides: each input encoded once). Absent,
+# placeholder k takes input k.
+IMAGE_SOURCES, VIDEO_SOURCES = "image_sources", "video_sources"
 DEFAULT_VIDEO_FPS = 2.0  # Qwen2.5-VL's processor default
 
 
@@ -60,8 +64,10 @@ def splice_visual_inputs(
     document_ids: Tensor | None = None,
 ) -> VisualSplice:
     """Encode the batch's images and clips at their own sizes and splice each at its
-    placeholder (`valid_ids`: False for ids in padding)."""
-    images, videos = list(batch.get(IMAGES) or []), list(batch.get(VIDEOS) or [])
+    placeholder (`valid_ids`: False for ids in padding); an input several placeholders take
+    (IMAGE_SOURCES, VIDEO_SOURCES) is encoded once."""
+    distinct = [*(batch.get(IMAGES) or []), *(batch.get(VIDEOS) or [])]
+    images, videos, fps, sources = placeholder_inputs(batch)
     text = batch["text"]
     _check_counts(text, tokens, valid_ids, len(images), len(videos), sizes)
     is_visual, order = visual_order(
@@ -79,16 +85,47 @@ def splice_visual_inputs(
     counts = merged.prod(dim=1)
     starts = (counts.cumsum(0) - counts)[order]
     layout = make_layout(is_visual, counts[order], right_align, key_mask, sizes)
-    features = _features(tower, [*images, *videos])
+    features = _features(tower, distinct)
+    if sources is not None:
+        each = [spec.tokens(x.shape[-2], x.shape[-1], 1 if x.dim() == 3 else x.shape[0])
+                for x in distinct]  # fmt: skip
+        features = _taken(features, sources, each)
     embeds = splice(text_embeds, features, is_visual, layout, starts)
     if not grids:  # the tower ran on a stand-in: its zero contribution keeps it in the graph
         embeds = embeds + 0 * features.sum()
-    intervals = _intervals(tokens, spec.temporal_patch, len(images), batch.get(VIDEO_FPS), videos)
+    intervals = _intervals(tokens, spec.temporal_patch, len(images), fps, videos)
     positions = multimodal_positions(
         layout, is_visual, merged[order], to_device(intervals, device)[order], valid_ids,
         document_ids, text_after=tokens.text_after,
     )  # fmt: skip
     return VisualSplice(embeds, layout, positions)
+
+
+def placeholder_inputs(
+    batch: Mapping[str, object],
+) -> tuple[list[Tensor], list[Tensor], list[float] | None, list[int] | None]:
+    """(images, clips, the clips' fps) each placeholder takes, in reading order, and for each
+    of them (images first) its index among the batch's distinct inputs (None: one each)."""
+    images, videos = list(batch.get(IMAGES) or []), list(batch.get(VIDEOS) or [])
+    fps = batch.get(VIDEO_FPS)
+    image_sources, video_sources = batch.get(IMAGE_SOURCES), batch.get(VIDEO_SOURCES)
+    if image_sources is None and video_sources is None:
+        return images, videos, fps, None
+    image_sources, video_sources = list(image_sources or []), list(video_sources or [])
+    sources = [*image_sources, *(len(images) + i for i in video_sources)]
+    taken_fps = None if fps is None else [fps[i] for i in video_sources]
+    return [images[i] for i in image_sources], [videos[i] for i in video_sources], taken_fps, sources
+
+
+def _taken(features: Tensor, sources: Sequence[int], counts: Sequence[int]) -> Tensor:
+    """The token rows of `features` (the distinct inputs', `counts` tokens each, one after
+    another) that each taking placeholder gets, in order; gradients add up over the takers."""
+    starts = [0]
+    for count in counts:
+        starts.append(starts[-1] + count)
+    pieces = [torch.arange(starts[i], starts[i + 1]) for i in sources]
+    index = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    return features.index_select(0, to_device(index, features.device))
 
 
 def _check_counts(

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mmtrain.models.decoder import Decoder, KVCache, document_positions, next_positions, sample
+from mmtrain.models.host_copy import to_device
 from mmtrain.models.init_rules import apply_init_rules, init_rules
 from mmtrain.models.materialize import initialised_parameters
 from mmtrain.models.native_vision import NativeVisionTower
@@ -38,9 +39,9 @@ from mmtrain.models.splice import (
     splice,
     valid_ids,
 )
-from mmtrain.models.token_loss import chunked_nll_sum
+from mmtrain.models.token_loss import TOKEN_NLL, chunked_nll_sum, chunked_token_nll
 from mmtrain.models.towers import Tower
-from mmtrain.models.visual_inputs import splice_visual_inputs
+from mmtrain.models.visual_inputs import IMAGE_SOURCES, splice_visual_inputs
 from mmtrain.spec import VISION_TOWER, ModelSpec, ProjectorSpec
 
 TEXT = "text"  # the decoder's name among the towers and the batch key of the token ids
@@ -157,9 +158,11 @@ class LanguageModel(nn.Module):
                     f"{images.shape[0]} image(s)"
                 )
             return None
-        if images.shape[0] != placeholders:
+        sources = batch.get(IMAGE_SOURCES)  # samples sharing images: each encoded once
+        taken = images.shape[0] if sources is None else len(sources)
+        if taken != placeholders:
             raise ValueError(
-                f"the batch holds {images.shape[0]} image(s) but its text has {placeholders} "
+                f"the batch holds {taken} image(s) but its text has {placeholders} "
                 f"placeholder(s) (image_token_id {self.projector_spec.image_token_id}); each "
                 "image needs exactly one placeholder, in reading order"
             )
@@ -170,7 +173,11 @@ class LanguageModel(nn.Module):
         # fire like on any rank with images) and `splice` concatenates the empty result into its
         # sources, so backward reaches them with zero gradients. Only a batch with no "image" key
         # skips the tower; that is for streams that are text-only on every rank.
-        return self.image_features(images)
+        features = self.image_features(images)
+        if sources is None:
+            return features
+        index = to_device(torch.tensor(sources, dtype=torch.long), features.device)
+        return features.index_select(0, index)
 
     # ------------------------------------------------------------------------- logits
     def _is_image(self, batch: Mapping[str, Tensor]) -> Tensor:
@@ -287,12 +294,30 @@ class LanguageModel(nn.Module):
         embeds, layout, kwargs = self._decoder_inputs(batch)
         if self.sequence_split is not None:
             return self._split_nll_sum(embeds, position_targets(batch[LABELS], layout), kwargs)
-        hidden = self.decoder.hidden(inputs_embeds=embeds, **kwargs)
-        # The rows that predict an id: every id's last position but the last id's.
-        index = layout.ends[:, :-1, None].expand(-1, -1, hidden.shape[-1])
-        scored = hidden.gather(1, index).flatten(0, 1)
+        scored = self._predicting_rows(embeds, layout, kwargs)
         targets = batch[LABELS][:, 1:].reshape(-1)
         return chunked_nll_sum(scored, self.decoder.head_weight, targets, self.loss_chunk_rows)
+
+    def token_nll(self, batch: Mapping[str, Tensor]) -> Tensor:
+        """Each target's NLL [R, T - 1] (aligned with `batch["labels"][:, 1:]`; 0 where there
+        is none), chunked as `nll_sum`: the per-sample sums of DPO's log-probs (train/dpo.py)
+        without the batch's logits."""
+        embeds, layout, kwargs = self._decoder_inputs(batch)
+        scored = self._predicting_rows(embeds, layout, kwargs)
+        targets = batch[LABELS][:, 1:]
+        nll = chunked_token_nll(
+            scored, self.decoder.head_weight, targets.reshape(-1), self.loss_chunk_rows
+        )
+        return nll.view(targets.shape)
+
+    def _predicting_rows(
+        self, embeds: Tensor, layout: Layout, kwargs: dict[str, Tensor | bool]
+    ) -> Tensor:
+        """The decoder's output [R x (T - 1), width] at the rows that predict an id: every id's
+        last position but the last id's."""
+        hidden = self.decoder.hidden(inputs_embeds=embeds, **kwargs)
+        index = layout.ends[:, :-1, None].expand(-1, -1, hidden.shape[-1])
+        return hidden.gather(1, index).flatten(0, 1)
 
     def _split_nll_sum(
         self, embeds: Tensor, targets: Tensor, kwargs: dict[str, Tensor | bool]
@@ -310,8 +335,11 @@ class LanguageModel(nn.Module):
 
     def forward(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """{"nll_sum": `nll_sum(batch)`} when the batch has "labels" (training: the loss runs
-        inside the forward FSDP2 hooks, where the head weight is gathered), else
-        {"logits": `logits(batch)`}."""
+        inside the forward FSDP2 hooks, where the head weight is gathered), {"token_nll":
+        `token_nll(batch)`} when it also asks for them (TOKEN_NLL true), else {"logits":
+        `logits(batch)`}."""
+        if LABELS in batch and batch.get(TOKEN_NLL):
+            return {TOKEN_NLL: self.token_nll(batch)}
         if LABELS in batch:
             return {"nll_sum": self.nll_sum(batch)}
         return {"logits": self.logits(batch)}

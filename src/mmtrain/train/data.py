@@ -46,6 +46,7 @@ from mmtrain.data.stream.loader import NoValidSamples, StreamingLoader
 from mmtrain.data.stream.media import MediaError
 from mmtrain.data.stream.order import apportion, mixing_schedule
 from mmtrain.data.stream.preference_batches import (
+    PAIR_INDEX,
     PairDecoder,
     ProcessorPairDecoder,
     collate_pairs,
@@ -204,6 +205,7 @@ class TrainData:
             with_keys=True,
             pin_memory=pin_memory,
         )
+        self._sources, self._options = sources, options  # for `pairs_once`
         self.towers: list[tuple[str, ...] | None] = [None]  # None: every tower
         by_source = self.conversations is None and spec.denoiser is None
         towers = [source_towers(s, spec) for s in sources] if by_source else []
@@ -345,7 +347,35 @@ class TrainData:
             raise _unfillable(err, self.row_length, self.native) from None
         self._micro_batches += 1
         self.last_keys = batch.pop("__key__", [])
+        index = batch.pop("__index__", [])
+        if self.pairs:  # what names each pair's cached reference log-probs
+            batch[PAIR_INDEX] = index
         return batch
+
+    def pairs_once(self) -> StreamingLoader:
+        """Every training pair once, this rank's share, in storage order (the sources one after
+        another, unshuffled, unweighted), decoded and laid out as the training micro-batches
+        are: what train/reference_cache.py scores. Its batches carry `__index__`."""
+        assert self.pairs and self.conversations is not None
+        options = {**self._options, "persistent_workers": False}
+        decoder, collate = self._decoder(self.spec), self._collate(self.spec)
+        return StreamingLoader(self._sources, decoder, self.micro_batch, collate=collate,
+                               shuffle=False, **options)  # fmt: skip
+
+    def source_fingerprints(self) -> list[str]:
+        """Each training source's shard names and sizes, hashed (ShardSet.fingerprint)."""
+        return [source.fingerprint() for source in self._sources]
+
+    def samples(self) -> int:
+        """Samples over every training source: the range of the flat ids batches carry."""
+        return sum(len(source) for source in self._sources)
+
+    def pair_inputs_vary(self) -> bool:
+        """Whether a pair's inputs are drawn anew at each read (a projector's image tower
+        crops and flips at random), so one stored reference score cannot match them."""
+        decoder = self.loaders[0].decode
+        transform = getattr(getattr(decoder, "decoder", None), "image_transform", None)
+        return transform is not None and bool(transform.train)
 
     def set_input_spec(self, spec: ModelSpec) -> None:
         """Produce inputs of `spec`'s sizes from the next batch on (progressive resolution).
@@ -449,13 +479,8 @@ def _unfillable(err: NoValidSamples, row_length: int | None, native: bool) -> Fi
 
 
 def _pairs(config: RunConfig, spec: ModelSpec) -> bool:
-    """Whether the run trains on preference pairs (train.objective: dpo), checked against
-    what this version lays out as pairs."""
-    if config.train.objective != "dpo":
-        return False
-    if config.data.balance:
-        raise FieldError("data.balance", "is not there yet for dpo's pairs")
-    return True
+    """Whether the run trains on preference pairs (train.objective: dpo)."""
+    return config.train.objective == "dpo"
 
 
 def _conversations(config: RunConfig, spec: ModelSpec) -> ConversationBatcher | None:

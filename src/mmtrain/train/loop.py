@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from mmtrain import __version__
 from mmtrain.atomic import atomic_write_text
@@ -48,7 +49,7 @@ from mmtrain.train import parallel
 from mmtrain.train.checkpointer import Checkpointer
 from mmtrain.train.comm_timing import CommTimer
 from mmtrain.train.data import TrainData
-from mmtrain.train.dpo import uses_adapters
+from mmtrain.train.dpo import reference_logps, reference_mode, scores_by_token
 from mmtrain.train.ema import Ema
 from mmtrain.train.export import copy_processor_files, export_model
 from mmtrain.train.export_hub import export_hub_model, write_hub_adapter
@@ -79,6 +80,7 @@ from mmtrain.train.optim import (
 )
 from mmtrain.train.precision import make_precision
 from mmtrain.train.recorder import REFUSED, MetricsRecorder
+from mmtrain.train.reference_cache import ReferenceLogps, ReferencePass, identity_of
 from mmtrain.train.resolution import check_schedules, spec_at
 from mmtrain.train.resume_check import check_resumable
 from mmtrain.train.rng import restore_rank_rng_state, seed_everything
@@ -212,13 +214,12 @@ class Trainer:
         # FSDP replaced the parameters by their shards: the optimizer comes after.
         self.optimizer = make_optimizer(model, t, env.device)
         self.scheduler = make_scheduler(self.optimizer, t)
-        reference = None  # DPO's frozen copy, where the reference is not the model's base
-        if t.objective == "dpo" and not uses_adapters(model, t.dpo):
-            reference = build_reference(config, spec, self.precision, env)
+        reference, cached = self._dpo_reference(resuming=ckpt is not None)
         self.objectives = objectives_for(
             model, spec, fusion_weight=t.fusion_weight, world_size=self.world,
             diffusion=t.diffusion, seed=config.seed, rank=self.data_rank,
             sequence_parallel=sequence, objective=t.objective, dpo=t.dpo, reference=reference,
+            cached=cached,
         )  # fmt: skip
         self.ema = Ema(model, t.ema) if t.ema else None
         self.validator = (
@@ -295,7 +296,7 @@ class Trainer:
         if self.t.precision != "fp64" and self.spec.hub is None:
             plan = planned_memory(
                 self.spec, config, world_size=self.world, recompute=self.recompute,
-                device=self.env.device,
+                device=self.env.device, dpo_reference=self.dpo_reference,
             )  # fmt: skip
             recorder.record("plan", self.state.step, plan)
         return recorder
@@ -361,7 +362,7 @@ class Trainer:
             keys += self.data.last_keys
         flops = step_model_flops(
             step_spec, micro_batches, self.part_modes, batch_size=self.t.batch_size,
-            world=self.data_world, reference_forward=self.t.objective == "dpo",
+            world=self.data_world, reference_forward=self.reference_forward,
         )  # fmt: skip
         counts: dict[str, Any] = {"flops": flops}
         if step_spec.decoder is not None and self.data_world > 1:
@@ -498,6 +499,40 @@ class Trainer:
         before = self.state.refused_before
         totals = zip(REFUSED, now, strict=True)
         return {name: before.get(name, 0) + int(round(n)) for name, n in totals}
+
+    def _dpo_reference(self, resuming: bool) -> tuple[nn.Module | None, ReferenceLogps | None]:
+        """DPO's reference (train/dpo.py `reference_mode`): (a frozen copy, None), (None, the
+        cached log-probs: scored now, before the first step, or read back on a resume), or
+        (None, None) for the model without its adapters. Sets `dpo_reference` (the mode; None
+        without dpo) and `reference_forward`: whether a step runs the reference's forward (the
+        step's model FLOPs)."""
+        self.dpo_reference, self.reference_forward = None, False
+        if self.t.objective != "dpo" or self.t.sequence_parallel > 1:  # (objectives_for refuses)
+            return None, None
+        self.dpo_reference = mode = reference_mode(
+            self.model, self.t.dpo, self.data.pair_inputs_vary()
+        )
+        log.info("dpo reference: %s", mode)
+        self.reference_forward = mode != "cache"
+        if mode == "copy":
+            return build_reference(self.config, self.spec, self.precision, self.env), None
+        if mode == "adapters":
+            return None, None
+        identity = identity_of(self.config, self.data.source_fingerprints())
+        store = ReferencePass(self.out, identity, self.data.samples(), self.rank, parallel.barrier)
+        if resuming or store.complete():
+            return None, store.load()
+        loader = self.data.pairs_once()
+
+        def score(batch: dict[str, Any]) -> torch.Tensor:
+            moved = move_batch(batch, self.env.device, self.precision.param_dtype, self.pixels)
+            return reference_logps(self.trained, moved, self.precision,
+                                   by_token=scores_by_token(self.model))  # fmt: skip
+
+        try:
+            return None, store.run(loader, score)
+        finally:
+            loader.close()
 
     def _resume(self, ckpt: Checkpoint) -> None:
         """The checkpoint's state (`_restore`), then the settings the config changed since."""

@@ -93,15 +93,20 @@ def attention_spans(positions: torch.Tensor, document_ids: torch.Tensor | None) 
 
 
 def _native_forward_flops(spec: ModelSpec, batch: dict[str, Any]) -> dict[str, int]:
-    """A native-resolution VLM's: each input through the tower at its own size, each row at
-    its length once every placeholder holds its input's tokens (its splice's per-id spans)."""
+    """A native-resolution VLM's: each distinct input through the tower at its own size (a
+    preference pair's sides share theirs), each row at its length once every placeholder holds
+    its input's tokens (its splice's per-id spans)."""
     from mmtrain.models.splice import id_spans, valid_ids
-    from mmtrain.models.visual_inputs import IMAGES, VIDEOS, visual_order
+    from mmtrain.models.visual_inputs import IMAGES, VIDEOS, placeholder_inputs, visual_order
 
     assert spec.vision is not None and spec.vision_tokens is not None
-    images, videos = list(batch.get(IMAGES) or []), list(batch.get(VIDEOS) or [])
-    shapes = [(1 if x.dim() == 3 else x.shape[0], x.shape[-2], x.shape[-1])
-              for x in (*images, *videos)]  # fmt: skip
+
+    def shapes_of(inputs: Sequence[torch.Tensor]) -> list[tuple[int, int, int]]:
+        return [(1 if x.dim() == 3 else x.shape[0], x.shape[-2], x.shape[-1]) for x in inputs]
+
+    encoded = shapes_of([*(batch.get(IMAGES) or []), *(batch.get(VIDEOS) or [])])
+    images, videos, _, _ = placeholder_inputs(batch)
+    shapes = shapes_of([*images, *videos])
     ids = batch["text"].cpu()
     valid = valid_ids(ids, batch.get("attention_mask"), batch.get("document_ids"))
     tokens = spec.vision_tokens
@@ -111,7 +116,7 @@ def _native_forward_flops(spec: ModelSpec, batch: dict[str, Any]) -> dict[str, i
     counts = torch.tensor([spec.vision.tokens(h, w, t) for t, h, w in shapes], dtype=torch.long)
     spans = id_spans(is_visual, counts[order] if shapes else counts)
     lengths = attention_spans(spans, batch.get("document_ids"))
-    return spec.sequence_flops_by_part(lengths, 0, shapes)
+    return spec.sequence_flops_by_part(lengths, 0, encoded)
 
 
 def padding_fraction(micro_batches: Sequence[dict[str, torch.Tensor]]) -> float | None:
@@ -314,6 +319,7 @@ def planned_memory(
     world_size: int,
     recompute: list[str],
     device: torch.device,
+    dpo_reference: str | None = None,
 ) -> dict[str, Any]:
     """The planner's per-device memory prediction for this run (the `plan` record).
 
@@ -322,8 +328,12 @@ def planned_memory(
     (`train.towers.NAME.activation_checkpointing`, planned as "full" for those towers).
     `allocated_bytes` (model states + activations + communication buffers) is what CUDA's
     `max_memory_allocated` measures; `total_bytes` adds the CUDA context and fragmentation.
-    A DPO run (train.objective dpo) is planned as `mmtrain plan --objective dpo` plans it: two
-    rows a pair with the whole logits, and a full fine-tune's frozen reference copy.
+    A DPO run (train.objective dpo) is planned as `mmtrain plan --objective dpo --reference
+    R` plans it (plan/preference.py): two rows a pair (a native VLM's images once a pair), the
+    log-probs as the model gives them (a native model's per-target NLL, a hub model's whole
+    logits), and the frozen reference copy where R is copy (a cached reference holds none). R is `dpo_reference`, the reference the run
+    resolved (train/dpo.py `reference_mode`), else its train.dpo.reference, whose `auto` the
+    planner resolves as the trainer does but for randomly cropped images (a copy there).
     """
     from mmtrain.plan.activations import activation_options, contrastive_bytes, stack_activations
     from mmtrain.plan.config import PlanConfig
@@ -354,6 +364,9 @@ def planned_memory(
         sequence_parallel=sequence,
         sequence_parallel_attention=config.train.sequence_parallel_attention,
         objective=config.train.objective or "sft",
+        reference=(dpo_reference or config.train.dpo.reference)
+        if config.train.objective == "dpo"
+        else "auto",
     )
     weights, grads, optimizer, convention = model_states(plan_model, cfg)
     rows = micro * rows_per_sample(cfg.objective)  # a DPO pair is two rows
@@ -415,8 +428,9 @@ def _planned_mfu(plan_model: Any, cfg: Any, *, recomputes: bool, device: torch.d
     the workload family, times model over hardware FLOPs (MFU does not count what activation
     checkpointing recomputes; any recomputed tower is planned as full recompute, the lower
     figure). Elsewhere (a CPU or a GPU the catalog lacks, where MFU needs
-    metrics.peak_tflops): the family's published MFU as it is, a share of its GPU's peak."""
-    from mmtrain.plan.compute import efficiency, flops_per_sample, published_mfu, workload_family
+    metrics.peak_tflops): the family's published MFU as it is, a share of its GPU's peak. A
+    DPO run's FLOPs are its pairs' (plan/preference.py: the reference's forward, the images)."""
+    from mmtrain.plan.compute import efficiency, objective_flops, published_mfu, workload_family
 
     found = _catalog_gpu(device)
     if found is None:
@@ -427,7 +441,8 @@ def _planned_mfu(plan_model: Any, cfg: Any, *, recomputes: bool, device: torch.d
             "efficiency_source": f"{figure.source}; the published figure as it is (a device "
             "the catalog does not know)",
         }
-    model_flops, hardware_flops = flops_per_sample(plan_model, "full" if recomputes else "none")
+    planned = dataclasses.replace(cfg, ac="full" if recomputes else "none")
+    model_flops, hardware_flops = objective_flops(plan_model, planned)
     achievable = efficiency(plan_model, found[0], cfg)
     return {
         "achievable_mfu": achievable.fraction * model_flops / hardware_flops,

@@ -47,6 +47,7 @@ from mmtrain.structured import FieldError
 from mmtrain.train.data import LABEL_KEY  # the fusion head's targets
 from mmtrain.train.diffusion import DiffusionObjective
 from mmtrain.train.dpo import DpoObjective
+from mmtrain.train.reference_cache import ReferenceLogps
 
 LABELS_KEY = "labels"  # batch key of a decoder's next-token targets (aligned with "text")
 
@@ -254,6 +255,7 @@ def objectives_for(
     objective: str | None = None,
     dpo: DpoConfig | None = None,
     reference: nn.Module | None = None,
+    cached: ReferenceLogps | None = None,
 ) -> list[Objective]:
     """The objectives a spec trains with: next-token for a decoder; flow matching or DDPM for
     a denoiser (`diffusion`: its settings; `seed`, `rank`: what its draws are seeded by, the
@@ -263,7 +265,7 @@ def objectives_for(
         if objective == "dpo":
             if sequence_parallel > 1:
                 raise FieldError("train.sequence_parallel", "is not there yet for dpo")
-            return [DpoObjective(model, dpo or DpoConfig(), world_size, reference)]
+            return [DpoObjective(model, dpo or DpoConfig(), world_size, reference, cached)]
         return [NextTokenObjective(world_size, sequence_parallel)]
     if objective is not None:
         raise FieldError("train.objective", f"{objective} trains a language model; "

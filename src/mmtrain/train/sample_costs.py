@@ -6,7 +6,8 @@ against a short text-only exchange. Ranks meet at every collective of a step, so
 takes as long as its heaviest rank. The cost of a sample is its forward FLOPs as the trainer
 counts them for MFU: the LM over its positions (text ids and each input's tokens, truncated
 to `data.sequence_length`) and the tower over each page and clip at its budgeted size
-(`spec.sequence_flops_by_part`). The positions and sizes are `data inspect`'s counts
+(`spec.sequence_flops_by_part`); a preference pair's, its two rows' and its inputs' once. The
+positions and sizes are `data inspect`'s counts
 (`conversation_counts`: headers only, the loader's own rules); a sample the loader would
 refuse costs 0. Kept beside the first local shard, `.sample-costs-{digest}.npy`, the digest
 naming the shards, the spec, the tokenizer, the template, the budget and the length, so a
@@ -62,11 +63,13 @@ def _source_costs(
     )
     costs = np.zeros(len(shards), dtype=np.float64)
     shapes = counts.visual_shapes or [()] * len(counts.indices)
-    for index, positions, images, visual in zip(
-        counts.indices, counts.positions, counts.images, shapes, strict=True
-    ):
-        length = min(positions, batcher.sequence_length)
-        parts = spec.sequence_flops_by_part([length], images if spec.vision is None else 0, visual)
+    for index, chosen, rejected, images, visual in zip(
+        counts.indices, counts.positions, counts.rejected_positions, counts.images, shapes,
+        strict=True,
+    ):  # fmt: skip
+        # A preference pair is two rows whose inputs the tower encodes once.
+        lengths = [min(n, batcher.sequence_length) for n in (chosen, rejected) if n]
+        parts = spec.sequence_flops_by_part(lengths, images if spec.vision is None else 0, visual)
         costs[index] = float(sum(parts.values()))
     if path is not None and not atomic_save_npy(path, costs):
         logger.info("sample costs of %s not kept (a read-only folder)", path.parent)

@@ -187,7 +187,8 @@ def inspect_shards(
 # ----------------------------------------------------------------------------- conversations
 @dataclass(frozen=True)
 class ConversationCounts:
-    """Per usable sample, in shard order: LM positions (text ids + images x image tokens),
+    """Per usable sample, in shard order: LM positions (text ids + images x image tokens; a
+    preference pair's chosen side, its rejected side's under `rejected_positions`),
     text ids (a placeholder counts one), images, text bytes, videos; and the samples left out,
     by reason (`format`, `roles`, ... from parsing; `no_targets`, ... from encoding). Without
     a budget a video's placeholder counts one position (its tokens depend on the frames a
@@ -205,6 +206,8 @@ class ConversationCounts:
     # per sample with a budget: its inputs as (frames, height, width) at the tower's size
     visual_shapes: list[tuple[tuple[int, int, int], ...]] = field(default_factory=list)
     indices: list[int] = field(default_factory=list)  # each usable sample's index in the shards
+    # a preference pair's rejected side (`positions` are its chosen side's); 0 for the others
+    rejected_positions: list[int] = field(default_factory=list)
 
     def refuse(self, kind: str) -> None:
         self.refused[kind] = self.refused.get(kind, 0) + 1
@@ -259,9 +262,13 @@ def conversation_counts(
             if conv is not None and budget is not None:
                 visual = _visual_tokens(sample, conv, budget)
             if conv is not None and tokenizer is not None and template is not None:
-                encoded = encode_conversation(
-                    conv, template, tokenizer, 2**62, -1, placeholders=marks
-                )
+                sides = [conv]
+                if conv.is_preference():  # a pair: the prompt with each answer
+                    sides = [conv.answered(conv.chosen), conv.answered(conv.rejected)]
+                encoded, *rejected = [
+                    encode_conversation(side, template, tokenizer, 2**62, -1, placeholders=marks)
+                    for side in sides
+                ]
         except (ConversationError, RefusedSample) as err:
             counts.refuse(err.kind)
             continue
@@ -292,6 +299,7 @@ def conversation_counts(
             ids = len(encoded.input_ids)
             counts.text_ids.append(ids)
             counts.positions.append(ids + extra)
+            counts.rejected_positions.append(len(rejected[0].input_ids) + extra if rejected else 0)
     return counts
 
 

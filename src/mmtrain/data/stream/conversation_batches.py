@@ -83,7 +83,13 @@ from mmtrain.data.stream.packing import (
 from mmtrain.data.stream.tokenizer import get_tokenizer
 from mmtrain.data.stream.transforms import AugmentConfig, ImageTransform, make_transform
 from mmtrain.models.splice import image_placeholders, splice_sizes, valid_ids
-from mmtrain.models.visual_inputs import IMAGES, VIDEO_FPS, VIDEOS
+from mmtrain.models.visual_inputs import (
+    IMAGE_SOURCES,
+    IMAGES,
+    VIDEO_FPS,
+    VIDEO_SOURCES,
+    VIDEOS,
+)
 from mmtrain.models.vlm import SPLICE_SIZES
 from mmtrain.spec import ModelSpec
 from mmtrain.structured import FieldError
@@ -443,9 +449,11 @@ def conversation_batch(
         return native_batch(samples, rows, pack, image_token_id, video_token_id)
     batch = _row_tensors(rows, pack)
     batch["position_ids"] = _tensor([row.position_ids for row in rows])
-    images = _images_in_reading_order(samples, rows)
+    images, sources = _images_in_reading_order(samples, rows)
     if images is not None:
         batch["image"] = images
+    if sources is not None:
+        batch[IMAGE_SOURCES] = sources
     # The splice's sizes, counted here on the host as the model would count them on the device.
     placeholders = image_placeholders(
         batch["text"], image_token_id, batch.get("attention_mask"), batch.get("document_ids")
@@ -469,9 +477,15 @@ def native_batch(
     batch: dict[str, Any] = _row_tensors(rows, pack)
     order = [index for row in rows for index in row.samples]
     visual = [samples[i].visual for i in order]
-    batch[IMAGES] = [image for v in visual if v is not None for image in v.images]
-    batch[VIDEOS] = [clip for v in visual if v is not None for clip in v.videos]
-    batch[VIDEO_FPS] = [fps for v in visual if v is not None for fps in v.video_fps]
+    distinct, taker = _distinct([v for v in visual if v is not None])
+    batch[IMAGES] = [image for v in distinct for image in v.images]
+    batch[VIDEOS] = [clip for v in distinct for clip in v.videos]
+    batch[VIDEO_FPS] = [fps for v in distinct for fps in v.video_fps]
+    if len(distinct) < len(taker):  # samples share their inputs: each is encoded once
+        for key, per in ((IMAGE_SOURCES, "images"), (VIDEO_SOURCES, "videos")):
+            counts = [len(getattr(v, per)) for v in distinct]
+            starts = np.cumsum([0, *counts])
+            batch[key] = [int(starts[d]) + k for d in taker for k in range(counts[d])]
     # Each placeholder's tokens in reading order: a row's samples follow one another in it.
     counts = [n for i in order for _, n in samples[i].spans]
     valid = valid_ids(batch["text"], batch.get("attention_mask"), batch.get("document_ids"))
@@ -545,12 +559,34 @@ def _tensor(rows: list[list[int]]) -> torch.Tensor:
 
 def _images_in_reading_order(
     samples: Sequence[ConversationSample], rows: Sequence[PackedRow]
-) -> torch.Tensor | None:
+) -> tuple[torch.Tensor | None, list[int] | None]:
+    """The images of the rows' samples, each sample's once where samples share them (a
+    preference pair's sides), and, then, which image each placeholder takes (IMAGE_SOURCES)."""
     if all(sample.images is None for sample in samples):
-        return None
+        return None, None
     order = [index for row in rows for index in row.samples]
-    images = [samples[i].images for i in order if samples[i].images is not None]
-    return torch.cat(images) if images else None
+    distinct, taker = _distinct([samples[i].images for i in order if samples[i].images is not None])
+    if not distinct:
+        return None, None
+    if len(distinct) == len(taker):
+        return torch.cat(distinct), None
+    starts = np.cumsum([0, *(len(x) for x in distinct)])
+    sources = [int(starts[d]) + k for d in taker for k in range(len(distinct[d]))]
+    return torch.cat(distinct), sources
+
+
+def _distinct(inputs: Sequence[Any]) -> tuple[list[Any], list[int]]:
+    """(the distinct objects of `inputs`, by identity, in first-seen order; for each input its
+    index among them): the sides of a preference pair hold the very same inputs."""
+    distinct: list[Any] = []
+    seen: dict[int, int] = {}
+    taker = []
+    for x in inputs:
+        if id(x) not in seen:
+            seen[id(x)] = len(distinct)
+            distinct.append(x)
+        taker.append(seen[id(x)])
+    return distinct, taker
 
 
 # ----------------------------------------------------------------------------- settings

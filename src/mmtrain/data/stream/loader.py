@@ -238,6 +238,7 @@ class _TaskResult:
     valid: list[int]  # task entry of each row
     tensors: dict[str, torch.Tensor]
     keys: list[str]
+    flat_ids: list[int]  # each row's sample id over all sources (the plan's flat id)
     corrupt: list[Refusal] = field(default_factory=list)
 
     def pin_memory(self) -> _TaskResult:
@@ -268,7 +269,7 @@ class _TaskDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, task: tuple[int, int, list[int], list[int]]) -> _TaskResult:
         epoch, first, positions, flat_ids = task
-        outputs, valid, keys, corrupt = [], [], [], []
+        outputs, valid, keys, ids, corrupt = [], [], [], [], []
         for entry, (position, flat) in enumerate(zip(positions, flat_ids, strict=True)):
             source, local = self.plan.locate(flat)
             key, shard = source.key(local), source.shard_path(local).name
@@ -283,11 +284,12 @@ class _TaskDataset(torch.utils.data.Dataset):
             outputs.append(_check_output(out, key))
             valid.append(entry)
             keys.append(key)
+            ids.append(int(flat))
         if self.collate is None:
             tensors = _stack(outputs)
         else:
             tensors = self.collate(outputs) if outputs else {}
-        return _TaskResult(first, len(positions), valid, tensors, keys, corrupt)
+        return _TaskResult(first, len(positions), valid, tensors, keys, ids, corrupt)
 
 
 def _check_output(out: Any, key: str) -> dict[str, torch.Tensor]:
@@ -373,7 +375,9 @@ class StreamingLoader:
     batch_size: samples per batch on this rank.
     drop_tail: the last positions of an epoch that do not fill a batch on every rank are left
       out; by default they are padded with samples from the start of the epoch (wrap-around).
-    with_keys: add `"__key__"` to each batch: the sample keys, for logging and debugging.
+    with_keys: add `"__key__"` to each batch: the sample keys, for logging and debugging; and
+      `"__index__"`: each sample's id over all sources (flat ids: sources in order, each's
+      samples shard after shard), which names a sample whatever the order or batching.
     pin_memory: page-locked batches (when CUDA is available), for asynchronous copies; pinned
         in the DataLoader's pin thread, beside the training step.
     collate: lay out each task's valid samples in the worker (module docstring); None: stack.
@@ -683,6 +687,7 @@ class StreamingLoader:
             batch = {n: _pinned(v) for n, v in batch.items()}
         if self.with_keys:
             batch["__key__"] = [k for r, lo, hi in pieces for k in r.keys[lo:hi]]
+            batch["__index__"] = [i for r, lo, hi in pieces for i in r.flat_ids[lo:hi]]
         return batch
 
 

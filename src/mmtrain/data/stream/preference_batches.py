@@ -6,7 +6,9 @@ encodes both sides with the run's chat template as two conversations, the prompt
 answer as the assistant's last turn, and keeps labels on that final answer only (a multi-turn
 prompt's earlier answers are context, not what the pair compares). The inputs (images, clips)
 are decoded once, for the chosen side, and shared by the rejected side: the same pixels, the
-same random crop.
+same random crop; the micro-batch holds each once, so the vision tower encodes it once
+(`image_sources` / `video_sources` say which input each placeholder takes: models/
+visual_inputs.py, models/vlm.py).
 
 `collate_pairs` lays out n pairs as 2n samples, the chosen sides first and the rejected ones
 after them in the same order (what `DpoObjective` splits): one to a row, or packed (`data.pack`:
@@ -15,7 +17,8 @@ after them in the same order (what `DpoObjective` splits): one to a row, or pack
 conversations are (data/stream/processor_batches.py; the processor is deterministic, so both
 sides hold the same pixels), collated by the processor path's own collate in the same order,
 padded or packed (the processor path's `document_ids` number a row's samples, so a packed
-batch also carries `sample_ids`: each position's sample in the micro-batch).
+batch also carries `sample_ids`: each position's sample in the micro-batch). The folder's own
+class encodes each side's pixels: a hub pair's images are encoded twice.
 
 A side whose final answer does not fit `data.sequence_length` whole is refused (counted as
 too long), never scored on a cut answer; a plain conversation in a dpo run is skipped and
@@ -51,6 +54,9 @@ from mmtrain.spec import ModelSpec
 REJECTED = "rejected_"  # prefix of the rejected side's tensors in a decoded pair
 PAIRS = "pairs"  # the batch key of its pair count, an int (train/dpo.py's PAIRS_KEY)
 SAMPLE_IDS = "sample_ids"  # a hub model's packed positions' samples (train/dpo.py's)
+# The batch key of each pair's sample id over the run's sources (a host list, pair order):
+# what names its cached reference log-probs (train/reference_cache.py).
+PAIR_INDEX = "pair_index"
 
 
 def final_answer_labels(labels: list[int]) -> list[int]:

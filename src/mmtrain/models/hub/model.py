@@ -3,7 +3,8 @@
 `HubModel` holds transformers' own module (`hf`, built from a folder's config) and gives the
 loop what a native model gives it: `spec`, `towers` (train/optim.py's freezing and per-tower
 learning rates, LoRA, activation checkpointing, compile and FSDP2 per block), and
-`forward(batch) -> {"nll_sum"}`, the next-token loss summed over the batch's targets.
+`forward(batch) -> {"nll_sum"}`, the next-token loss summed over the batch's targets, or
+{"token_nll"}, each target's NLL, when the batch asks (TOKEN_NLL: DPO's per-sample log-probs).
 
 The loss is mmtrain's: the inner model's final hidden state goes through the head a chunk of
 positions at a time (models/token_loss.py), never the batch's full logits, normalised by the
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 from mmtrain.hub_spec import HubSpec
 from mmtrain.models.hub.source import model_class, read_config, resolve_folder
 from mmtrain.models.hub.towers import HubTower, find_towers
-from mmtrain.models.token_loss import chunked_nll_sum
+from mmtrain.models.token_loss import TOKEN_NLL, chunked_nll_sum, chunked_token_nll
 from mmtrain.spec import ModelSpec
 
 LABELS_KEY = "labels"
@@ -60,15 +61,19 @@ class HubModel(nn.Module):
         labels = batch.get(LABELS_KEY)
         if DOCUMENTS_KEY in inputs:  # packed rows: positions restart per sample
             inputs["position_ids"] = packed_positions(self.inner(), inputs)
+        by_token = bool(inputs.pop(TOKEN_NLL, False))
         if labels is None or self.own_logits:
             logits = self.hf(**inputs, use_cache=False).logits
             return {"logits": logits}
         hidden = self.inner()(**inputs, use_cache=False).last_hidden_state
         # The target of position t is labels[t + 1]: the last position predicts nothing.
         rows = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-        targets = labels[:, 1:].reshape(-1)
+        targets = labels[:, 1:]
         head = self.hf.get_output_embeddings().weight
-        return {"nll_sum": chunked_nll_sum(rows, head, targets, self.loss_chunk_rows)}
+        if by_token:  # each target's NLL [R, T - 1] (DPO's per-sample log-probs)
+            nll = chunked_token_nll(rows, head, targets.reshape(-1), self.loss_chunk_rows)
+            return {TOKEN_NLL: nll.view(targets.shape)}
+        return {"nll_sum": chunked_nll_sum(rows, head, targets.reshape(-1), self.loss_chunk_rows)}
 
     def logits(self, batch: Mapping[str, Tensor]) -> Tensor:
         inputs = {k: v for k, v in batch.items() if k != LABELS_KEY}
