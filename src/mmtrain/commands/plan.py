@@ -20,6 +20,7 @@ from mmtrain.commands._data_args import add_budget_argument
 from mmtrain.hardware import GIB, PRICE_SOURCE, load_catalog
 from mmtrain.hub_spec import DENOISER_FAMILIES, HubShape
 from mmtrain.plan.comm import COMM_SHARE_LIMIT
+from mmtrain.plan.compute import TimeEstimate
 from mmtrain.plan.config import (
     AC_MODES,
     ATTENTION,
@@ -39,7 +40,7 @@ from mmtrain.plan.hub import (
 )
 from mmtrain.plan.model import Rows, from_spec, native_rows
 from mmtrain.plan.native_vision import describe, parse_visual
-from mmtrain.plan.preference import OBJECTIVES, check_preference
+from mmtrain.plan.preference import OBJECTIVES, REFERENCES, check_preference
 from mmtrain.plan.preference import describe as preference_note
 from mmtrain.plan.recommend import DEFAULT_DEADLINE_H
 from mmtrain.plan.workloads import load_model, load_workloads, workload_names
@@ -132,9 +133,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="sft",
         choices=OBJECTIVES,
         help="what a language model trains on, as train.objective: sft (next-token, the "
-        "default) or dpo (preference pairs: two rows a pair, the whole logits, the reference's "
-        "forward; --lora / --qlora make the reference the model without its adapters, else a "
-        "frozen copy). Under dpo, --micro-batch, --global-batch and --samples count PAIRS",
+        "default) or dpo (preference pairs: two rows a pair, a native VLM's images once a "
+        "pair, the reference: --reference). Under dpo, --micro-batch, --global-batch and "
+        "--samples count PAIRS",
+    )
+    p.add_argument(
+        "--reference",
+        default="auto",
+        choices=REFERENCES,
+        help="dpo's reference, as train.dpo.reference: adapters (the model without its LoRA "
+        "adapters: one more forward a step), copy (a frozen copy: its weights and one more "
+        "forward a step), cache (scored once before training: one forward a row of every "
+        "pair, nothing a step), auto (adapters with --lora / --qlora, else cache)",
     )
     p.add_argument(
         "--micro-batch", type=count, default=1, help="samples per GPU per forward (dpo: pairs)"
@@ -399,6 +409,7 @@ def _config(args: argparse.Namespace) -> PlanConfig:
         sequence_parallel=args.sequence_parallel,
         sequence_parallel_attention=args.sequence_parallel_attention,
         objective=args.objective,
+        reference=args.reference,
     )
 
 
@@ -524,8 +535,15 @@ def _tower_counts(args: argparse.Namespace) -> tuple[dict[str, int], dict[str, i
 
 def _check_objective_mode(args: argparse.Namespace) -> None:
     """`--objective dpo` plans one training run of a language model; the modes that plan
-    something else (or measure a next-token step) refuse it, naming their flag."""
+    something else (or measure a next-token step) refuse it, naming their flag; --reference
+    is dpo's alone."""
     if args.objective != "dpo":
+        if args.reference != "auto":
+            raise FieldError(
+                "--reference",
+                f"{args.reference}: the reference is dpo's (train.dpo.reference); add "
+                "--objective dpo or leave it out",
+            )
         return
     refusals = (
         ("--inference", args.inference, "serving has no training objective"),
@@ -881,7 +899,7 @@ def _print_plan(plan: Plan, measured: dict | None, visual: dict | None = None) -
     if mem.loss_bytes:  # contrastive logits; a language model's loss is in its text stack
         rows.append(("activations: loss", mem.loss_bytes))
     if dpo:  # in its decoder's row above
-        rows.append(("  of which dpo's logits (held, log-softmax)", mem.logits_bytes))
+        rows.append(("  of which the loss's targets and dpo's per-target NLL", mem.logits_bytes))
     if mem.reference_bytes:
         rows.append(("dpo reference (frozen copy)", mem.reference_bytes))
     if mem.dequantized_bytes:
@@ -931,6 +949,8 @@ def _print_plan(plan: Plan, measured: dict | None, visual: dict | None = None) -
     console.print(
         f"achievable fraction {t.achievable_fraction:.3f} of peak, family {t.efficiency_family}: {t.efficiency_source}"
     )
+    if t.reference_pass_samples_per_s:
+        console.print(_reference_pass_line(c, t))
     if c.samples:
         console.print(
             f"{c.samples:,} {unit}: {t.time_to_train_s / 3600:,.2f} h, {_usd(t.cost)} at {_price(t)}; --price-per-gpu-hour overrides"
@@ -944,6 +964,20 @@ def _print_plan(plan: Plan, measured: dict | None, visual: dict | None = None) -
             f"with a gradient {measured['trainable_params']:,}, "
             f"with optimizer state {measured['optimizer_state_params']:,}"
         )
+
+
+def _reference_pass_line(c: PlanConfig, t: TimeEstimate) -> str:
+    """DPO's cached reference: its one pass before the first step (plan/preference.py)."""
+    line = (
+        f"reference pass (once, before the first step): one forward of each pair, without "
+        f"gradients, {t.reference_pass_samples_per_s:,.4g} pairs/s"
+    )
+    if not c.samples:
+        return line + "; --samples times it"
+    return (
+        f"{line}: {c.samples:,} pairs in {t.reference_pass_s / 3600:,.2f} h, "
+        f"{_usd(t.reference_pass_cost)} (in the time and cost below)"
+    )
 
 
 def _data(args: argparse.Namespace, catalog) -> int:

@@ -87,8 +87,9 @@ class ActivationOptions:
     dense_packed_mask: bool = False  # packed rows attend through a dense mask (the CPU's path)
     sequence_parallel: int = 1  # ranks splitting the sequence of the split stacks
     sp_attention: str = "all_to_all"  # their attention layout (resolved: all_to_all | ring)
-    # What the LM head's rows keep: "sft" the chunked next-token loss, "dpo" the whole logits
-    # and their log-softmax (plan/preference.py)
+    # "sft" a row a sample; "dpo" (plan/preference.py) two rows a pair, of which a native
+    # VLM's vision stacks see the pair's inputs once, and at the LM head the chunked loss's
+    # per-target NLL (a native decoder) or the whole logits and their log-softmax (a hub one)
     objective: str = "sft"
 
 
@@ -421,14 +422,16 @@ def stack_activations(
     Pipeline parallel p: the first 1F1B stage holds p micro-batches of L/p layers, i.e. one
     micro-batch of the whole stack, scaled by min(1, m/p) (Megatron-LM).
     """
-    micro_batch = micro_batch * stack.per_sample  # a VLM's image tower sees images, not rows
+    rows = micro_batch
+    # a VLM's image tower sees images, not rows; under DPO a native one each pair's once
+    micro_batch = micro_batch * stack.per_sample * pref.row_share(stack, o.objective)
     if stack.traced is not None:  # a hub model's tower: priced from its trace (plan/hub.py)
         from mmtrain.plan.hub import traced_activations
 
         working = head_working_bytes(stack, micro_batch, o)
         traced = traced_activations(stack, micro_batch, o, working)
-        if stack.vocab and o.objective == "dpo":
-            return replace(traced, logits_bytes=pref.logits_bytes(stack, micro_batch, o))
+        if stack.vocab and o.objective == "dpo":  # the trace counted the loss's targets
+            return replace(traced, logits_bytes=pref.token_nll_bytes(stack, micro_batch))
         return traced
     working = layer_bytes(stack, micro_batch, ActivationOptions(**{**o.__dict__, "ac": "none"}))
     frozen = stack.mode == "frozen"
@@ -480,9 +483,9 @@ def stack_activations(
         # the boolean [b, 1, s, s] mask is an input of every checkpointed block (kept once);
         # a split stack's attention kernel holds it instead (train/sequence_parallel.py)
         stem += micro_batch * stack.tokens**2
+    if o.objective == "dpo" and pref.shares_inputs(stack):  # each row takes the pair's output
+        stem += pref.taken_index_bytes(stack, rows)
     logits = head_kept_bytes(stack, micro_batch, o)
-    if stack.vocab and o.objective == "dpo":  # the head's input: the stem counts the loss's
-        stem += pref.head_input_change(stack, micro_batch, o)
     recompute = working if o.ac != "none" else 0
     # the loss's working set is live before any block is recomputed: the larger
     recompute = max(recompute, head_working_bytes(stack, micro_batch, o))
@@ -491,22 +494,24 @@ def stack_activations(
 
 def head_kept_bytes(stack: Stack, micro_batch: float, o: ActivationOptions) -> float:
     """What the objective keeps at an LM head's rows until the backward (0 without a head): the
-    next-token loss its int64 targets, DPO the whole logits (plan/preference.py)."""
+    next-token loss its int64 targets; DPO (plan/preference.py) those and the per-target NLL
+    of the same chunked head."""
     if not stack.vocab:
         return 0.0
     if o.objective == "dpo":
-        return pref.logits_bytes(stack, micro_batch, o)
+        return _loss_bytes(stack, micro_batch, o) + pref.token_nll_bytes(stack, micro_batch)
     return _loss_bytes(stack, micro_batch, o)
 
 
 def head_working_bytes(stack: Stack, micro_batch: float, o: ActivationOptions) -> float:
     """The transient working set at an LM head (0 without one): one chunk of the next-token
-    loss, or DPO's fp32 gradients of the whole logits."""
+    loss (with DPO, beside the gradient of the per-target NLL its chunks read)."""
     if not stack.vocab:
         return 0.0
+    chunk = loss_chunk_bytes(stack, micro_batch, o)
     if o.objective == "dpo":
-        return pref.logits_working_bytes(stack, micro_batch, o)
-    return loss_chunk_bytes(stack, micro_batch, o)
+        return chunk + pref.token_nll_gradient_bytes(stack, micro_batch)
+    return chunk
 
 
 def fusion_bytes(model: PlanModel, micro_batch: int, o: ActivationOptions) -> float:

@@ -64,8 +64,14 @@ critical path (`offload_exposed_s`); the optimizer's step on the host is not tim
 stack computes as a LoRA one (its weights are dequantized per matmul: memory traffic, not FLOPs).
 
 DPO (`--objective dpo`, plan/preference.py): a sample is a pair, two rows through the policy's
-forward and backward, plus the reference's forward over both rows (model FLOPs: a frozen
-model's forward); the step time and MFU count pairs.
+language model and, in a native VLM, one set of images through its vision stacks (a hub
+model's: two); the step time and MFU count pairs. A reference that runs in the step
+(`adapters`, `copy`) adds its forward of the pair (model FLOPs: a frozen model's forward), its
+TP all-reduces, and under ZeRO-3 one more all-gather a micro-batch (of the policy's weights for
+adapters, of the copy's for a copy); a cached reference (`cache`) adds nothing to the step and
+instead one pass before training, one forward of every pair at the plan's rate
+(`reference_pass_s`: the achievable fraction of peak the step's hardware FLOPs run at, over all
+GPUs; compute only), added to the run's time and cost.
 
 Sequence parallelism over N ranks: each rank computes 1/N of the split stacks' FLOPs (their
 tokens, attention included: T/N queries against all T keys) and all of the rest (vision
@@ -222,11 +228,16 @@ def _attention_block_forward(stack: Stack) -> float:
 
 
 @lru_cache(maxsize=256)
-def flops_per_sample(model: PlanModel, ac: str, sequence_parallel: int = 1) -> tuple[float, float]:
+def flops_per_sample(
+    model: PlanModel, ac: str, sequence_parallel: int = 1, rows: tuple[int, ...] | None = None
+) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) per training sample; with `sequence_parallel` N, what one
-    rank of the group computes of it: the split stacks' share 1/N, the other stacks whole."""
+    rank of the group computes of it: the split stacks' share 1/N, the other stacks whole.
+    `rows`: per stack, the rows' worth of inputs it runs on a sample (a DPO pair's,
+    plan/preference.py `stack_rows`); default one each."""
     n = {s.name: sequence_parallel if s.sequence_split else 1 for s in model.stacks}
-    forward = {s.name: s.forward_flops / n[s.name] for s in model.stacks}
+    k = dict(zip((s.name for s in model.stacks), rows or (1,) * len(model.stacks), strict=True))
+    forward = {s.name: k[s.name] * s.forward_flops / n[s.name] for s in model.stacks}
     modes = {s.name: PartTraining(s.mode, s.trained_layer_share()) for s in model.stacks}
     if model.head_flops:
         forward[FUSION_PART] = float(model.head_flops)  # the fusion head trains
@@ -236,7 +247,7 @@ def flops_per_sample(model: PlanModel, ac: str, sequence_parallel: int = 1) -> t
         hardware = train_flops(forward, modes, chained=chained, recompute=list(forward))
     elif ac == "selective":
         redone = [  # a frozen stack on the gradient's path keeps, so recomputes, too
-            _attention_block_forward(s) / n[s.name]
+            k[s.name] * _attention_block_forward(s) / n[s.name]
             for s in model.stacks
             if model.keeps_activations(s)
         ]
@@ -247,17 +258,39 @@ def flops_per_sample(model: PlanModel, ac: str, sequence_parallel: int = 1) -> t
 
 
 def objective_flops(
-    model: PlanModel, ac: str, sequence_parallel: int = 1, objective: str = "sft"
+    model: PlanModel, cfg: PlanConfig, per_rank: bool = False
 ) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) per sample of the plan: `flops_per_sample` for SFT; for a
-    DPO pair (plan/preference.py) its two rows' and the reference's forward over both rows,
-    which is model work (a frozen model's forward, as a frozen tower's) and recomputes
-    nothing (it runs without gradients)."""
-    model_flops, hardware = flops_per_sample(model, ac, sequence_parallel)
-    if objective != "dpo":
-        return model_flops, hardware
-    rows, reference = pref.ROWS_PER_PAIR, pref.reference_forward_flops(model)
-    return rows * model_flops + reference, rows * hardware + reference
+    """(model FLOPs, hardware FLOPs) per sample of the plan's step (`per_rank`: what one rank of
+    a sequence-parallel group computes of it): `flops_per_sample` for SFT; for a DPO pair
+    (plan/preference.py) its two rows' and, where the reference runs in the step (adapters,
+    copy), its forward over both rows, which is model work (a frozen model's forward, as a
+    frozen tower's) and recomputes nothing (it runs without gradients). A cached reference
+    adds none (its one pass before training: `reference_pass_s`). A native VLM's vision
+    stacks run on each pair's images once, a hub model's on each row's."""
+    split = cfg.sequence_parallel if per_rank else 1
+    if not pref.is_dpo(cfg):
+        return flops_per_sample(model, cfg.ac, split)
+    rows = pref.stack_rows(model, cfg.objective)
+    model_flops, hardware = flops_per_sample(model, cfg.ac, split, rows)
+    reference = pref.reference_forward_flops(model, cfg)
+    return model_flops + reference, hardware + reference
+
+
+def reference_pass_samples_per_s(model: PlanModel, cfg: PlanConfig, gpu: GPU) -> float:
+    """Pairs a second a cached reference's one pass before the first step scores (0 for the
+    other references): one forward of both rows of a pair, spread over every GPU, at the rate
+    the plan's step runs its hardware FLOPs (dense peak x the achievable fraction). Compute
+    only: its all-gathers and data loading are not timed."""
+    flops = pref.reference_pass_flops(model, cfg)
+    if not flops:
+        return 0.0
+    return gpu.peak_flops(cfg.precision) * efficiency(model, gpu, cfg).fraction * cfg.gpus / flops
+
+
+def reference_pass_s(model: PlanModel, cfg: PlanConfig, gpu: GPU) -> float:
+    """Seconds of a cached reference's pass over the run's --samples pairs (0: no pass)."""
+    rate = reference_pass_samples_per_s(model, cfg, gpu)
+    return cfg.samples / rate if rate else 0.0
 
 
 def efficiency(model: PlanModel, gpu: GPU, cfg: PlanConfig) -> Efficiency:
@@ -304,8 +337,11 @@ class TimeEstimate:
     achievable_fraction: float
     efficiency_family: str  # the workload family whose published figure gave the fraction
     efficiency_source: str  # that figure, its source and its conversion (or --mfu)
-    time_to_train_s: float
+    time_to_train_s: float  # the steps over --samples, and a cached reference's pass
     cost: float
+    reference_pass_s: float  # DPO's cached reference: its one pass before training (in both)
+    reference_pass_cost: float
+    reference_pass_samples_per_s: float  # pairs it scores a second (0: no pass)
     price_per_gpu_hour: float
     price_source: str  # the catalog's indicative list price, the flag, or a user file
     intra_node: str
@@ -319,13 +355,13 @@ class TimeEstimate:
 
 def micro_compute_s(model: PlanModel, cfg: PlanConfig, gpu: GPU) -> float:
     """One micro-batch's compute on one GPU: TP splits each layer, PP the layers, SP the tokens."""
-    hw_flops = objective_flops(model, cfg.ac, cfg.sequence_parallel, cfg.objective)[1]  # a rank's
+    hw_flops = objective_flops(model, cfg, per_rank=True)[1]  # a rank's
     rate = gpu.peak_flops(cfg.precision) * efficiency(model, gpu, cfg).fraction
     return hw_flops * cfg.micro_batch / (rate * cfg.tp * cfg.pp)
 
 
 def training_time(model: PlanModel, cfg: PlanConfig, gpu: GPU, catalog: Catalog) -> TimeEstimate:
-    model_flops = objective_flops(model, cfg.ac, objective=cfg.objective)[0]
+    model_flops = objective_flops(model, cfg)[0]
     eff = efficiency(model, gpu, cfg)
     fraction = eff.fraction
     rate = gpu.peak_flops(cfg.precision) * fraction
@@ -335,15 +371,15 @@ def training_time(model: PlanModel, cfg: PlanConfig, gpu: GPU, catalog: Catalog)
     tp_link = group_link(catalog, gpu, cfg.tp, gpn, cfg.network)
     act_bytes = 4 if cfg.precision == "fp32" else 2
     tp_comm = 0.0
-    dpo = cfg.objective == "dpo"
-    rows = cfg.micro_batch * pref.rows_per_sample(cfg.objective)
+    step_reference = pref.reference_in_step(model, cfg)  # adapters or copy: a forward a step
     if cfg.tp > 1:
         per_layer = 6 if cfg.ac == "full" else 4
         for s in model.stacks:
             tokens = s.tokens / (cfg.sequence_parallel if s.sequence_split else 1)
+            rows = cfg.micro_batch * pref.input_rows(s, cfg.objective)  # a DPO pair's: 2 or 1
             size = rows * s.per_sample * tokens * s.width * act_bytes
             calls = per_layer if s.mode != "frozen" else 2
-            calls += 2 if dpo else 0  # the reference's forward
+            calls += 2 if step_reference else 0  # the reference's forward
             tp_comm += s.layers / cfg.pp * calls * all_reduce_s(size, cfg.tp, tp_link)
     dp_link = group_link(catalog, gpu, cfg.gpus, gpn, cfg.network)
     b = state_bytes(cfg.precision, cfg.optimizer, cfg.bytes_per_param)
@@ -362,11 +398,15 @@ def training_time(model: PlanModel, cfg: PlanConfig, gpu: GPU, catalog: Catalog)
         exposed = max(0.0, rs - OVERLAP * backward) + ag
     else:  # ZeRO-3: gather weights for forward and backward, reduce-scatter grads, per micro-batch
         frozen = frozen_gathered_bytes(model, cfg.precision, cfg.shard_ranks) / (cfg.tp * cfg.pp)
-        # DPO's reference without adapters is the sharded model's forward: one more gather
-        gathers = 3 if dpo and pref.reference_kind(model) == "adapters" else 2
+        # DPO's reference in the step is one more sharded forward: the policy's without its
+        # adapters (one more gather of its weights), or the copy's (a gather of the copy)
+        adapters = pref.is_dpo(cfg) and pref.reference_kind(model, cfg) == "adapters"
+        gathers = 3 if adapters else 2
+        copy = pref.reference_copy_bytes(model, cfg)
         per_micro = gathers * all_gather_s(weights + frozen, ranks, dp_link) + reduce_scatter_s(
             grads, ranks, dp_link
         )
+        per_micro += all_gather_s(copy, ranks, dp_link)
         dp_comm = m * per_micro
         exposed = m * max(0.0, per_micro - OVERLAP * micro_compute)
     sp_link = group_link(catalog, gpu, cfg.sequence_parallel * cfg.tp, gpn, cfg.network)
@@ -386,7 +426,8 @@ def training_time(model: PlanModel, cfg: PlanConfig, gpu: GPU, catalog: Catalog)
         price, price_source = gpu.price_per_gpu_hour, gpu.price_source
     else:
         price, price_source = 0.0, "no price in the catalog: pass --price-per-gpu-hour"
-    time_to_train = cfg.samples / samples_per_s if cfg.samples else 0.0
+    reference_pass = reference_pass_s(model, cfg, gpu)  # a cached reference's, before training
+    time_to_train = cfg.samples / samples_per_s + reference_pass if cfg.samples else 0.0
     return TimeEstimate(
         compute_s=m * micro_compute,
         tp_comm_s=m * tp_comm,
@@ -408,6 +449,9 @@ def training_time(model: PlanModel, cfg: PlanConfig, gpu: GPU, catalog: Catalog)
         efficiency_source=eff.source,
         time_to_train_s=time_to_train,
         cost=time_to_train / 3600 * cfg.gpus * price,
+        reference_pass_s=reference_pass,
+        reference_pass_cost=reference_pass / 3600 * cfg.gpus * price,
+        reference_pass_samples_per_s=reference_pass_samples_per_s(model, cfg, gpu),
         price_per_gpu_hour=price,
         price_source=price_source,
         intra_node=tp_link.key if cfg.tp > 1 else gpu.intra_node,
@@ -421,8 +465,8 @@ def _policy_share(model: PlanModel, cfg: PlanConfig) -> float:
     for DPO, whose reference's forward comes before them): what the backward share scales."""
     if cfg.objective != "dpo":
         return 1.0
-    total = objective_flops(model, cfg.ac, cfg.sequence_parallel, cfg.objective)[1]
-    return 1 - pref.reference_forward_flops(model) / total
+    total = objective_flops(model, cfg, per_rank=True)[1]
+    return 1 - pref.reference_forward_flops(model, cfg) / total
 
 
 def sequence_comm(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mmtrain.plan.preference import OBJECTIVES
+from mmtrain.plan.preference import OBJECTIVES, REFERENCES
 from mmtrain.structured import FieldError, check_choice
 
 PRECISIONS = ("fp32", "bf16", "bf16-weights", "bf16-pure", "fp16", "fp8")
@@ -48,6 +48,9 @@ class PlanConfig:
     FSDP2 over a group of one); plan/offload.py.
     objective: sft (a sample is a row) or dpo (a sample is a preference pair of two rows, and
     micro_batch, global_batch and samples count pairs; plan/preference.py).
+    reference: dpo's reference, as train.dpo.reference: adapters (the model without its LoRA
+    adapters), copy (a frozen copy), cache (log-probs scored in one pass before training),
+    auto (adapters with LoRA, else cache); what each costs: plan/preference.py.
     """
 
     gpu: str = "h100"
@@ -76,6 +79,7 @@ class PlanConfig:
     # sft: next-token training of one row a sample; dpo: preference pairs, two rows a sample
     # (micro_batch, global_batch and samples count pairs; plan/preference.py)
     objective: str = "sft"
+    reference: str = "auto"  # dpo's reference (train.dpo.reference): auto|adapters|cache|copy
 
     @property
     def dp(self) -> int:
@@ -115,6 +119,13 @@ class PlanConfig:
         check_choice("--ac", self.ac, AC_MODES)
         check_choice("--attention", self.attention, ATTENTION)
         check_choice("--objective", self.objective, OBJECTIVES)
+        check_choice("--reference", self.reference, REFERENCES)
+        if self.reference != "auto" and self.objective != "dpo":
+            raise FieldError(
+                "--reference",
+                f"{self.reference}: the reference is dpo's (train.dpo.reference); add "
+                "--objective dpo or leave --reference out",
+            )
         if self.bytes_per_param not in BYTES_CONVENTIONS:
             raise FieldError(
                 "--bytes-per-param", f"{self.bytes_per_param} is not one of 16, 18, 20"

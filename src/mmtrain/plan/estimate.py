@@ -59,7 +59,7 @@ class Plan:
 
     def to_dict(self) -> dict:
         c = self.config
-        model_flops, hardware_flops = objective_flops(self.model, c.ac, objective=c.objective)
+        model_flops, hardware_flops = objective_flops(self.model, c)
         return {
             "model": {
                 "name": self.model.name,
@@ -104,16 +104,22 @@ class Plan:
 
 
 def objective_summary(model: PlanModel, cfg: PlanConfig, memory: MemoryEstimate) -> dict:
-    """What a sample of the plan is and, for DPO, what it adds (plan/preference.py)."""
+    """What a sample of the plan is and, for DPO, what it adds (plan/preference.py): its
+    reference, the reference's memory and its FLOPs in every step, or, cached, in its one pass
+    before training (per pair, and over the run's --samples pairs; its time and cost are in
+    "time")."""
     if not pref.is_dpo(cfg):
         return {"name": cfg.objective, "sample": "row", "rows_per_sample": 1}
+    pass_flops = pref.reference_pass_flops(model, cfg)
     return {
         "name": "dpo",
         "sample": "pair",  # micro_batch, global_batch, samples and samples_per_s count pairs
         "rows_per_sample": pref.ROWS_PER_PAIR,
-        "reference": pref.reference_kind(model),
+        "reference": pref.reference_kind(model, cfg),
         "reference_bytes": int(memory.reference_bytes),
-        "reference_forward_flops_per_sample": pref.reference_forward_flops(model),
+        "reference_forward_flops_per_sample": pref.reference_forward_flops(model, cfg),
+        "reference_pass_flops_per_sample": pass_flops,
+        "reference_pass_flops": pass_flops * cfg.samples,
         "logits_bytes": int(memory.logits_bytes),
     }
 

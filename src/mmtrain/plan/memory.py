@@ -18,8 +18,11 @@ CUDA context, allocator fragmentation. Overheads, stated:
   unit's shards, and the device copy of one unit's reduce-scattered gradient shard.
 - QLoRA (plan/quantized.py): NF4 weights as torchao lays them out, gathered as they are held,
   and the largest of them dequantized to the compute dtype for one matmul at a time.
-- DPO (`--objective dpo`, plan/preference.py): two rows a pair, the whole logits at the LM
-  head, and, for a full fine-tune, the reference's frozen copy in the compute dtype.
+- DPO (`--objective dpo`, plan/preference.py): two rows a pair through the language model (a
+  native VLM's vision stacks: one set of images a pair), at its LM head the per-target NLL of
+  the chunked loss (a hub model: the whole logits), and, with `--reference copy`, the
+  reference's frozen copy in the compute dtype (a cached reference's pass before training
+  adds nothing to the peak: plan/preference.py says why).
 """
 
 from __future__ import annotations
@@ -71,7 +74,9 @@ class MemoryEstimate:
     dequantized_bytes: float = 0.0  # QLoRA: the largest NF4 weight in the compute dtype
     offload: bool = False  # model states in host memory (their GPU share is 0)
     reference_bytes: float = 0.0  # DPO's frozen reference copy (plan/preference.py)
-    logits_bytes: float = 0.0  # of the activations: what the LM head's rows keep (DPO: logits)
+    # of the activations: what the LM head's rows keep (the loss's targets; DPO's per-target
+    # NLL beside them, or a hub model's whole logits)
+    logits_bytes: float = 0.0
 
     @property
     def model_state_bytes(self) -> float:
@@ -258,8 +263,8 @@ def training_memory(
 ) -> MemoryEstimate:
     """Per-GPU training memory for `model` under strategy `cfg` on `gpu` (None: CPU, no CUDA
     context, `usable_bytes` given by the caller). Under `--objective dpo` a sample is a pair:
-    its activations are those of two rows, with DPO's logits, and a full fine-tune holds the
-    reference's frozen copy (plan/preference.py)."""
+    its activations are those of two rows (a native VLM's images once), with DPO's log-probs,
+    and a `copy` reference holds its frozen copy (plan/preference.py)."""
     weights, grads, optimizer, convention = model_states(model, cfg)
     # On the CPU packed rows attend through a dense mask (models/attention.py's fallback).
     o = activation_options(

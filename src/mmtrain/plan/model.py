@@ -90,6 +90,10 @@ class Stack:
     source: str = ""
     # Language models (decoder.py, vlm.py): how the module's own code keeps activations.
     per_sample: float = 1.0  # inputs of this stack per sample (images per row of a VLM)
+    # Where DPO's rows share a native VLM's images (plan/preference.py): per input of this
+    # stack, the int64 index each row takes the stack's output by (vlm.py `_image_embeds`: one
+    # an image; visual_inputs.py `_taken`: one a merged token of a row's inputs)
+    taken_index_int64: int = 0
     norm_copy: bool = False  # the (unfused) RMSNorm also keeps its normalised input
     rotary: bool = False  # q and k are rotated copies (rotary positions)
     document_mask: bool = False  # packed rows: an fp32 [b, 1, s, s] additive mask per layer
@@ -614,9 +618,10 @@ def _vision_stacks(spec: ModelSpec, rows: Rows) -> tuple[Stack, Stack]:
         per_sample=rows.images,
     )
     image_tokens = p.image_tokens(tower)
-    # fc1 reads the feature layer's output (the class token sliced off: a view of the block's
-    # output); the MLP keeps GELU's input and fc2's input.
-    kept = t * tower.width + (2 * image_tokens * lm_width if p.kind == "mlp" else 0)
+    # fc1 keeps the feature layer's output it reads (with the class token sliced off, the
+    # contiguous copy the matmul makes of that view: image_tokens either way); the MLP keeps
+    # GELU's input and fc2's input.
+    kept = image_tokens * tower.width + (2 * image_tokens * lm_width if p.kind == "mlp" else 0)
     projector = Stack(
         name=PROJECTOR_PART,
         kind="projector",
@@ -631,6 +636,7 @@ def _vision_stacks(spec: ModelSpec, rows: Rows) -> tuple[Stack, Stack]:
         tokens=image_tokens,
         stem_elements=kept,
         per_sample=rows.images,
+        taken_index_int64=1,
         source=f"{p.kind} projector of {spec.name}",
     )
     return vision, projector
@@ -668,6 +674,7 @@ def native_vision_stack(spec: ModelSpec, rows: Rows) -> Stack:
         proj_input_elements=outside.merger_inputs,
         gathered_attention=True,
         attention_span=nv.attention_span(v, inputs),
+        taken_index_int64=nv.visual_tokens(v, inputs),
         quick_gelu=v.mlp == "gelu" and v.activation == "quick_gelu",
         source=f"native-resolution vision tower of {spec.name} ({nv.describe(inputs)})",
     )

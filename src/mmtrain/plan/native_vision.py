@@ -18,9 +18,10 @@ output too (`quick_gelu`: f more). Outside the blocks (`saved_outside_blocks`): 
 patch embedding reads, the rotary cos and sin tables (float32, shared by every block), the
 merger's norm input, statistics and (RMSNorm) normalised copy, its fc1 input, GELU input and
 fc2 input; and, once per tower, the gather indices of each group kind (windows, frames) and
-their inverse, shared by the blocks of that kind and recomputed under checkpointing. (A LoRA
-tower without attention adapters runs its first block's attention without gradient: when that
-block is the only one of its kind, its indices are counted but not kept, 2 int64 a patch.)
+their inverse, shared by the blocks of that kind and recomputed under checkpointing, with the
+patches' positions, which share their buffer. (A LoRA tower without attention adapters runs its
+first block's attention without gradient: when that block is the only one of its kind, its
+indices are counted but not kept, 2 int64 a patch.)
 """
 
 from __future__ import annotations
@@ -109,7 +110,9 @@ def saved_outside_blocks(vision: NativeVisionSpec, inputs: Sequence[Visual]) -> 
         fp32=2 * n * vision.head_dim() + stats * n,
         input_floats=n * vision.patch_dim(),
         merger_inputs=(copy + 2) * n * w,
-        index_int64=2 * n * kinds,  # each kind's indices and their inverse
+        # each kind's indices and their inverse, in one buffer with the patches' positions
+        # [n, 2] (models/native_vision.py `VisionLayout.to`): a kept index keeps it whole
+        index_int64=2 * n * kinds + 2 * n,
     )
 
 

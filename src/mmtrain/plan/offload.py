@@ -28,6 +28,10 @@ micro-batches' gradient shards synchronously and adds them on the CPU (`foreach_
 non-blocking copy when a gradient is accumulated): those copies are exposed. The optimizer's
 step on the host is not timed; its host-memory traffic (each trained parameter, gradient and
 state read, each parameter and state written) is reported beside the plan.
+
+DPO (plan/preference.py): a reference that runs in the step copies weights in once more a
+micro-batch (`adapters`: the model's shards; `copy`: the frozen copy's, whose shards live in
+pinned host memory too, in the compute dtype); a cached reference copies nothing more.
 """
 
 from __future__ import annotations
@@ -35,11 +39,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mmtrain.hardware import GIB, GPU, Catalog
+from mmtrain.plan import preference as pref
 from mmtrain.plan.activations import BF16_MODEL
 from mmtrain.plan.config import PlanConfig
 from mmtrain.plan.fsdp_units import Unit, fsdp_units, host_param_bytes, trained_param_bytes
 from mmtrain.plan.model import PlanModel
-from mmtrain.plan.preference import reference_kind
 from mmtrain.plan.states import state_bytes
 from mmtrain.structured import FieldError
 
@@ -146,6 +150,14 @@ def _pinned(unit: Unit, precision: str, shards: int) -> float:
     return params + grads
 
 
+def _copy_pinned(units: list[Unit], cfg: PlanConfig, shards: int) -> float:
+    """DPO's frozen copy offloaded (train/model_setup.py `build_reference`, FSDP2 as the policy):
+    each tensor's shard in the compute dtype, pinned and rounded (module docstring)."""
+    per_param = pref.reference_weight_bytes(cfg.precision)
+    return sum(u.count * sum(pinned_size(n / shards * per_param) for n in u.tensors)
+               for u in units)  # fmt: skip
+
+
 def _ranks_per_server(gpu: GPU, cfg: PlanConfig) -> int:
     per_server = gpu.server_gpus or cfg.gpus_per_node or gpu.gpus_per_node
     return min(cfg.gpus, per_server)
@@ -182,12 +194,18 @@ def host_estimate(
     grads = trained * grad_host_bytes(cfg.precision)
     optimizer = trained * optimizer_host_bytes(cfg.precision, cfg.optimizer, cfg.bytes_per_param)
     pinned = sum(u.count * _pinned(u, cfg.precision, shards) for u in units)
-    # DPO's reference without adapters is one more forward of the offloaded model
-    extra = 1 if cfg.objective == "dpo" and reference_kind(model) == "adapters" else 0
+    copy = pref.reference_copy_bytes(model, cfg) / cfg.shard_ranks  # a frozen copy's shards
+    params += copy
+    pinned += _copy_pinned(units, cfg, shards) if copy else 0.0
+    # DPO's reference in the step is one more forward of offloaded weights: the model's
+    # without its adapters (its shards copied in once more), or the frozen copy's (its shards,
+    # in the compute dtype); a cached reference adds none
+    adapters = pref.is_dpo(cfg) and pref.reference_kind(model, cfg) == "adapters"
     h2d_micro = sum(
-        u.count * (u.gathers + extra) * host_param_bytes(u, cfg.precision) for u in units
+        u.count * (u.gathers + adapters) * host_param_bytes(u, cfg.precision) for u in units
     )
     h2d_micro /= shards
+    h2d_micro += copy
     d2h_micro = grads
     rate = link.bytes_per_s()
     m = cfg.accumulation

@@ -1,37 +1,68 @@
 """Preference tuning (`--objective dpo`, train.objective: dpo; train/dpo.py) as the planner
 counts it. A sample of the plan is a PAIR: `--micro-batch`, `--global-batch` and `--samples`
 count pairs, and each pair is two rows of the micro-batch (the chosen answer's and the
-rejected one's, data/stream/preference_batches.py), each row with its own images.
+rejected one's, data/stream/preference_batches.py) about the same images.
 
-What DPO changes against next-token training (SFT) of the same rows:
-- the policy's forward and backward run over 2 rows a pair: every stack's activations and
-  FLOPs are those of twice the rows (a VLM's image tower encodes each side's images);
-- the policy's log-probs come from the whole logits [rows, logit rows, vocabulary], not the
-  chunked head of the next-token loss (models/token_loss.py): the step holds the head's output
-  (in the activation dtype; the step's `out` keeps it until the backward is over) and autograd
-  keeps its fp32 log-softmax (over each row's ids but the last), the int64 index of the
-  gathered targets and the boolean mask of the scored ones (`logits_bytes`); the backward
-  holds two fp32 gradients of that size at once, the log-softmax's output's and input's
-  (`logits_working_bytes`), where SFT held one chunk. The head reads one row more per sample
-  (the last id's) than the chunked loss, whose input it keeps;
-- the reference's log-probs come first, once per step, from a forward without gradients
-  over the same rows: the model with its LoRA adapters disabled (`adapters`: a LoRA or QLoRA
-  run, no second copy) or a frozen copy of the model (`copy`: a full fine-tune), held whole
-  on every rank in the compute dtype (train/model_setup.py's `build_reference`: the autocast
-  dtype under bf16 / fp16, the parameters' dtype (fp32) otherwise, fp8 included). Its
-  forward is one more forward of the model per row (model FLOPs: a frozen model's forward,
-  counted as the planner counts a frozen tower's); its transient memory (one layer at a time,
-  then its logits, their fp32 copy and log-softmax) stays under what the policy holds at its
-  loss (the same logits plus their fp32 log-softmax and two fp32 gradients), so it adds none.
+What DPO changes against next-token training (SFT) of the same rows, as the trainer runs
+mmtrain's own models (native) and transformers' classes (hub):
+- the language model's forward and backward run over 2 rows a pair: the decoder's
+  activations and FLOPs are those of twice the rows;
+- a native VLM's vision stacks (image tower and projector, or the native-resolution tower)
+  run on ONE set of images a pair: the micro-batch holds each image and clip once and both
+  rows take its features (models/visual_inputs.py `image_sources`; `shares_inputs`), so their
+  activations and FLOPs are those of one row a pair (`input_rows`), and each row keeps the
+  int64 index it takes them by (`taken_index_bytes`) where they need a gradient. A hub model
+  encodes each side's pixels: 2 rows a pair for every stack;
+- the log-probs: the model gives each target's NLL (models/vlm.py `token_nll`, models/hub/
+  model.py for a hub model), computed by the next-token loss's chunked head (models/
+  token_loss.py: the head and the cross-entropy a chunk of positions at a time, recomputed in
+  backward), so its head, loss and their working set are SFT's at twice the rows, plus the
+  per-target NLL [rows, logit rows - 1] in fp32, which the step's output holds until the
+  backward is over, and the pair loss's log-sigmoid (`token_nll_bytes`); the backward holds
+  that NLL's gradient beside a chunk (`token_nll_gradient_bytes`); no logits exist whole (a
+  hub class that transforms its logits beyond the head, Gemma's soft cap, reads them whole,
+  as its next-token trace counted them);
+- the reference's log-probs (`--reference`, train.dpo.reference; `auto`: `adapters` with
+  --lora / --qlora, else `cache`), each priced as what it costs:
+  - `adapters` (a LoRA or QLoRA run): the model with its adapters disabled, no second copy;
+    each step, before the policy's forward, one more forward of the base over the pair
+    without gradients (under ZeRO-3 one more all-gather of the weights a micro-batch; with
+    CPU offload one more copy of them in from the host);
+  - `copy`: a frozen copy of the model (`reference_bytes`), held in the compute dtype
+    (train/model_setup.py's `build_reference`: the autocast dtype under bf16 / fp16, the
+    parameters' dtype (fp32) otherwise, fp8 included), whole on every rank under DDP and
+    sharded as the policy is under ZeRO-3 (one more all-gather a micro-batch, of the copy's
+    weights; with CPU offload its shards live in pinned host memory, plan/offload.py, and are
+    copied in for that gather); each step one more forward of it over the pair without
+    gradients;
+  - `cache` (train/reference_cache.py): no copy in memory and no reference forward a step;
+    instead a one-time pass before the first step scores every training pair once (`--samples`
+    pairs) with the model as it starts, a forward of the pair without gradients
+    (`reference_pass_flops`), at the plan's rate (compute.py's `reference_pass_s`), added to
+    the run's time and cost (`--samples` taken as the pairs scored: a run of E epochs over
+    them scores each pair once, 1/E of that, where the other references' forwards run every
+    epoch). It adds nothing to the memory peak: it runs before the first step, when no
+    gradient and no optimizer state exists yet (torch's optimizers create theirs at their
+    first step), and a forward without gradients holds less than the step does. The
+    trainer's `auto` gives `copy` instead to a model whose images are randomly cropped (one
+    stored score cannot match every crop), which the plan cannot see: plan such a run with
+    `--reference copy`.
+  A forward of the pair (`pair_forward_flops`) runs each stack over its `input_rows`: the
+  reference's shares the images as the policy's does. In the step it is model FLOPs (a
+  frozen model's forward, counted as the planner counts a frozen tower's); its transient
+  memory (one layer at a time, then the head's chunk) comes before the policy's forward and
+  stays under what the policy holds at its loss, so it adds none.
 
-A hub model's text tower is priced from its next-token trace (plan/hub.py): what the trace
-counted outside its blocks (the head's input and the targets among it) stays as traced, and the
-logits term comes on top of it (its head's input is not adjusted as a native head's is).
+FLOPs follow the MFU convention every plan counts (spec.py's `train_flops`: a language model's
+head at every position, 3 passes of a trained layer). What the trainer computes departs from
+it as SFT's step does, and tests/test_plan_dpo.py measures it so: the chunked head runs at
+the positions that predict an id and recomputes its forward in backward, and the patch
+embedding's backward computes no gradient for the pixels.
 
 What is not planned for dpo yet is refused (packed rows: the trainer packs a native model's
 pairs, but the planner lays them out padded; sequence parallelism, which the trainer refuses
-with dpo) or, for
-a plan that is a what-if anyway, named. A frozen copy under FSDP is sharded as the policy is
+with dpo) or, for a plan that is a what-if anyway, named; so is `--reference adapters` without
+LoRA (the trainer refuses it too). A frozen copy under FSDP is sharded as the policy is
 (`reference_bytes`).
 """
 
@@ -43,12 +74,13 @@ from mmtrain.plan.model import PlanModel, Stack
 from mmtrain.structured import FieldError
 
 if TYPE_CHECKING:  # activations.py imports this module
-    from mmtrain.plan.activations import ActivationOptions
     from mmtrain.plan.config import PlanConfig
 
 OBJECTIVES = ("sft", "dpo")
+REFERENCES = ("auto", "adapters", "cache", "copy")  # train.dpo.reference's choices
+IN_STEP = ("adapters", "copy")  # the references that run a forward in every step
 ROWS_PER_PAIR = 2  # the chosen and the rejected answer's rows
-FP32, INT64, BOOL = 4, 8, 1
+FP32, INT64 = 4, 8
 
 
 def is_dpo(cfg: PlanConfig) -> bool:
@@ -67,8 +99,9 @@ def scored_stack(model: PlanModel) -> Stack | None:
 
 def check_preference(model: PlanModel, cfg: PlanConfig) -> None:
     """FieldError naming the flag for what DPO cannot plan: a model without a language model's
-    head, packed rows (not planned for pairs yet) and sequence parallelism
-    (train.sequence_parallel is refused with dpo)."""
+    head, packed rows (not planned for pairs yet), sequence parallelism
+    (train.sequence_parallel is refused with dpo) and an `adapters` reference without
+    adapters (the trainer refuses train.dpo.reference adapters without LoRA)."""
     if not is_dpo(cfg):
         return
     stack = scored_stack(model)
@@ -91,13 +124,31 @@ def check_preference(model: PlanModel, cfg: PlanConfig) -> None:
             "the trainer's dpo does not split rows over ranks yet (train.sequence_parallel "
             "1); plan it with --sequence-parallel 1",
         )
+    if cfg.reference == "adapters" and not has_adapters(model):
+        raise FieldError(
+            "--reference",
+            "adapters: the reference is the model with its LoRA adapters disabled, and no "
+            "tower has adapters; add --lora / --qlora TOWER, or use cache or copy (or auto)",
+        )
 
 
-def reference_kind(model: PlanModel) -> str:
-    """`adapters` when a stack is LoRA-adapted (--lora / --qlora: the reference is the model
-    without them), else `copy` (a full fine-tune: a frozen copy of the model), as
-    train.dpo.reference `auto` resolves it."""
-    return "adapters" if any(s.mode == "lora" for s in model.stacks) else "copy"
+def has_adapters(model: PlanModel) -> bool:
+    """Whether a stack is LoRA-adapted (--lora / --qlora)."""
+    return any(s.mode == "lora" for s in model.stacks)
+
+
+def reference_kind(model: PlanModel, cfg: PlanConfig) -> str:
+    """The reference a DPO plan prices (module docstring): `cfg.reference`, with `auto`
+    resolved as train.dpo.reference resolves it for a model whose images are not randomly
+    cropped: `adapters` when a stack is LoRA-adapted, else `cache`."""
+    if cfg.reference != "auto":
+        return cfg.reference
+    return "adapters" if has_adapters(model) else "cache"
+
+
+def reference_in_step(model: PlanModel, cfg: PlanConfig) -> bool:
+    """Whether every step of the plan runs the reference's forward (adapters, copy)."""
+    return is_dpo(cfg) and reference_kind(model, cfg) in IN_STEP
 
 
 def reference_weight_bytes(precision: str) -> int:
@@ -105,23 +156,78 @@ def reference_weight_bytes(precision: str) -> int:
     return {"fp32": 4, "fp8": 4}.get(precision, 2)
 
 
-def reference_bytes(model: PlanModel, cfg: PlanConfig) -> float:
-    """The frozen copy's weights on one GPU (0 with adapters, or for SFT): the whole model, or
-    under ZeRO-3 (FSDP2, train/model_setup.py `build_reference`: sharded as the policy is) its
-    shard (in host memory with offload: 0 here), divided by TP x PP for a what-if that splits
-    the layers. The block a sharded copy gathers for its forward is transient, gone before the
-    policy's activations peak."""
-    if not is_dpo(cfg) or reference_kind(model) != "copy":
+def reference_copy_bytes(model: PlanModel, cfg: PlanConfig) -> float:
+    """The frozen copy's whole weights over TP x PP (what a ZeRO-3 rank all-gathers for its
+    forward, a block at a time); 0 unless the reference is a copy."""
+    if not is_dpo(cfg) or reference_kind(model, cfg) != "copy":
         return 0.0
-    whole = model.params() * reference_weight_bytes(cfg.precision) / (cfg.tp * cfg.pp)
+    return model.params() * reference_weight_bytes(cfg.precision) / (cfg.tp * cfg.pp)
+
+
+def reference_bytes(model: PlanModel, cfg: PlanConfig) -> float:
+    """The frozen copy's weights on one GPU (0 with adapters or a cache, or for SFT): the whole
+    model, or under ZeRO-3 (FSDP2, train/model_setup.py `build_reference`: sharded as the
+    policy is) its shard (in host memory with offload: 0 here), divided by TP x PP for a
+    what-if that splits the layers. The block a sharded copy gathers for its forward is
+    transient, gone before the policy's activations peak."""
+    whole = reference_copy_bytes(model, cfg)
     if cfg.zero == 3:
         return 0.0 if cfg.offload else whole / cfg.shard_ranks
     return whole
 
 
-def reference_forward_flops(model: PlanModel) -> float:
-    """FLOPs per pair of the reference's forward: one forward of the model per row."""
-    return ROWS_PER_PAIR * model.forward_flops()
+def shares_inputs(stack: Stack) -> bool:
+    """Whether a DPO pair's two rows share `stack`'s inputs, so that it runs on one set of them
+    a pair: a native VLM's vision stacks (the image tower and its projector, or the
+    native-resolution tower), whose micro-batch holds each image and clip once
+    (models/visual_inputs.py `image_sources`); a hub model's encode each side's pixels."""
+    return stack.kind in ("encoder", "projector") and stack.traced is None
+
+
+def input_rows(stack: Stack, objective: str) -> int:
+    """Rows' worth of inputs `stack` runs on per sample of the plan: a DPO pair's two, or one
+    where the pair's rows share them (`shares_inputs`); one for SFT."""
+    if objective != "dpo":
+        return 1
+    return 1 if shares_inputs(stack) else ROWS_PER_PAIR
+
+
+def row_share(stack: Stack, objective: str) -> float:
+    """Of a micro-batch's rows, the share whose inputs `stack` runs on (1/2: the pairs')."""
+    return input_rows(stack, objective) / rows_per_sample(objective)
+
+
+def taken_index_bytes(stack: Stack, rows: float) -> float:
+    """What `rows` rows of a DPO micro-batch keep to take a shared stack's output: the int64
+    index of their inputs into the pairs' one set (`Stack.taken_index_int64`), read by the
+    backward of that gather (so kept only where the output needs a gradient: a stack that
+    keeps nothing keeps no index either)."""
+    return rows * stack.per_sample * stack.taken_index_int64 * INT64
+
+
+def stack_rows(model: PlanModel, objective: str) -> tuple[int, ...]:
+    """`input_rows` of each of the model's stacks, in order."""
+    return tuple(input_rows(s, objective) for s in model.stacks)
+
+
+def pair_forward_flops(model: PlanModel) -> float:
+    """Forward FLOPs of one pair: each stack over its `input_rows`."""
+    rows = stack_rows(model, "dpo")
+    return sum(r * s.forward_flops for r, s in zip(rows, model.stacks, strict=True))
+
+
+def reference_forward_flops(model: PlanModel, cfg: PlanConfig) -> float:
+    """FLOPs per pair of the reference's forward in every step: one forward of the pair
+    (adapters, copy; `pair_forward_flops`); 0 with a cache (or for SFT)."""
+    return pair_forward_flops(model) if reference_in_step(model, cfg) else 0.0
+
+
+def reference_pass_flops(model: PlanModel, cfg: PlanConfig) -> float:
+    """FLOPs per pair of a cache's one-time pass before the first step: one forward of the
+    pair, once per training pair; 0 for the other references (or for SFT)."""
+    if not is_dpo(cfg) or reference_kind(model, cfg) != "cache":
+        return 0.0
+    return pair_forward_flops(model)
 
 
 def logit_rows(stack: Stack) -> float:
@@ -129,51 +235,77 @@ def logit_rows(stack: Stack) -> float:
     return stack.logit_rows or stack.tokens
 
 
-def logits_bytes(stack: Stack, rows: float, o: ActivationOptions) -> float:
-    """What DPO's log-probs keep for `rows` rows of `stack` until the backward (module
-    docstring): the head's output [rows, logit rows, vocab] in the activation dtype, the fp32
-    log-softmax and int64 target index and boolean mask of every logit row but the last and,
-    per pair, the fp32 input and buffer of the sigmoid loss's log-sigmoid (one fp32 a row).
-    Vocabulary-wide terms are split by TP (a vocabulary-parallel head). In place of the
-    next-token loss's int64 targets (activations.py's `_loss_bytes`)."""
-    n = logit_rows(stack)
-    held = rows * n * stack.vocab * o.act_bytes / o.tp
-    kept = rows * (n - 1) * (stack.vocab * FP32 / o.tp + INT64 + BOOL)
-    return held + kept + rows * FP32
+def pair_loss_bytes(rows: float) -> float:
+    """What the sigmoid loss keeps: per pair its log-sigmoid's fp32 input and buffer (one fp32
+    a row); the per-sample sums and the margins keep nothing."""
+    return rows * FP32
 
 
-def head_input_change(stack: Stack, rows: float, o: ActivationOptions) -> float:
-    """What DPO's head keeps of its input against the chunked next-token loss, which keeps it
-    at every logit row but the last, frozen head or not (it recomputes each chunk's logits):
-    a trained head's weight gradient reads it at every logit row (one row more), a frozen
-    head's input gradient reads only its weight (none of it)."""
-    n = logit_rows(stack)
-    if stack.head_trained():
-        return rows * stack.width * o.act_bytes
-    return -rows * (n - 1) * stack.width * o.act_bytes
+def token_nll_bytes(stack: Stack, rows: float) -> float:
+    """What DPO's log-probs keep beyond the next-token loss of the same rows
+    (whose targets, chunked head and head input they share): the per-target NLL [rows, logit
+    rows - 1] in fp32, which the step's output holds until the backward is over, and the pair
+    loss's (`pair_loss_bytes`)."""
+    return rows * (logit_rows(stack) - 1) * FP32 + pair_loss_bytes(rows)
 
 
-def logits_working_bytes(stack: Stack, rows: float, o: ActivationOptions) -> float:
-    """The backward's transient at the log-probs: the fp32 gradients of the log-softmax's
-    output and of its input, live together (in the forward, a 16-bit run's fp32 copy of the
-    logits is one such tensor: less)."""
-    return 2 * rows * (logit_rows(stack) - 1) * stack.vocab * FP32 / o.tp
+def token_nll_gradient_bytes(stack: Stack, rows: float) -> float:
+    """The backward's fp32 gradient of that NLL [rows, logit rows - 1], live while the head's
+    chunks are recomputed (each chunk reads its slice)."""
+    return rows * (logit_rows(stack) - 1) * FP32
 
 
 def describe(model: PlanModel, cfg: PlanConfig) -> str:
-    """The note a DPO plan prints: what it adds to SFT of the same rows."""
-    kind = reference_kind(model)
-    if kind == "adapters":
-        reference = ("the reference is the model with its LoRA adapters disabled (no second "
-                     "copy of the weights): one more forward of the base per row")  # fmt: skip
-    else:
-        reference = (f"the reference is a frozen copy of the model ({model.params():,} "
-                     f"parameters at {reference_weight_bytes(cfg.precision)} bytes, whole on "
-                     "every GPU): one more forward per row")  # fmt: skip
+    """The note a DPO plan prints: what it adds to SFT of the same rows, what its reference
+    costs, and what the other references would."""
+    kind = reference_kind(model, cfg)
     return (
         "dpo: a sample is a preference pair (--micro-batch, --global-batch and --samples count "
-        "pairs), two rows in the micro-batch, so activations and FLOPs are those of twice the "
-        "rows; the log-probs read the whole logits (the head's output, its fp32 log-softmax "
-        f"and gradients) instead of the chunked next-token loss; {reference}, before the "
-        "backward passes, without gradients"
+        "pairs), two rows in the micro-batch, so the language model's activations and FLOPs "
+        f"are those of twice the rows; {_images_note(model)}{_head_note(model)}; "
+        f"{_reference_note(model, cfg)}. --reference {kind} (auto: adapters with LoRA, else "
+        "cache); each reference costs: adapters one more forward of the base a step, copy a "
+        "frozen copy of the weights and one more forward a step, cache one pass over the "
+        "pairs before training and nothing a step"
     )
+
+
+def _images_note(model: PlanModel) -> str:
+    vision = [s for s in model.stacks if s.kind in ("encoder", "projector")]
+    if not vision:
+        return ""
+    if any(shares_inputs(s) for s in vision):
+        return ("the vision tower encodes each pair's images once, for both rows (their "
+                "activations and FLOPs are one row's a pair); ")  # fmt: skip
+    return ("the vision tower encodes each row's images (transformers' class takes each "
+            "side's pixels: two rows a pair); ")  # fmt: skip
+
+
+def _head_note(model: PlanModel) -> str:
+    return ("the log-probs sum each target's NLL from the next-token loss's chunked head "
+            "(no logits held; on top of the next-token step's, the fp32 NLL of each "
+            "position)")  # fmt: skip
+
+
+def _reference_note(model: PlanModel, cfg: PlanConfig) -> str:
+    kind = reference_kind(model, cfg)
+    if kind == "adapters":
+        return ("the reference is the model with its LoRA adapters disabled (no second copy of "
+                "the weights): one more forward of the base over the pair, each step, before "
+                "the backward passes, without gradients")  # fmt: skip
+    if kind == "copy":
+        if cfg.zero != 3:
+            where = "whole on every GPU"
+        else:
+            where = f"sharded over {cfg.shard_ranks} ranks as the policy is"
+            where += ", in host memory" if cfg.offload else ""
+        return (f"the reference is a frozen copy of the model ({model.params():,} parameters "
+                f"at {reference_weight_bytes(cfg.precision)} bytes, {where}): one more forward "
+                "over the pair, each step, before the backward passes, without "
+                "gradients")  # fmt: skip
+    return ("the reference's log-probs are cached: one pass before the first step scores "
+            "each training pair once with the model as it starts (one forward of the pair, "
+            "without gradients: the \"reference pass\", in the run's time and cost), then no "
+            "copy of the weights and no reference forward a step (the trainer's auto gives a "
+            "model whose images are randomly cropped a frozen copy instead, as one stored "
+            "score cannot match every crop: plan it with --reference copy)")  # fmt: skip
