@@ -266,10 +266,12 @@ def vlm_dpo_summary(result: Any) -> str:
         f"{p['beta']:g}):",
         f"  reward accuracy   {_pct(p['reward_accuracy'])} after   "
         f"{_pct(p['reward_accuracy_before'])} before (the reference itself: every tie half)",
+        f"  control           {_pct(p['reward_accuracy_sharper_reference'])} the reader with its "
+        "logits doubled, nothing trained",
         f"  exact match       {_pct(p['exact_match'])} after   {_pct(p['exact_match_before'])} "
         "before (greedy answers on the held-out pages)",
         "",
-        f"run         {run}  (LoRA adapter in {run / 'adapter'})",
+        f"run         {run}  (the reader with its tuned final norm and head)",
         f"eval.json   {run / 'eval.json'}",
     ])  # fmt: skip
 
