@@ -14,7 +14,10 @@
 # stage-1 memory, a native VLM's syncs under sync debug mode and its recompiles over page sizes,
 # eight Qwen2.5-7B decoder layers with the real head (packed / padded, eager / compiled: MFU,
 # graphs, the loss's share), the VLM loader's pages/s with 14 workers, FSDP2 CPU offload and
-# QLoRA (peak GPU memory, step time, host memory vs the plan); planned for the card it runs on.
+# QLoRA (peak GPU memory, step time, host memory vs the plan), a 1.1B LM's DPO step with each of
+# its three references (LoRA adapters disabled, cached log-probs looked up by pair, a frozen
+# copy: ms/step, peak vs the plan, syncs per step, the reference pass's pairs/s); planned for
+# the card it runs on.
 #
 #   bash bench/gpu.sh                 # results in $OUT (default /tmp/mmtrain-gpu-bench): gpu_results.{md,json}
 #   bash bench/gpu.sh --dry-run       # tiny sizes on the CPU: proves the script runs

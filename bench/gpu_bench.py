@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from common import command, count_syncs, machine, median_seconds
 from gpu_attention import attention_note
+from gpu_dpo import dpo_note
 from gpu_frozen import frozen_note
 from gpu_lm_layers import lm_layers_note
 from gpu_loader import vlm_loader_note
@@ -586,6 +587,7 @@ def main() -> int:
         ("LM layers", lambda: lm_layers_note(device, dry)),  # 7B layers: MFU, compile, loss
         ("offload and QLoRA", lambda: offload_note(device, dry)),  # peak GPU memory, ms/step
         ("offload plan", lambda: offload_plan_note(device, dry)),  # GPU + pinned host vs plan
+        ("DPO step", lambda: dpo_note(device, dry)),  # 3 references: ms, peak vs plan, syncs
         ("VLM loader", lambda: vlm_loader_note(device, dry)),  # pages/s with 14 workers
     )
     others = (
