@@ -28,7 +28,7 @@ from mmtrain.train.dpo import DpoObjective
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
-from hub_folders import image, load_processor, make_folder  # noqa: E402
+from hub_folders import FAMILIES, image, load_processor, make_folder  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +108,44 @@ def test_a_hub_models_log_probs_by_token_equal_its_logits(made):
         torch.testing.assert_close(grads[0][name], grad, rtol=1e-9, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_pairs_images_go_through_the_vision_encoder_once(made, tmp_path, family):
+    """A padded pair batch's rejected pixels repeat its chosen ones, and it says so: the class's
+    vision encoder takes half its inputs, and the pair's log-probs and every gradient equal
+    those of the sides encoded apart (float64; the gradients to float32's rounding, below)."""
+    from mmtrain.models.hub.model import HubModel
+    from mmtrain.models.hub.shared_pixels import PAIRED_PIXELS
+    from mmtrain.models.hub.source import model_class
+    from mmtrain.train.dpo import batch_logps, model_inputs
+
+    root, _ = made
+    folder = make_folder(family, tmp_path)
+    spec, batch = _pairs_in_float64(root, folder)
+    assert batch[PAIRED_PIXELS] is True
+    model = HubModel(spec, model_class(folder).from_pretrained(folder, dtype=torch.float64))
+    seen = []  # the rows (patches or images) the encoder's first block gets
+    model.towers["vision"].blocks[0].register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append(next(x.shape[0] for x in (*args, *kwargs.values())
+                                                 if torch.is_tensor(x))), with_kwargs=True)  # fmt: skip
+    sums, grads = [], []
+    for paired in (True, False):
+        model.zero_grad()
+        logps = batch_logps(model(model_inputs({**batch, PAIRED_PIXELS: paired}, True)), batch)
+        (logps * torch.arange(1.0, 5.0, dtype=logps.dtype)).sum().backward()
+        sums.append(logps.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert seen[0] * 2 == seen[1]  # half the images' rows, then all of them
+    torch.testing.assert_close(sums[0], sums[1], rtol=1e-12, atol=0)
+    assert grads[0].keys() == grads[1].keys()
+    assert any(n.startswith(("hf.model.visual", "hf.model.vision")) for n in grads[0])
+    # transformers' eager attention takes its softmax in float32, in a float64 model too: the
+    # repeated features' gradient is summed before that cast, the sides' apart after it, so the
+    # encoder's gradients agree to float32's rounding (2^-24 a step), the rest to float64's.
+    largest = max(g.abs().max().item() for g in grads[1].values())
+    for name, grad in grads[1].items():
+        torch.testing.assert_close(grads[0][name], grad, rtol=1e-6, atol=1e-6 * largest, msg=name)
+
+
 def test_a_full_fine_tune_equals_trls_dpo_trainer(made):
     """The policy (the folder's weights moved at random) against a frozen copy of the folder:
     mmtrain's loss and every parameter's gradient equal DPOTrainer's on the same rows, the
@@ -185,7 +223,9 @@ def test_packed_pairs_train_what_padded_pairs_train(made):
                   "data": {"train": str(root / "shards"), "sequence_length": 128, "pack": pack},
                   "train": {"steps": 2, "batch_size": 4, "lr": 1e-2, "warmup_steps": 0,
                             "precision": "fp64", "objective": "dpo",
-                            "towers": {"text": {"lora": {"rank": 4}}}},
+                            # (the vision tower frozen: a trained one's gradients agree to
+                            # float32's rounding, test_a_pairs_images_go_through_...)
+                            "towers": {"vision": {"freeze": True}, "text": {"lora": {"rank": 4}}}},
                   "metrics": {"tensorboard": False}, "out": str(root / f"pack-{pack}")}  # fmt: skip
         losses[pack] = [row["loss"] for row in train(config_from_dict(config)).history]
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]),

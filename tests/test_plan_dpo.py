@@ -182,38 +182,41 @@ def test_dpo_flops_are_sfts_at_twice_the_rows_with_one_set_of_images_plus_a_refe
     assert plan.time.mfu == pytest.approx(mfu / plan.time.step_time_s, rel=1e-12)
 
 
-def test_a_hub_models_dpo_scores_by_token_and_encodes_each_rows_images(
+def test_a_hub_models_dpo_scores_by_token_and_encodes_each_pairs_images_once(
     capsys, monkeypatch, tmp_path
 ):
-    """A hub model's log-probs come from the same chunked head as its next-token loss, and
-    each side's pixels go through its vision tower: the DPO plan is the next-token plan of
-    twice the rows with the per-target NLL (fp32, one a scored position) on top."""
+    """A hub model's log-probs come from the same chunked head as its next-token loss, and a
+    padded pair batch's images go through its vision encoder once (models/hub/
+    shared_pixels.py): the DPO plan is the next-token plan of twice the text rows with the
+    per-target NLL (fp32, one a scored position) on top, and of one image a pair."""
     from mmtrain.models.hub import trace as hub_trace
 
     monkeypatch.setenv(hub_trace.CACHE_ENV, str(tmp_path / "cache"))
     argv = ["--model", "Qwen3-VL-4B", "--precision", "fp32", "--json"]
-    code, out, _ = _cli(capsys, *argv, "--micro-batch", "4")
-    assert code == 0
-    sft = json.loads(out)
+    sft = {}
+    for rows in (2, 4):
+        code, out, _ = _cli(capsys, *argv, "--micro-batch", str(rows))
+        assert code == 0
+        sft[rows] = json.loads(out)
     code, out, _ = _cli(capsys, *argv, "--micro-batch", "2", "--objective", "dpo")
     assert code == 0
     dpo = json.loads(out)
-    positions = sft["model"]["tokens_per_sample"]["text"]
+    positions = sft[4]["model"]["tokens_per_sample"]["text"]
     kept = dpo["memory"]["logits_bytes"]
     rows = 4  # 2 pairs
     assert kept == rows * (positions - 1) * 4 + rows * 4  # fp32 NLL a target, the loss's floats
-    by_tower, sft_by_tower = (p["memory"]["activations_by_tower"] for p in (dpo, sft))
-    assert by_tower["vision"] == sft_by_tower["vision"] > 0
-    assert by_tower["text"] == sft_by_tower["text"] + kept
+    by_tower = dpo["memory"]["activations_by_tower"]
+    vision, text = (sft[n]["memory"]["activations_by_tower"] for n in (2, 4))
+    assert by_tower["vision"] == vision["vision"] > 0  # one image a pair: 2 images
+    assert by_tower["text"] == text["text"] + kept  # 4 text rows
     assert dpo["objective"]["reference"] == "cache"
-    train = 2 * sft["model"]["train_flops_per_sample"]
-    assert dpo["model"]["train_flops_per_sample"] == train
-    assert (
-        dpo["objective"]["reference_pass_flops_per_sample"]
-        == 2 * sft["model"]["forward_flops_per_sample"]
-    )
+    one, pair = sft[4]["model"], dpo["model"]  # a pair: the text twice, the image once
+    assert one["train_flops_per_sample"] < pair["train_flops_per_sample"]
+    assert pair["train_flops_per_sample"] < 2 * one["train_flops_per_sample"]
+    image = 2 * one["forward_flops_per_sample"] - dpo["objective"]["reference_pass_flops_per_sample"]
+    assert 0 < image < one["forward_flops_per_sample"]
     note = " ".join(dpo["model"]["notes"])
-    assert "chunked head" in note and "each row's images" in note
+    assert "chunked head" in note and "each pair's images once" in note
 
 
 @pytest.mark.parametrize(("precision", "bytes_a_param"), [("bf16", 2), ("fp16", 2),

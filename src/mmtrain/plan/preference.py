@@ -11,8 +11,9 @@ mmtrain's own models (native) and transformers' classes (hub):
   run on ONE set of images a pair: the micro-batch holds each image and clip once and both
   rows take its features (models/visual_inputs.py `image_sources`; `shares_inputs`), so their
   activations and FLOPs are those of one row a pair (`input_rows`), and each row keeps the
-  int64 index it takes them by (`taken_index_bytes`) where they need a gradient. A hub model
-  encodes each side's pixels: 2 rows a pair for every stack;
+  int64 index it takes them by (`taken_index_bytes`) where they need a gradient. A hub
+  model's padded pair batch runs its vision encoder once a pair too (models/hub/
+  shared_pixels.py: the features repeated, no index kept);
 - the log-probs: the model gives each target's NLL (models/vlm.py `token_nll`, models/hub/
   model.py for a hub model), computed by the next-token loss's chunked head (models/
   token_loss.py: the head and the cross-entropy a chunk of positions at a time, recomputed in
@@ -178,10 +179,12 @@ def reference_bytes(model: PlanModel, cfg: PlanConfig) -> float:
 
 def shares_inputs(stack: Stack) -> bool:
     """Whether a DPO pair's two rows share `stack`'s inputs, so that it runs on one set of them
-    a pair: a native VLM's vision stacks (the image tower and its projector, or the
-    native-resolution tower), whose micro-batch holds each image and clip once
-    (models/visual_inputs.py `image_sources`); a hub model's encode each side's pixels."""
-    return stack.kind in ("encoder", "projector") and stack.traced is None
+    a pair: a VLM's vision stacks. A native VLM's micro-batch holds each image and clip once
+    (models/visual_inputs.py `image_sources`); a hub model's padded pair batch runs its
+    vision encoder on one side's pixels and repeats the features (models/hub/
+    shared_pixels.py), whose projector, where it is a module apart (InternVL, Gemma 3), then
+    takes both rows' (counted at one row a pair here with the encoder: its small share)."""
+    return stack.kind in ("encoder", "projector")
 
 
 def input_rows(stack: Stack, objective: str) -> int:
@@ -271,14 +274,10 @@ def describe(model: PlanModel, cfg: PlanConfig) -> str:
 
 
 def _images_note(model: PlanModel) -> str:
-    vision = [s for s in model.stacks if s.kind in ("encoder", "projector")]
-    if not vision:
+    if not any(shares_inputs(s) for s in model.stacks):
         return ""
-    if any(shares_inputs(s) for s in vision):
-        return ("the vision tower encodes each pair's images once, for both rows (their "
-                "activations and FLOPs are one row's a pair); ")  # fmt: skip
-    return ("the vision tower encodes each row's images (transformers' class takes each "
-            "side's pixels: two rows a pair); ")  # fmt: skip
+    return ("the vision tower encodes each pair's images once, for both rows (their "
+            "activations and FLOPs are one row's a pair); ")  # fmt: skip
 
 
 def _head_note(model: PlanModel) -> str:

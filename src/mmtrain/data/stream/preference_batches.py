@@ -17,8 +17,10 @@ after them in the same order (what `DpoObjective` splits): one to a row, or pack
 conversations are (data/stream/processor_batches.py; the processor is deterministic, so both
 sides hold the same pixels), collated by the processor path's own collate in the same order,
 padded or packed (the processor path's `document_ids` number a row's samples, so a packed
-batch also carries `sample_ids`: each position's sample in the micro-batch). The folder's own
-class encodes each side's pixels: a hub pair's images are encoded twice.
+batch also carries `sample_ids`: each position's sample in the micro-batch). A padded hub
+batch's second half of pixels repeats its first, and says so (`PAIRED_PIXELS`): the class's
+vision encoder runs once a pair (models/hub/shared_pixels.py); a packed one's are encoded per
+side.
 
 A side whose final answer does not fit `data.sequence_length` whole is refused (counted as
 too long), never scored on a cut answer; a plain conversation in a dpo run is skipped and
@@ -49,6 +51,7 @@ from mmtrain.data.stream.processor_batches import (
     collate_packed,
     collate_processed,
 )
+from mmtrain.models.hub.shared_pixels import PAIRED_PIXELS
 from mmtrain.spec import ModelSpec
 
 REJECTED = "rejected_"  # prefix of the rejected side's tensors in a decoded pair
@@ -168,6 +171,8 @@ def _collate_processed(
     samples = chosen + rejected
     if row_length is None:
         batch: dict[str, Any] = collate_processed(samples, pad_id)
+        # The rejected sides' pixels repeat the chosen sides', in order: encoded once.
+        batch[PAIRED_PIXELS] = any(k.startswith("pixel_values") for k in batch)
     else:
         for index, sample in enumerate(samples):  # padding's 0 owns no target
             sample[SAMPLE_IDS] = torch.full_like(sample["input_ids"], index)

@@ -4,7 +4,9 @@
 loop what a native model gives it: `spec`, `towers` (train/optim.py's freezing and per-tower
 learning rates, LoRA, activation checkpointing, compile and FSDP2 per block), and
 `forward(batch) -> {"nll_sum"}`, the next-token loss summed over the batch's targets, or
-{"token_nll"}, each target's NLL, when the batch asks (TOKEN_NLL: DPO's per-sample log-probs).
+{"token_nll"}, each target's NLL, when the batch asks (TOKEN_NLL: DPO's per-sample log-probs);
+a preference pair batch's images go through the vision encoder once (PAIRED_PIXELS,
+models/hub/shared_pixels.py).
 
 The loss is mmtrain's: the inner model's final hidden state goes through the head a chunk of
 positions at a time (models/token_loss.py), never the batch's full logits, normalised by the
@@ -18,6 +20,7 @@ is `save_pretrained` of the same class.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -25,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from mmtrain.hub_spec import HubSpec
+from mmtrain.models.hub.shared_pixels import PAIRED_PIXELS, encoded_once
 from mmtrain.models.hub.source import model_class, read_config, resolve_folder
 from mmtrain.models.hub.towers import HubTower, find_towers
 from mmtrain.models.token_loss import TOKEN_NLL, chunked_nll_sum, chunked_token_nll
@@ -57,6 +61,12 @@ class HubModel(nn.Module):
         return getattr(self.hf, self.hf.base_model_prefix, self.hf.model)
 
     def forward(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        paired = bool(batch.get(PAIRED_PIXELS, False))
+        encoder = self._towers["vision"].encoder() if paired and "vision" in self._towers else None
+        with contextlib.nullcontext() if encoder is None else encoded_once(encoder):
+            return self._forward({k: v for k, v in batch.items() if k != PAIRED_PIXELS})
+
+    def _forward(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
         inputs = {k: v for k, v in batch.items() if k != LABELS_KEY}
         labels = batch.get(LABELS_KEY)
         if DOCUMENTS_KEY in inputs:  # packed rows: positions restart per sample

@@ -52,6 +52,14 @@ class HubTower:
         self.block_path, self.blocks = _blocks(parts, no_split)
         self.embed = _input_modules(parts, self.block_path)
 
+    def encoder(self) -> nn.Module | None:
+        """The part that holds the tower's blocks (a vision tower's encoder, not its
+        projector); None without blocks."""
+        for path, part in self.parts.items():
+            if self.block_path.startswith(path + ".") or self.block_path == path:
+                return part
+        return None
+
     def block_name(self, index: int) -> str:
         """Block `index`'s parameter-name prefix in the owner's state dict."""
         return f"{self.prefix}{self.block_path}.{index}."
