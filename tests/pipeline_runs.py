@@ -1,5 +1,6 @@
 """What the tests of pipeline folders' transformers (test_hub_flux.py, test_hub_wan.py) share:
-a run's losses, and FSDP2 against DDP on 2 gloo ranks."""
+the objective's draws for the reference's side, a run's losses, and FSDP2 against DDP on 2
+gloo ranks."""
 
 from __future__ import annotations
 
@@ -10,10 +11,25 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from mmtrain.config import load_config
+from mmtrain.config import DiffusionConfig, load_config
+from mmtrain.models.schedules import draw_generator, flow_pair
+from mmtrain.train.diffusion import flow_timesteps
 from mmtrain.train.loop import train
 
 WEIGHTS = "transformer/diffusion_pytorch_model.safetensors"
+
+
+def objective_draws(
+    x0: torch.Tensor, config: DiffusionConfig, seed: int, step: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(noisy, target, t) as DiffusionObjective draws them at `step` for rank 0's first
+    micro-batch of clean latents `x0` (train/diffusion.py): what the reference's side feeds
+    diffusers' class."""
+    draws = draw_generator(seed, step, 0, 0, device=torch.device("cpu"))
+    noise = torch.randn(x0.shape, generator=draws, dtype=x0.dtype)
+    t = flow_timesteps(x0.shape[0], config, draws, x0.device).to(x0.dtype)
+    noisy, target = flow_pair(x0, noise, t)
+    return noisy, target, t
 
 
 def losses(run: Path) -> list[float]:

@@ -277,6 +277,24 @@ def test_a_run_logs_trls_metrics_and_learns_the_pairs(made):
 
     plots = {plot.name: plot for plot in make_plots(load_run(root / "run"))}
     assert plots["preference"].png is not None  # the report's margins chart
+    # What the run wrote opens in transformers and PEFT: its adapter over the base folder
+    # gives the logits of the run converted to a transformers folder (both stored in
+    # float32, so equal to its rounding of the weights, ~1e-7 relative: 1e-5 of the logits'
+    # scale), and the adapter's effect is far larger than that.
+    peft = pytest.importorskip("peft")
+    assert main(["convert", "--to", "hf", str(root / "run"), "--out", str(root / "run-hf")]) == 0
+    ids = pair_batch(root, made[1], 2)["text"]
+
+    def logits(model):
+        with torch.no_grad():
+            return model.double().eval()(input_ids=ids).logits
+
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    merged, base = logits(load(root / "run-hf")), logits(load(root / "hf"))
+    adapted = logits(peft.PeftModel.from_pretrained(load(root / "hf"), root / "run" / "adapter"))
+    scale = merged.abs().max().item()
+    torch.testing.assert_close(adapted, merged, rtol=0, atol=1e-5 * scale)
+    assert (adapted - base).abs().max().item() > 1e-3 * scale
 
 
 def _rows(margins, chosen, rejected, logps):

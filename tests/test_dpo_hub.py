@@ -230,3 +230,39 @@ def test_packed_pairs_train_what_padded_pairs_train(made):
         losses[pack] = [row["loss"] for row in train(config_from_dict(config)).history]
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]),
                                rtol=1e-9, atol=0)  # fmt: skip
+
+
+def _losses_on_ranks(rank: int, world: int, path: str) -> list[float]:
+    from mmtrain.config import load_config
+    from mmtrain.train.loop import train
+
+    return [row["loss"] for row in train(load_config(path)).history]
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_ranks_trains_what_one_process_trains(made):
+    """A hub model's full fine-tune under FSDP2, its vision tower trained, the reference
+    cached before the first step and each pair's images through the sharded encoder once: 2
+    gloo ranks train what one process trains on the same global batch (float64, AdamW's eps
+    1 so an update is Lipschitz in its gradient: test_hub_train_parallel.py; losses to
+    1e-9)."""
+    from dist_helpers import run_distributed
+    from mmtrain.config import load_config
+    from mmtrain.train.loop import train
+
+    root, folder = made
+    paths = {}
+    for parallel in ("ddp", "fsdp"):
+        config = {"init": str(folder), "data": {"train": str(root / "shards"), "sequence_length": 128},
+                  "train": {"steps": 2, "batch_size": 4, "micro_batch": 1, "lr": 1e-3, "eps": 1.0,
+                            "warmup_steps": 0, "precision": "fp64", "objective": "dpo",
+                            "parallel": parallel},
+                  "metrics": {"tensorboard": False}, "out": str(root / f"hub-{parallel}")}  # fmt: skip
+        paths[parallel] = root / f"hub-{parallel}.yaml"
+        paths[parallel].write_text(yaml.safe_dump(config))
+    one = [row["loss"] for row in train(load_config(paths["ddp"])).history]
+    first, second = run_distributed(_losses_on_ranks, world_size=2, args=(str(paths["fsdp"]),),
+                                    timeout_s=300)  # fmt: skip
+    assert first == second
+    assert (root / "hub-fsdp" / "reference_logps" / "complete.json").is_file()
+    torch.testing.assert_close(torch.tensor(first), torch.tensor(one), rtol=1e-9, atol=0)

@@ -120,3 +120,28 @@ def test_a_llava_style_pair_encodes_its_image_once():
     batch = _batch(spec, False, samples)
     assert batch[IMAGES].shape[0] == 2 and batch[IMAGE_SOURCES] == [0, 1, 0, 1]
     _same_as_apart(spec, batch, "towers.image")
+
+
+def test_a_llava_style_full_fine_tune_keeps_a_frozen_copy(tmp_path):
+    """A LLaVA-style model's images are cropped and flipped at random at each read, which one
+    stored score cannot follow: `auto` trains against a frozen copy (the first step's loss is
+    log 2, policy and reference alike) and stores no reference log-probs."""
+    from mmtrain.config import config_from_dict
+    from mmtrain.data.storage.manifest import write_manifest
+    from mmtrain.data.storage.shard_writer import ShardWriter
+    from mmtrain.train.loop import train
+    from mmtrain.train.reference_cache import FOLDER
+
+    with ShardWriter(tmp_path / "shards", max_samples=8) as writer:
+        for i in range(4):
+            writer.write(_pair(f"{i:04d}", [_png(80, 64, i)], False, "cat", "dog"))
+    write_manifest(tmp_path / "shards", writer.shards, modalities=["image", "text"])
+    config = config_from_dict({
+        "model": "tiny-vlm",
+        "data": {"train": str(tmp_path / "shards"), "chat_template": "plain",
+                 "sequence_length": 128, "workers": 0},
+        "train": {"steps": 1, "batch_size": 4, "objective": "dpo", "precision": "fp32"},
+        "metrics": {"tensorboard": False}, "out": str(tmp_path / "run")})  # fmt: skip
+    result = train(config)
+    assert result.history[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)
+    assert not (tmp_path / "run" / FOLDER).exists()

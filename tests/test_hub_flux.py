@@ -35,14 +35,13 @@ from safetensors.torch import load_file
 from mmtrain.cli import main
 from mmtrain.config import DiffusionConfig, load_config
 from mmtrain.models.model_source import load_model_spec
-from mmtrain.models.schedules import draw_generator, flow_pair
-from mmtrain.train.diffusion import DiffusionObjective, flow_timesteps
+from mmtrain.train.diffusion import DiffusionObjective
 from mmtrain.train.loop import train
 
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
-from pipeline_runs import check_fsdp_trains_what_ddp_trains, losses  # noqa: E402
+from pipeline_runs import check_fsdp_trains_what_ddp_trains, losses, objective_draws  # noqa: E402
 from test_pipeline_latents import (  # noqa: E402
     VAE,
     clip_encoder,
@@ -116,11 +115,7 @@ def test_the_loss_equals_diffusers_own_flux_in_float64(made):
     ours = objective.loss(model(objective.inputs(batch, 0)), batch, 0)
 
     # The reference: the objective's draws, then FluxPipeline's packing around diffusers' class.
-    draws = draw_generator(5, 7, 0, 0, device=torch.device("cpu"))
-    x0 = batch["latent"]
-    noise = torch.randn(x0.shape, generator=draws, dtype=x0.dtype)
-    t = flow_timesteps(2, config, draws, x0.device).to(x0.dtype)
-    noisy, target = flow_pair(x0, noise, t)
+    noisy, target, t = objective_draws(batch["latent"], config, 5, 7)
     flux = diffusers.FluxTransformer2DModel.from_pretrained(pipeline, subfolder="transformer")
     flux = flux.to(torch.float64)
     pack = diffusers.FluxPipeline._pack_latents(noisy, 2, 16, LATENT, LATENT)

@@ -20,14 +20,18 @@ from safetensors.torch import load_file
 from mmtrain.cli import main
 from mmtrain.config import DiffusionConfig, load_config
 from mmtrain.models.model_source import load_model_spec
-from mmtrain.models.schedules import draw_generator, flow_pair
-from mmtrain.train.diffusion import DiffusionObjective, flow_timesteps
+from mmtrain.train.diffusion import DiffusionObjective
 from mmtrain.train.loop import train
 
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
-from pipeline_runs import WEIGHTS, check_fsdp_trains_what_ddp_trains, losses  # noqa: E402
+from pipeline_runs import (  # noqa: E402
+    WEIGHTS,
+    check_fsdp_trains_what_ddp_trains,
+    losses,
+    objective_draws,
+)
 from wan_pipeline import (  # noqa: E402
     FRAMES,
     LATENT_CHANNELS,
@@ -92,11 +96,7 @@ def test_the_loss_equals_diffusers_own_wan_in_float64(tmp_path):
     # The reference: the objective's draws, then the latent video into diffusers' class as
     # WanPipeline feeds it (the timestep on the scheduler's 0-1000 scale), times shifted by
     # the scheduler's shift.
-    draws = draw_generator(5, 7, 0, 0, device=torch.device("cpu"))
-    x0 = batch["latent"]
-    noise = torch.randn(x0.shape, generator=draws, dtype=x0.dtype)
-    t = flow_timesteps(2, DiffusionConfig(shift=SHIFT), draws, x0.device).to(x0.dtype)
-    noisy, target = flow_pair(x0, noise, t)
+    noisy, target, t = objective_draws(batch["latent"], DiffusionConfig(shift=SHIFT), 5, 7)
     wan = diffusers.WanTransformer3DModel.from_pretrained(pipeline, subfolder="transformer")
     prediction = wan.to(torch.float64)(hidden_states=noisy, timestep=1000 * t,
                                        encoder_hidden_states=batch["text_hidden"],

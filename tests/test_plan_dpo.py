@@ -40,7 +40,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mmtrain.cli import main
 from mmtrain.config import DataConfig, DpoConfig, LoraConfig, TowerTrainConfig, TrainConfig
-from mmtrain.data.storage.shards import ShardSet
 from mmtrain.data.stream.conversation_batches import ConversationBatcher
 from mmtrain.data.stream.preference_batches import PairDecoder, collate_pairs
 from mmtrain.hardware import default_catalog
@@ -71,6 +70,7 @@ from mmtrain.train.step import forward_backward
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
+from test_dpo import pair_batch  # noqa: E402
 from test_export_hf_folder import save_lm  # noqa: E402
 
 PAIRS = 3
@@ -429,13 +429,7 @@ def pairs(tmp_path_factory):
     assert main(argv) == 0
     spec, _ = read_hf_model(root / "hf")
     spec.save(root / "spec.json")
-    data = DataConfig(train=str(root / "shards"), tokenizer=str(root / "hf"),
-                      chat_template=str(root / "hf"), sequence_length=64)  # fmt: skip
-    batcher = ConversationBatcher(data, spec)
-    decode = PairDecoder(batcher.decoder(spec))
-    shards = ShardSet.open(root / "shards")
-    outs = [decode(shards.read(i), np.random.default_rng(0)) for i in range(PAIRS)]
-    return root / "spec.json", spec, collate_pairs(spec, batcher)(outs)
+    return root / "spec.json", spec, pair_batch(root, spec, PAIRS)
 
 
 

@@ -176,7 +176,7 @@ class TrainData:
             why = "not yet for hub models" if spec.hub is not None else "a decoder LM's"
             raise FieldError("data.balance", f"deals conversation samples by cost: {why}")
         self.conversations = _conversations(config, spec)
-        self.pairs = _pairs(config, spec)  # dpo: preference pairs, two rows each
+        self.pairs = config.train.objective == "dpo"  # preference pairs, two rows each
         # What a refusal of every sample is told against (`_unfillable`).
         self.row_length = self.conversations.sequence_length if self.conversations else None
         self.native = spec.vision is not None
@@ -374,8 +374,10 @@ class TrainData:
         """Whether a pair's inputs are drawn anew at each read (a projector's image tower
         crops and flips at random), so one stored reference score cannot match them."""
         decoder = self.loaders[0].decode
-        transform = getattr(getattr(decoder, "decoder", None), "image_transform", None)
-        return transform is not None and bool(transform.train)
+        if not isinstance(decoder, PairDecoder):  # a hub model's processor draws nothing
+            return False
+        transform = decoder.decoder.image_transform
+        return transform is not None and transform.train
 
     def set_input_spec(self, spec: ModelSpec) -> None:
         """Produce inputs of `spec`'s sizes from the next batch on (progressive resolution).
@@ -476,11 +478,6 @@ def _unfillable(err: NoValidSamples, row_length: int | None, native: bool) -> Fi
         f"(they need up to {needed} positions; the largest input: {what}); give "
         f"data.sequence_length={needed} or more{budget}",
     )
-
-
-def _pairs(config: RunConfig, spec: ModelSpec) -> bool:
-    """Whether the run trains on preference pairs (train.objective: dpo)."""
-    return config.train.objective == "dpo"
 
 
 def _conversations(config: RunConfig, spec: ModelSpec) -> ConversationBatcher | None:

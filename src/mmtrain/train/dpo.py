@@ -66,8 +66,6 @@ SAMPLES_KEY = "sample_ids"  # a hub model's (its document_ids number a row's sam
 BOOKKEEPING = (PAIRS_KEY, SAMPLES_KEY, PAIR_INDEX)  # what the loss reads, not the model
 NOT_MODEL_INPUTS = (LABELS_KEY, *BOOKKEEPING)
 Batch = Mapping[str, torch.Tensor]
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
-           "logps/chosen", "logps/rejected")  # fmt: skip
 
 
 def sequence_logps(

@@ -108,6 +108,7 @@ class ReferencePass:
         self.identity = json.loads(json.dumps(identity))  # as it reads back from a file
         self.samples, self.rank, self.barrier = samples, rank, barrier
         self.part_batches = part_batches
+        self._next_part: int | None = None  # the number of this rank's next part
 
     def complete(self) -> bool:
         """Whether a finished pass of this identity is stored."""
@@ -186,9 +187,9 @@ class ReferencePass:
     def _read_parts(self) -> np.ndarray:
         values = np.full((self.samples, 2), np.nan, dtype=np.float64)
         for path in self._parts():
-            if self._part_identity(path) != self.identity:
-                continue
             with safe_open(path, "np") as f:
+                if json.loads((f.metadata() or {}).get(IDENTITY_KEY, "null")) != self.identity:
+                    continue
                 index, logps = f.get_tensor("index"), f.get_tensor("logps")
             if index.size and int(index.max()) >= self.samples:
                 raise RuntimeError(f"{path}: sample ids beyond the run's {self.samples} samples")
@@ -197,8 +198,10 @@ class ReferencePass:
 
     def _write_part(self, pending: list[tuple[np.ndarray, np.ndarray]]) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        mine = [p for p in self._parts() if p.name.startswith(f"part-{self.rank:03d}-")]
-        number = 1 + max((int(p.stem.rsplit("-", 1)[1]) for p in mine), default=-1)
+        if self._next_part is None:  # after this rank's parts of a stopped pass
+            mine = [p for p in self._parts() if p.name.startswith(f"part-{self.rank:03d}-")]
+            self._next_part = 1 + max((int(p.stem.rsplit("-", 1)[1]) for p in mine), default=-1)
+        number, self._next_part = self._next_part, self._next_part + 1
         tensors = {
             "index": torch.from_numpy(np.concatenate([i for i, _ in pending])),
             "logps": torch.from_numpy(np.concatenate([v for _, v in pending])),
